@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each creates .venv if missing and installs what it needs (CPU torch first,
+# from `pip install torch==2.13.0`, so no dependency can pull a CUDA build).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.attncal-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test bench-core install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,demo]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/attncal demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench-core: $(STAMP)
+	$(PY) benchmarks/calibration_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

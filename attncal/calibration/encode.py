@@ -1,0 +1,116 @@
+"""Reference embeddings from PyTorch: tokenize, forward with calibration, pool, normalise.
+
+Every parity check in attncal compares against `encode_torch`, so it follows
+the model's sentence-transformers conventions exactly (padding side, max
+length, pooling, normalisation).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..modelinfo import ModelInfo, load_model_info
+from .config import POOLINGS, CalibrationConfig
+from .patching import calibrate
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Pool token states [B,S,D] into [B,D] the way sentence-transformers does.
+
+    `cls` takes the first valid token (position 0 with right padding), `last`
+    the last valid token (works for both padding sides), `mean` the masked mean.
+    """
+    mask = attention_mask != 0
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    if pooling == "mean":
+        m = mask.to(hidden.dtype).unsqueeze(-1)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    if pooling == "cls":
+        idx = torch.where(mask, pos, mask.shape[1]).amin(-1).clamp(max=mask.shape[1] - 1)
+    elif pooling == "last":
+        idx = torch.where(mask, pos, -1).amax(-1).clamp(min=0)
+    else:
+        raise ValueError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+
+
+class TorchEncoder:
+    """A loaded model + tokenizer that encodes texts like sentence-transformers, optionally calibrated."""
+
+    def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        self.info: ModelInfo = load_model_info(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
+        self.tokenizer.padding_side = self.info.padding_side
+        self.model = AutoModel.from_pretrained(str(self.info.path), attn_implementation="eager", dtype=dtype)
+        self.model.to(device).eval()
+        self.device = device
+
+    def pooling_for(self, config: CalibrationConfig | None) -> str:
+        if config is not None and config.pooling != "auto":
+            return config.pooling
+        return self.info.pooling
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        batch = self.tokenizer(
+            list(texts),
+            padding=True,
+            truncation=True,
+            max_length=self.info.max_seq_length,
+            return_tensors="pt",
+        )
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def forward(self, batch: dict[str, torch.Tensor], config: CalibrationConfig | None = None) -> torch.Tensor:
+        """Pooled (and, per the model's config, normalised) embeddings of one tokenized batch."""
+        pooling = self.pooling_for(config)
+        kwargs = dict(batch)
+        if self.info.model_type == "qwen3":
+            kwargs["use_cache"] = False
+        if config is not None:
+            with calibrate(self.model, config, pooling=pooling):
+                hidden = self.model(**kwargs).last_hidden_state
+        else:
+            hidden = self.model(**kwargs).last_hidden_state
+        emb = pool(hidden, batch["attention_mask"], pooling)
+        if self.info.normalize:
+            emb = torch.nn.functional.normalize(emb, p=2, dim=-1)
+        return emb
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        config: CalibrationConfig | None = None,
+        batch_size: int = 32,
+        show_progress: bool = False,
+    ) -> np.ndarray:
+        if isinstance(texts, str):
+            raise TypeError("texts must be a sequence of strings, not a single string")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        from tqdm.auto import tqdm
+
+        out = []
+        starts = range(0, len(texts), batch_size)
+        for i in tqdm(starts, desc="encode (torch)", disable=not show_progress, unit="batch"):
+            out.append(self.forward(self.tokenize(texts[i : i + batch_size]), config).float().cpu().numpy())
+        if not out:
+            return np.zeros((0, self.model.config.hidden_size), dtype=np.float32)
+        return np.concatenate(out, axis=0)
+
+
+def encode_torch(
+    model_path: str | os.PathLike,
+    texts: Sequence[str],
+    config: CalibrationConfig | None = None,
+    batch_size: int = 32,
+    show_progress: bool = False,
+) -> np.ndarray:
+    """Reference embeddings of `texts` (float32 [N,D]), calibrated when `config` is given."""
+    return TorchEncoder(model_path).encode(texts, config, batch_size=batch_size, show_progress=show_progress)

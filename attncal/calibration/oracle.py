@@ -1,0 +1,106 @@
+"""The naive reference implementation: the test oracle.
+
+It follows the specification step by step, one (batch, head, row) at a time,
+in float64, and shares no code with the efficient implementation
+(`attncal.calibration.efficient`).  Speed does not matter here; being
+obviously right does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+
+
+def reference(
+    probs: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: CalibrationConfig | ResolvedCalibration,
+) -> torch.Tensor:
+    """Calibrate post-softmax attention `probs[B,H,Q,K]` given `attention_mask[B,K]`.
+
+    Returns a new tensor of the input dtype; the input is not modified.
+    """
+    rc = config.resolve() if isinstance(config, CalibrationConfig) else config
+    if probs.dim() != 4:
+        raise ValueError(f"probs must be [B,H,Q,K], got shape {tuple(probs.shape)}")
+    B, H, Q, K = probs.shape
+    if tuple(attention_mask.shape) != (B, K):
+        raise ValueError(f"attention_mask must be [B,K]=[{B},{K}], got {tuple(attention_mask.shape)}")
+    a_all = probs.detach().to(torch.float64).cpu().numpy()
+    out = a_all.copy()
+    mask = attention_mask.detach().cpu().numpy() != 0
+    for b in range(B):
+        valid = np.nonzero(mask[b])[0]
+        if valid.size == 0:
+            continue
+        start, end = int(valid[0]), int(valid[-1])
+        if rc.all_rows:
+            rows = list(range(start, end + 1))
+        else:
+            rows = [end if rc.pool_last else start]
+        for h in range(H):
+            for q in rows:
+                if q >= Q:
+                    continue
+                new = _calibrate_row(a_all[b, h, q], mask[b], start, end, rc)
+                if new is not None:
+                    out[b, h, q] = new
+    # float16/bfloat16/float32 values survive the float64 round trip exactly, so
+    # rows that were not calibrated come back bit-identical.
+    return torch.from_numpy(out).to(device=probs.device, dtype=probs.dtype)
+
+
+def _calibrate_row(
+    a: np.ndarray, mask: np.ndarray, start: int, end: int, rc: ResolvedCalibration
+) -> np.ndarray | None:
+    """Steps 1-10 of the specification for one row; None means 'leave it as is'."""
+    length = end - start + 1
+    iso_first, iso_last = rc.isolate_first, rc.isolate_last
+    n_iso = int(iso_first) + int(iso_last)
+    c0 = start + int(iso_first)
+    C = length - n_iso
+    S = rc.basket_size
+    if C <= 0 or (rc.skip_short and C < S):
+        return None
+    z = np.where(mask, a, 0.0)
+    n = -(-C // S)
+    t = n + n_iso
+    cal = np.zeros_like(z)
+    # Basket k covers [c0 + k*S, min(c0 + (k+1)*S, c0 + C)); A_k is its mass.
+    content = z[c0 : c0 + C]
+    A = np.add.reduceat(content, np.arange(0, C, S))  # [n]
+    A_per_pos = np.repeat(A, S)[:C]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cal[c0 : c0 + C] = np.where(A_per_pos != 0, content / A_per_pos / t, 0.0)
+    iso: list[tuple[int, float]] = []
+    for pos, enabled, mode, w in (
+        (start, iso_first, rc.first_mode, rc.first_weight),
+        (end, iso_last, rc.last_mode, rc.last_weight),
+    ):
+        if not enabled:
+            continue
+        if mode == MODE_EQUAL:
+            share = 1.0 / t
+        elif mode == MODE_ORIGINAL:
+            share = z[pos]
+        elif mode == MODE_FIXED:
+            share = w
+        else:
+            raise ValueError(f"unknown weight mode {mode}")
+        iso.append((pos, share))
+    if any(m != MODE_EQUAL for m, e in ((rc.first_mode, iso_first), (rc.last_mode, iso_last)) if e):
+        budget = max(0.0, 1.0 - sum(s for _, s in iso))
+        content_sum = cal.sum()
+        if content_sum != 0:
+            cal = cal * (budget / content_sum)
+    for pos, share in iso:
+        cal[pos] = share
+    total = cal.sum()
+    if total != 0:
+        cal = cal / total
+    out = rc.strength * cal + (1.0 - rc.strength) * z
+    out[~mask] = 0.0
+    return out

@@ -1,0 +1,107 @@
+"""The `attncal` command line (also `python -m attncal`).
+
+Each subcommand lives in its own module and registers itself in `main`.
+User errors (bad paths, bad calibration values, unsupported models) print one
+line and exit with status 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Sequence
+
+from ..calibration.config import CalibrationConfig
+from ..calibration.patching import UnsupportedArchitectureError
+from ..modelinfo import ModelNotFoundError, UnsupportedModelError
+
+EXIT_USAGE = 2
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError, UnsupportedModelError,
+               UnsupportedArchitectureError)
+
+
+class CLIError(Exception):
+    """An error that is the user's to fix; printed as one line, exit status `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_calibration_args(p: argparse.ArgumentParser) -> None:
+    """Flags that mirror CalibrationConfig; defaults are the config's defaults."""
+    d = CalibrationConfig()
+    g = p.add_argument_group("calibration")
+    g.add_argument("--variant", default=d.variant, help="uniform | cls-soft | cls-hard (default %(default)s)")
+    g.add_argument("--strength", "--lambda", dest="strength", type=float, default=d.strength,
+                   help="blend strength λ in [0, 1] (default %(default)s)")
+    g.add_argument("--basket-size", type=int, default=d.basket_size, help="tokens per basket (default %(default)s)")
+    g.add_argument("--layers", default=d.layers,
+                   help="last-half | last | all | comma-separated indices, negatives allowed (default %(default)s)")
+    g.add_argument("--pooling", default=d.pooling,
+                   help="cls | last | mean | auto = the model's sentence-transformers Pooling (default %(default)s)")
+    g.add_argument("--self-weight", type=float, default=d.self_weight,
+                   help="fixed share w of the pooling token for cls-hard (default %(default)s)")
+    g.add_argument("--isolate-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="give the first valid token its own share (default: by pooling)")
+    g.add_argument("--isolate-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="give the last valid token its own share (default: by pooling)")
+    g.add_argument("--skip-short", action=argparse.BooleanOptionalAction, default=d.skip_short,
+                   help="leave rows with less than one basket of content unchanged (default on)")
+    g.add_argument("--first-weight", default=None, help="override: equal | original | a fixed share")
+    g.add_argument("--last-weight", default=None, help="override: equal | original | a fixed share")
+
+
+def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
+    return CalibrationConfig(
+        variant=args.variant,
+        strength=args.strength,
+        basket_size=args.basket_size,
+        layers=args.layers,
+        pooling=args.pooling,
+        self_weight=args.self_weight,
+        isolate_first=args.isolate_first,
+        isolate_last=args.isolate_last,
+        skip_short=args.skip_short,
+        first_weight=args.first_weight,
+        last_weight=args.last_weight,
+    )
+
+
+def _commands() -> list[tuple[str, str, Callable]]:
+    from . import demo
+
+    cmds = [("demo", "encode texts with the embedded default model, calibrated and not", demo)]
+    return [(n, h, m) for n, h, m in cmds]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="attncal", description="Attention calibration for text-embedding encoders.")
+    parser.add_argument("--version", action="version", version=f"attncal {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text, module in _commands():
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().splitlines()[0])
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except CLIError as exc:
+        print(f"attncal {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except USER_ERRORS as exc:
+        print(f"attncal {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"attncal {args.command}: interrupted", file=sys.stderr)
+        return 130

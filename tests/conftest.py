@@ -1,0 +1,41 @@
+"""Shared fixtures: random attention tensors with left/right padding, tiny model directories."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def random_mask(rng: random.Random, B: int, K: int, left: bool, min_len: int = 0) -> torch.Tensor:
+    """A [B,K] mask with one contiguous run per row (right or left padding)."""
+    mask = torch.zeros(B, K, dtype=torch.long)
+    for b in range(B):
+        n = rng.randint(min(min_len, K), K)
+        if left:
+            mask[b, K - n :] = 1
+        else:
+            mask[b, :n] = 1
+    return mask
+
+
+def random_probs(gen: torch.Generator, mask: torch.Tensor, H: int, dtype=torch.float64, temp: float = 2.0) -> torch.Tensor:
+    """Post-softmax attention [B,H,K,K] with masked keys at exactly 0 (fully masked rows all 0)."""
+    B, K = mask.shape
+    logits = torch.randn(B, H, K, K, generator=gen, dtype=torch.float64) * temp
+    logits = logits.masked_fill(mask[:, None, None, :] == 0, float("-inf"))
+    return torch.softmax(logits, -1).nan_to_num(0.0).to(dtype)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """One saved random-weight model directory per architecture (built once per test session)."""
+    from attncal.synthetic import ARCHITECTURES, save_synthetic_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: save_synthetic_model(a, root / a, seed=1, max_positions=256) for a in ARCHITECTURES}
