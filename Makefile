@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncal-installed
+OVERLAY := $(VENV)/loader-overlay
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -14,10 +15,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/loaders/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)

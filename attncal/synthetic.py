@@ -54,8 +54,10 @@ def make_tokenizer(arch: str, max_length: int):
         )
         specials = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
         padding_side = "right"
+    names = ["input_ids", "token_type_ids", "attention_mask"] if arch == "bert" else ["input_ids", "attention_mask"]
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, model_max_length=max_length, padding_side=padding_side, **specials
+        tokenizer_object=tok, model_max_length=max_length, padding_side=padding_side, model_input_names=names,
+        **specials,
     )
 
 
@@ -103,7 +105,7 @@ def make_config(
         cfg = ModernBertConfig(
             **common,
             max_position_embeddings=max_positions,
-            local_attention=16,
+            local_attention=64,
             global_attn_every_n_layers=2,
             cls_token_id=v["[CLS]"],
             sep_token_id=v["[SEP]"],

@@ -39,3 +39,24 @@ def tiny_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return {a: save_synthetic_model(a, root / a, seed=1, max_positions=256) for a in ARCHITECTURES}
+
+
+def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
+    """[B,Q] bool: which query rows the spec calibrates (derived from the spec, not from an implementation)."""
+    B, K = mask.shape
+    out = torch.zeros(B, K, dtype=torch.bool)
+    if rc.strength == 0:
+        return out
+    for b in range(B):
+        idx = mask[b].nonzero().flatten()
+        if len(idx) == 0:
+            continue
+        C = len(idx) - rc.n_isolated
+        if C <= 0 or (rc.skip_short and C < rc.basket_size):
+            continue
+        start, end = int(idx[0]), int(idx[-1])
+        if rc.all_rows:
+            out[b, start : end + 1] = True
+        else:
+            out[b, end if rc.pool_last else start] = True
+    return out

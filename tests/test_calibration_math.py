@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attncal.calibration import CalibrationConfig, apply, compute_geometry, reference
-from conftest import random_mask, random_probs
+from conftest import calibrated_rows, random_mask, random_probs
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3}
 N_CASES = {torch.float64: 14_000, torch.float32: 4_000, torch.float16: 2_000}
@@ -35,16 +35,6 @@ def random_config(rng: random.Random, S: int) -> CalibrationConfig:
         skip_short=rng.random() < 0.5,
         **kw,
     )
-
-
-def calibrated_items(mask: torch.Tensor, cfg: CalibrationConfig) -> list[bool]:
-    rc = cfg.resolve()
-    out = []
-    for row in mask.tolist():
-        n = sum(row)
-        C = n - rc.n_isolated
-        out.append(n > 0 and C > 0 and not (rc.skip_short and C < rc.basket_size))
-    return out
 
 
 def run_case(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, stats: dict) -> None:
@@ -72,19 +62,12 @@ def run_case(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, stats
     assert err <= TOL[dtype], (err, cfg, B, H, K, left)
 
     rc = cfg.resolve()
-    # Which (item, row) pairs are calibrated, derived independently of both implementations.
-    cal_rows = torch.zeros(B, K, dtype=torch.bool)
-    for b, active in enumerate(calibrated_items(mask, cfg)):
-        if not active or rc.strength == 0:
-            continue
-        idx = mask[b].nonzero().flatten()
-        start, end = int(idx[0]), int(idx[-1])
-        if rc.all_rows:
-            cal_rows[b, start : end + 1] = True
-        else:
-            cal_rows[b, end if rc.pool_last else start] = True
-        n = -(-(len(idx) - rc.n_isolated) // S)
-        stats["max_baskets"] = max(stats["max_baskets"], n)
+    # Which (item, row) pairs are calibrated, derived from the spec independently of both implementations.
+    cal_rows = calibrated_rows(mask, rc)
+    for b in range(B):
+        if cal_rows[b].any():
+            n = -(-(int(mask[b].sum()) - rc.n_isolated) // S)
+            stats["max_baskets"] = max(stats["max_baskets"], n)
     stats["rows"] += int(cal_rows.sum()) * H
     untouched = ~cal_rows[:, None, :, None].expand_as(out)
     assert torch.equal(out[untouched], probs[untouched]), "untouched rows must be bit-identical"

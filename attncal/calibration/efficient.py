@@ -156,6 +156,8 @@ def apply(
             probs[ai] = new
         else:
             r = geom.end if rc.pool_last else geom.start
+            if Q == 1:
+                r = torch.zeros_like(r)  # the single row is the pooling row (row placement)
             if bool((r >= Q).any()):
                 raise ValueError(f"pooling row {int(r.max())} is outside the {Q} query rows")
             rows = probs[ai, :, r, :].to(work)  # [A,H,K], a copy

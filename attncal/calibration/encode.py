@@ -35,16 +35,27 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
         idx = torch.where(mask, pos, -1).amax(-1).clamp(min=0)
     else:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+    return torch.gather(hidden, 1, idx[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
 
 
 class TorchEncoder:
     """A loaded model + tokenizer that encodes texts like sentence-transformers, optionally calibrated."""
 
-    def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_length: int | None = None,
+    ) -> None:
+        from dataclasses import replace
+
         from transformers import AutoModel, AutoTokenizer
 
         self.info: ModelInfo = load_model_info(model_path)
+        if max_length is not None:
+            self.info = replace(self.info, max_seq_length=max_length)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
         self.tokenizer.padding_side = self.info.padding_side
         self.model = AutoModel.from_pretrained(str(self.info.path), attn_implementation="eager", dtype=dtype)
@@ -67,14 +78,16 @@ class TorchEncoder:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     @torch.no_grad()
-    def forward(self, batch: dict[str, torch.Tensor], config: CalibrationConfig | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: dict[str, torch.Tensor], config: CalibrationConfig | None = None, implementation: str = "efficient"
+    ) -> torch.Tensor:
         """Pooled (and, per the model's config, normalised) embeddings of one tokenized batch."""
         pooling = self.pooling_for(config)
         kwargs = dict(batch)
         if self.info.model_type == "qwen3":
             kwargs["use_cache"] = False
         if config is not None:
-            with calibrate(self.model, config, pooling=pooling):
+            with calibrate(self.model, config, pooling=pooling, implementation=implementation):
                 hidden = self.model(**kwargs).last_hidden_state
         else:
             hidden = self.model(**kwargs).last_hidden_state

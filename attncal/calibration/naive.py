@@ -72,7 +72,7 @@ def naive_apply(
     if rc.all_rows:
         rows = (qpos >= start) & (qpos <= end)
     else:
-        rows = qpos == (end if rc.pool_last else start)
+        rows = qpos == (0 if Q == 1 else (end if rc.pool_last else start))
     active = (C > 0) & (length > 0)
     if rc.skip_short:
         active &= C >= S

@@ -21,6 +21,8 @@ def reference(
 ) -> torch.Tensor:
     """Calibrate post-softmax attention `probs[B,H,Q,K]` given `attention_mask[B,K]`.
 
+    Q == K, or Q == 1 for pooled calibration: then the single row is the
+    pooling row (its query was computed separately, as in row placement).
     Returns a new tensor of the input dtype; the input is not modified.
     """
     rc = config.resolve() if isinstance(config, CalibrationConfig) else config
@@ -39,6 +41,8 @@ def reference(
         start, end = int(valid[0]), int(valid[-1])
         if rc.all_rows:
             rows = list(range(start, end + 1))
+        elif Q == 1:
+            rows = [0]  # a single row is the pooling row itself (row placement)
         else:
             rows = [end if rc.pool_last else start]
         for h in range(H):

@@ -70,10 +70,15 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def _commands() -> list[tuple[str, str, Callable]]:
-    from . import demo
+    from . import bench, check, demo, export, inspect
 
-    cmds = [("demo", "encode texts with the embedded default model, calibrated and not", demo)]
-    return [(n, h, m) for n, h, m in cmds]
+    return [
+        ("export", "export an encoder to ONNX with the calibration op", export),
+        ("check", "check an export's embeddings against the PyTorch reference", check),
+        ("inspect", "list the calibrated layers of an export", inspect),
+        ("bench", "latency, throughput and peak memory of calibrated vs uncalibrated engines", bench),
+        ("demo", "export the embedded default model calibrated and not, check and compare them", demo),
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:

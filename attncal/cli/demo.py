@@ -1,9 +1,12 @@
-"""Encode a few texts with the embedded default model (all-MiniLM-L6-v2), calibrated and uncalibrated, and show how far calibration moved each embedding."""
+"""The main job on the embedded default model: export all-MiniLM-L6-v2 calibrated and uncalibrated, check both against PyTorch, and compare them."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -22,30 +25,66 @@ DEMO_TEXTS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="model directory or cached hub id (default: the embedded all-MiniLM-L6-v2)")
+    p.add_argument("--out", default="demo-out", help="where the two exports are written (default %(default)s)")
+    p.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per model for the latency figures")
     add_calibration_args(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..calibration import TorchEncoder
+def _latency_ms(encoders: dict, feeds_by_name: dict, repeats: int) -> dict[str, float]:
+    """Median latency per model, runs interleaved so both see the same machine state."""
+    times: dict[str, list[float]] = {k: [] for k in encoders}
+    for _ in range(3):
+        for k, enc in encoders.items():
+            enc.run(feeds_by_name[k])
+    for _ in range(repeats):
+        for k, enc in encoders.items():
+            t0 = time.perf_counter()
+            enc.run(feeds_by_name[k])
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
+
+def run(args: argparse.Namespace) -> int:
+    from ..export.exporter import ExportOptions, export
+    from ..runtime import Encoder
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     config = config_from_args(args)
-    enc = TorchEncoder(args.model)
-    pooling = enc.pooling_for(config)
-    layers = config.layer_indices(enc.info.num_layers)
-    print(f"model      {enc.info.root}")
+    out = Path(args.out)
+    dirs = {"uncalibrated": out / "uncalibrated", "calibrated": out / "calibrated"}
+    metas = {}
+    for name, path in dirs.items():
+        print(f"== export {name} -> {path}", file=sys.stderr, flush=True)
+        metas[name] = export(
+            args.model, path,
+            ExportOptions(config=config, calibrate=name == "calibrated", exporter=args.exporter, overwrite=True),
+        )
+    meta = metas["calibrated"]
+    print()
+    print(f"model      {meta['source_model']}")
     print(f"config     {config.variant}, λ={config.strength}, basket={config.basket_size}, "
-          f"layers={layers}, pooling={pooling}")
-    t0 = time.perf_counter()
-    base = enc.encode(DEMO_TEXTS)
-    t1 = time.perf_counter()
-    cal = enc.encode(DEMO_TEXTS, config)
-    t2 = time.perf_counter()
-    n_tokens = [int(enc.tokenize([t])["attention_mask"].sum()) for t in DEMO_TEXTS]
-    print(f"\n{'tokens':>6}  {'cosine(cal, base)':>18}  {'max |Δ|':>9}  text")
-    for text, n, a, b in zip(DEMO_TEXTS, n_tokens, base, cal):
+          f"layers={meta['calibrated_layers']} of {meta['num_layers']}, pooling={meta['pooling']}")
+    print()
+    print("parity of each ONNX export vs PyTorch (attncal check, built-in texts):")
+    for name, m in metas.items():
+        p = m["parity"]
+        print(f"  {name:<13} max |Δ| {p['max_abs']:.2e}   min cosine {p['min_cos']:.8f}   "
+              f"{'OK' if p['ok'] else 'FAILED'} (tolerance {p['tol_max_abs']:g})")
+    encoders = {k: Encoder(v, providers=["CPUExecutionProvider"]) for k, v in dirs.items()}
+    embs = {k: e.encode(DEMO_TEXTS) for k, e in encoders.items()}
+    feeds = {k: e.tokenize(DEMO_TEXTS) for k, e in encoders.items()}
+    lat = _latency_ms(encoders, feeds, args.repeats)
+    n_tokens = feeds["calibrated"]["attention_mask"].sum(1)
+    print()
+    print(f"{'tokens':>6}  {'cosine(cal, uncal)':>18}  {'max |Δ|':>9}  text")
+    for text, n, a, b in zip(DEMO_TEXTS, n_tokens, embs["uncalibrated"], embs["calibrated"]):
         cos = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
-        print(f"{n:>6}  {cos:>18.6f}  {np.abs(a - b).max():>9.2e}  {text[:48]!r}")
-    print(f"\nencode time: uncalibrated {1e3 * (t1 - t0):.1f} ms, calibrated {1e3 * (t2 - t1):.1f} ms "
-          f"({len(DEMO_TEXTS)} texts, PyTorch eager, CPU)")
+        print(f"{int(n):>6}  {cos:>18.6f}  {np.abs(a - b).max():>9.2e}  {text[:48]!r}")
+    print()
+    print(f"ONNX Runtime CPU latency, batch of {len(DEMO_TEXTS)} texts (median of {args.repeats}, interleaved): "
+          f"uncalibrated {lat['uncalibrated']:.2f} ms, calibrated {lat['calibrated']:.2f} ms "
+          f"(ratio {lat['calibrated'] / lat['uncalibrated']:.3f})")
     print("texts with less than one basket of content are left unchanged (skip_short).")
     return 0

@@ -1,0 +1,1 @@
+"""`attncal bench`: calibrated vs uncalibrated engines, measured side by side in one run."""

@@ -1,0 +1,181 @@
+"""The measurement: interleaved latency, throughput and per-process peak memory.
+
+Method (so that every ratio comes from one run on one machine state):
+* every engine is warmed up on every shape first;
+* then for each shape, `repeats` rounds run the engines in turn (A B C A B C ...);
+* threads are pinned (torch and ORT intra-op) and recorded;
+* peak memory is measured in a fresh subprocess per (engine, shape): one warm-up
+  batch, then the peak RSS (VmHWM, reset through /proc/self/clear_refs) during
+  one more batch, minus the RSS before it.  This is the working memory of a
+  batch, independent of how much the model weights take.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .engines import EngineUnavailable, Workspace, make_engine, make_feeds
+
+
+@dataclass
+class Row:
+    engine: str
+    seq: int
+    batch: int
+    p50_ms: float
+    p95_ms: float
+    seq_per_s: float
+    tok_per_s: float
+    peak_mib: float | None = None
+    latency_vs_ort: float | None = None
+    latency_vs_torch: float | None = None
+    memory_vs_ort: float | None = None
+    memory_vs_torch: float | None = None
+
+
+def _vocab(ws: Workspace) -> int:
+    cfg = json.loads((Path(ws.model) / "config.json").read_text()) if (Path(ws.model) / "config.json").exists() else {}
+    return int(cfg.get("vocab_size", 100))
+
+
+def machine_info(threads: int) -> dict:
+    import importlib.metadata as md
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for pkg in ("attncal", "torch", "transformers", "onnxruntime", "onnx", "numpy"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+            "platform": platform.platform(), "versions": versions}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def memory_child(ws_json: str, engine: str, seq: int, batch: int) -> dict:
+    """Body of the memory subprocess (see module docstring)."""
+    ws = Workspace.from_json(ws_json)
+    run = make_engine(engine, ws)
+    feeds = make_feeds(batch, seq, _vocab(ws))
+    run(feeds)
+    before = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    out = run(feeds)
+    peak = _status_kib("VmHWM")
+    del out
+    return {"peak_mib": (peak - before) / 1024.0}
+
+
+def measure_memory(ws: Workspace, engine: str, seq: int, batch: int) -> float:
+    cmd = [sys.executable, "-m", "attncal.bench.harness", "--child", ws.to_json(), engine, str(seq), str(batch)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(ws.threads)}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise RuntimeError(f"memory probe for {engine} seq={seq} batch={batch} failed:\n{res.stderr[-2000:]}")
+    return float(json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"])
+
+
+def run_bench(
+    ws: Workspace,
+    engines: list[str],
+    seqs: list[int],
+    batches: list[int],
+    repeats: int,
+    *,
+    memory: bool = True,
+    progress: bool = True,
+) -> tuple[list[Row], dict[str, str]]:
+    """Measure every (engine, seq, batch); returns rows and notes on skipped engines."""
+    from tqdm.auto import tqdm
+
+    notes: dict[str, str] = {}
+    runners = {}
+    for e in engines:
+        try:
+            runners[e] = make_engine(e, ws)
+        except EngineUnavailable as exc:
+            notes[e] = str(exc)
+    shapes = [(s, b) for s in seqs for b in batches]
+    total = len(shapes) * len(runners) * (repeats + 1) + (len(shapes) * len(runners) if memory else 0)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
+    vocab = _vocab(ws)
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for seq, batch in shapes:
+        feeds = make_feeds(batch, seq, vocab)
+        for e, run in runners.items():  # warm-up
+            run(feeds)
+            bar.update()
+        for _ in range(repeats):
+            for e, run in runners.items():
+                t0 = time.perf_counter()
+                run(feeds)
+                times.setdefault((e, seq, batch), []).append(time.perf_counter() - t0)
+                bar.update()
+    peaks: dict[tuple[str, int, int], float] = {}
+    if memory:
+        runners.clear()  # free the models before probing memory in fresh processes
+        for seq, batch in shapes:
+            for e in [e for e in engines if e not in notes]:
+                bar.set_postfix_str(f"memory {e} {batch}x{seq}")
+                peaks[e, seq, batch] = measure_memory(ws, e, seq, batch)
+                bar.update()
+    bar.close()
+    rows = []
+    for (e, seq, batch), ts in times.items():
+        ts_sorted = sorted(ts)
+        p50 = statistics.median(ts_sorted)
+        p95 = ts_sorted[min(len(ts_sorted) - 1, max(0, int(round(0.95 * (len(ts_sorted) - 1)))))]
+        rows.append(Row(e, seq, batch, 1e3 * p50, 1e3 * p95, batch / p50, batch * seq / p50,
+                        peaks.get((e, seq, batch))))
+    by_key = {(r.engine, r.seq, r.batch): r for r in rows}
+    for r in rows:
+        for ref, attr in (("ort", "vs_ort"), ("torch", "vs_torch")):
+            base = by_key.get((ref, r.seq, r.batch))
+            if base is None:
+                continue
+            setattr(r, f"latency_{attr}", r.p50_ms / base.p50_ms)
+            if r.peak_mib is not None and base.peak_mib:
+                setattr(r, f"memory_{attr}", r.peak_mib / base.peak_mib)
+    return rows, notes
+
+
+def rows_to_dicts(rows: list[Row]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def _child_main(argv: list[str]) -> None:
+    ws_json, engine, seq, batch = argv
+    import torch
+
+    ws = Workspace.from_json(ws_json)
+    torch.set_num_threads(ws.threads)
+    print(json.dumps(memory_child(ws_json, engine, int(seq), int(batch))))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child_main(sys.argv[2:])

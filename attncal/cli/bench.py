@@ -1,0 +1,93 @@
+"""Benchmark latency, throughput and peak memory of calibrated vs uncalibrated engines, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from . import CLIError, add_calibration_args, config_from_args
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CLIError(f"{name} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise CLIError(f"{name} must list integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..bench.engines import DEFAULT_ENGINES, ENGINES
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory, an attncal export (its source model is used) or 'default'")
+    p.add_argument("--synthetic", choices=("long",), default=None,
+                   help="bench a random-weight XLM-R-shaped encoder with 8194 positions instead of MODEL")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
+    p.add_argument("--seq", default="128,512,2048", help="sequence lengths (default %(default)s)")
+    p.add_argument("--batch", default="1,8,32", help="batch sizes (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds per shape (default %(default)s)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory probes")
+    p.add_argument("--out", default="results", help="output directory (default %(default)s)")
+    p.add_argument("--workdir", default=None, help="where exports are built and cached (default: OUT/../.bench-cache)")
+    add_calibration_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.engines import ENGINES, Workspace, build_exports
+    from ..bench.harness import machine_info, run_bench
+    from ..bench.report import write_results
+    from ..modelinfo import load_model_info, resolve_model_path
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise CLIError(f"unknown engine(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ENGINES)}")
+    seqs, batches = _int_list(args.seq, "--seq"), _int_list(args.batch, "--batch")
+    if args.repeats < 1:
+        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    if (args.model is None) == (args.synthetic is None):
+        raise CLIError("give either MODEL or --synthetic long")
+    out = Path(args.out)
+    work = Path(args.workdir) if args.workdir else out.parent / ".bench-cache"
+    config = config_from_args(args)
+    if args.synthetic:
+        from ..synthetic import save_synthetic_model
+
+        model = work / "synthetic-long"
+        if not (model / "config.json").exists():
+            save_synthetic_model("xlm-roberta", model, layers=4, hidden=256, heads=4, intermediate=1024,
+                                 max_positions=8192)
+        name = "synthetic long (XLM-R, 4 layers, hidden 256, 4 heads, 8194 positions, random weights)"
+    else:
+        model = resolve_model_path(args.model)
+        if (model / "attncal.json").exists():
+            model = Path(json.loads((model / "attncal.json").read_text())["source_model"])
+        name = str(model)
+    info = load_model_info(model)
+    if info.max_seq_length is not None and max(seqs) > info.max_seq_length:
+        raise CLIError(f"--seq {max(seqs)} exceeds the model's max length {info.max_seq_length}")
+    pooling = info.pooling if config.pooling == "auto" else config.pooling
+    config = config.with_pooling(pooling)
+    config.layer_indices(info.num_layers)
+    import hashlib
+
+    key = f"{info.model_type}-" + hashlib.sha256(f"{model}|{config.to_json()}".encode()).hexdigest()[:12]
+    ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads)
+    notes = build_exports(ws, engines)
+    rows, skipped = run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
+                              memory=not args.no_memory)
+    notes.update(skipped)
+    meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "engines": engines,
+            "seq": seqs, "batch": batches, "repeats": args.repeats, "machine": machine_info(args.threads)}
+    write_results(out, rows, meta, notes)
+    print((out / "results.md").read_text())
+    print(f"wrote {out}/results.json, results.md, latency.png" + (", memory.png" if not args.no_memory else ""))
+    return 0

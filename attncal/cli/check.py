@@ -1,0 +1,44 @@
+"""Check that an export's ONNX Runtime embeddings match the PyTorch reference (exit 1 if not)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import CLIError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="an attncal export directory")
+    p.add_argument("--texts", default=None, help="a UTF-8 file with one text per line (default: built-in set)")
+    p.add_argument("--reference", default=None, help="the source model (default: the path in attncal.json)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--custom-op-library", default=None, help="run with the native attncal op library")
+
+
+def read_texts(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"texts file {p} not found")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"texts file {p} is not UTF-8: {exc}") from None
+    texts = [t for t in lines if t.strip()]
+    if not texts:
+        raise ValueError(f"texts file {p} has no non-empty lines")
+    return texts
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..runtime.parity import check_parity
+
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    texts = read_texts(args.texts) if args.texts else None
+    report = check_parity(args.out, texts, args.reference, batch_size=args.batch_size,
+                          custom_op_library=args.custom_op_library)
+    print(report.table())
+    verdict = "OK" if report.ok else "FAILED"
+    print(f"{verdict} ({report.precision}): {report.summary()}")
+    return 0 if report.ok else 1

@@ -1,0 +1,59 @@
+"""Export a transformers / sentence-transformers encoder to ONNX with the calibration op."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from . import CLIError, add_calibration_args, config_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..export.exporter import DEFAULT_OPSET, EXPORTERS
+
+    p.add_argument("model", help="model directory, a hub id already in the local HF cache, or 'default'")
+    p.add_argument("-o", "--out", required=True, help="output directory (sentence-transformers/optimum layout)")
+    add_calibration_args(p)
+    p.add_argument("--no-calibration", action="store_true", help="export the uncalibrated model")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset, >= 18 (default %(default)s)")
+    p.add_argument("--fp16", action="store_true", help="export weights and activations in float16")
+    p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
+    p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
+                   help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
+    p.add_argument("--placement", choices=("softmax", "row"), default="softmax",
+                   help="softmax: op after each calibrated Softmax, portable to any runtime (default); row: "
+                        "ONNX Runtime-optimized graph keeping fused attention, pooling row recomputed beside it "
+                        "(cls/last pooling, needs --exporter torchscript)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
+    p.add_argument("--skip-check", action="store_true", help="do not run the parity check at export")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..export.exporter import ExportError, ExportOptions, ParityError, export
+
+    opts = ExportOptions(
+        config=config_from_args(args),
+        calibrate=not args.no_calibration,
+        opset=args.opset,
+        fp16=args.fp16,
+        max_length=args.max_length,
+        exporter=args.exporter,
+        overwrite=args.overwrite,
+        check=not args.skip_check,
+        placement=args.placement,
+    )
+    try:
+        meta = export(args.model, args.out, opts)
+    except ParityError as exc:
+        raise CLIError(f"{exc}; nothing was written", code=1) from None
+    except ExportError as exc:
+        raise CLIError(str(exc), code=1) from None
+    print(f"exported {meta['model_type']} -> {args.out}")
+    if meta["calibrated"]:
+        print(f"calibrated layers {meta['calibrated_layers']} with {meta['op_type']} "
+              f"{json.dumps(meta['op_attributes'])}")
+    else:
+        print("uncalibrated")
+    if meta["parity"]:
+        print(f"parity vs PyTorch: max abs {meta['parity']['max_abs']:.3g}, min cosine {meta['parity']['min_cos']:.8f}")
+    return 0

@@ -1,0 +1,316 @@
+"""torch -> ONNX export of a sentence-transformers / transformers encoder, with calibration.
+
+The output directory is laid out like sentence-transformers and optimum expect:
+the model's config, tokenizer and sentence-transformers module files,
+`onnx/model.onnx` (with `onnx/model.onnx_data` when the model exceeds 2 GiB),
+and `attncal.json` describing the calibration and the parity measured at export.
+
+Everything is written into a temporary directory beside OUT and renamed into
+place at the end, so a failure never leaves a half-written OUT behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..calibration.config import CalibrationConfig
+from ..modelinfo import ModelInfo, load_model_info
+
+EXPORTERS = ("dynamo", "torchscript")
+PLACEMENTS = ("softmax", "row")
+DEFAULT_OPSET = 18
+TWO_GIB = 2 * 1024**3
+ONNX_SUBDIR = "onnx"
+ONNX_FILE = "model.onnx"
+EXTERNAL_DATA_FILE = "model.onnx_data"
+METADATA_FILE = "attncal.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
+_SKIP_DIRS = {"onnx", "openvino", ".git", "__pycache__"}
+
+
+class ExportError(RuntimeError):
+    """The export itself failed (not a user input problem)."""
+
+
+class ParityError(RuntimeError):
+    """The exported model does not match the PyTorch reference."""
+
+
+@dataclass
+class ExportOptions:
+    config: CalibrationConfig = field(default_factory=CalibrationConfig)  # its pooling applies even uncalibrated
+    calibrate: bool = True
+    opset: int = DEFAULT_OPSET
+    fp16: bool = False
+    max_length: int | None = None
+    exporter: str = "dynamo"
+    overwrite: bool = False
+    check: bool = True
+    placement: str = "softmax"  # or "row": ORT-optimized graph with fused attention kept
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"attncal: {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_out_dir(out: Path, overwrite: bool) -> None:
+    if out.exists():
+        if not out.is_dir():
+            raise FileExistsError(f"output path {out} exists and is a file")
+        if any(out.iterdir()) and not overwrite:
+            raise FileExistsError(f"output directory {out} is not empty; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def commit_dir(tmp: Path, out: Path) -> None:
+    """Move a completed `tmp` directory to `out`, replacing an old `out` only once `tmp` is complete."""
+    trash = None
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, trash / "old")
+    os.replace(tmp, out)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def copy_model_files(info: ModelInfo, dest: Path) -> None:
+    """Config, tokenizer and sentence-transformers module files; never weights."""
+    for src_root in dict.fromkeys([info.root, info.path]):
+        for src in src_root.rglob("*"):
+            rel = src.relative_to(src_root)
+            if any(part in _SKIP_DIRS or part.startswith(".") for part in rel.parts):
+                continue
+            if src.is_dir() or src.name.endswith(_WEIGHT_SUFFIXES) or src.name == METADATA_FILE:
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+    modules = dest / "modules.json"
+    if modules.exists() and info.path != info.root:
+        # The Transformer module's files now sit at the root of the export.
+        entries = json.loads(modules.read_text())
+        for e in entries:
+            if str(e.get("type", "")).endswith("Transformer"):
+                e["path"] = ""
+        modules.write_text(json.dumps(entries, indent=2))
+
+
+def _set_max_length(dest: Path, max_length: int) -> None:
+    st_cfg = dest / "sentence_bert_config.json"
+    data = json.loads(st_cfg.read_text()) if st_cfg.exists() else {}
+    data["max_seq_length"] = max_length
+    st_cfg.write_text(json.dumps(data, indent=2))
+
+
+def _example_inputs(tokenizer, info: ModelInfo, use_token_types: bool):
+    texts = ["a short example", "a somewhat longer example sentence for the exporter to trace"]
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_token_types else [])
+    return tuple(batch[n] for n in names), names
+
+
+def torch_export(
+    info: ModelInfo, pooling: str, onnx_path: Path, opset: int, exporter: str, fp16: bool = False
+) -> list[str]:
+    """Export encoder + pooling to `onnx_path` (single file, external data when needed); returns input names."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from .wrapper import SentenceEmbeddingModule
+
+    tokenizer = AutoTokenizer.from_pretrained(str(info.path))
+    tokenizer.padding_side = info.padding_side
+    dtype = torch.float16 if fp16 else torch.float32
+    model = AutoModel.from_pretrained(str(info.path), attn_implementation="eager", dtype=dtype).eval()
+    use_token_types = "token_type_ids" in tokenizer.model_input_names and info.model_type == "bert"
+    wrapper = SentenceEmbeddingModule(model, pooling, info.normalize, decoder=info.model_type == "qwen3").eval()
+    args, names = _example_inputs(tokenizer, info, use_token_types)
+    outputs = ["last_hidden_state", "sentence_embedding"]
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        if exporter == "dynamo":
+            batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+            torch.onnx.export(
+                wrapper, args, str(onnx_path), dynamo=True, opset_version=opset,
+                input_names=names, output_names=outputs,
+                dynamic_shapes={n: {0: batch, 1: seq} for n in names},
+                external_data=True, optimize=True,
+            )
+        elif exporter == "torchscript":
+            axes = {n: {0: "batch", 1: "sequence"} for n in names}
+            axes["last_hidden_state"] = {0: "batch", 1: "sequence"}
+            axes["sentence_embedding"] = {0: "batch"}
+            torch.onnx.export(
+                wrapper, args, str(onnx_path), dynamo=False, opset_version=opset,
+                input_names=names, output_names=outputs, dynamic_axes=axes, do_constant_folding=True,
+            )
+        else:
+            raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+    return names
+
+
+def save_onnx(model, path: Path) -> None:
+    """Save an onnx_ir model: one file below 2 GiB, else with `model.onnx_data` beside it."""
+    import onnx_ir as ir
+
+    size = sum(
+        int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".saving")
+    if size >= TWO_GIB - 64 * 1024**2:
+        ir.save(model, tmp, external_data=EXTERNAL_DATA_FILE)
+    else:
+        ir.save(ir.external_data.load_to_model(model), tmp)  # one self-contained file
+    os.replace(tmp, path)
+
+
+def _ort_optimize(path: Path, info: ModelInfo):
+    """ONNX Runtime's transformer optimizer (attention and layer-norm fusions)."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    cfg = json.loads((info.path / "config.json").read_text())
+    return optimize_model(str(path), model_type="bert", num_heads=int(cfg["num_attention_heads"]),
+                          hidden_size=int(cfg["hidden_size"])).model
+
+
+def _row_result(config: CalibrationConfig, layers: list[int]):
+    from ..graphs.contract import op_spec
+    from ..graphs.rewrite import RewriteResult
+
+    spec = op_spec(config.resolve(), 0)
+    return RewriteResult(layers=layers, op_type=spec.op_type, attrs={k: v for k, v in spec.attrs.items() if k != "layer"})
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("attncal", "torch", "transformers", "onnx", "onnxruntime", "onnx-ir", "sentence-transformers"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def export(
+    model: str | os.PathLike,
+    out: str | os.PathLike,
+    options: ExportOptions | None = None,
+    *,
+    quiet: bool = False,
+    check_fn: Callable | None = None,
+) -> dict:
+    """Export `model` to `out`; returns the `attncal.json` contents."""
+    import onnx
+    import onnx_ir as ir
+
+    from ..graphs.rewrite import insert_calibration
+
+    opts = options or ExportOptions()
+    if opts.exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {opts.exporter!r}")
+    if opts.opset < 18:
+        raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
+    if opts.placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
+    if opts.placement == "row" and opts.exporter != "torchscript":
+        raise ValueError("--placement row calibrates ONNX Runtime's fused attention, which the optimizer builds "
+                         "from TorchScript exports: add --exporter torchscript")
+    if opts.placement == "row" and opts.fp16:
+        raise ValueError("--placement row is float32 only; drop --fp16 or use --placement softmax")
+    if opts.max_length is not None and opts.max_length < 2:
+        raise ValueError(f"max_length must be >= 2, got {opts.max_length}")
+    info = load_model_info(model)
+    out = Path(out).expanduser().resolve()
+    prepare_out_dir(out, opts.overwrite)
+    pooling = info.pooling if opts.config.pooling == "auto" else opts.config.pooling
+    config = opts.config.with_pooling(pooling) if opts.calibrate else None
+    layers: list[int] = config.layer_indices(info.num_layers) if config is not None else []  # range errors first
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    t_start = time.perf_counter()
+    try:
+        copy_model_files(info, tmp)
+        if opts.max_length is not None:
+            _set_max_length(tmp, opts.max_length)
+        onnx_path = tmp / ONNX_SUBDIR / ONNX_FILE
+        raw_path = tmp / ".raw" / ONNX_FILE
+        _log(f"[1/4] exporting {info.model_type} ({info.num_layers} layers) with the {opts.exporter} exporter, "
+             f"opset {opts.opset}", quiet)
+        input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16)
+        ir_model = ir.load(raw_path)
+        result = None
+        if config is not None and opts.placement == "row":
+            from ..graphs.row_placement import RowPlacementError, insert_row_calibration
+
+            if config.resolve().all_rows:
+                raise RowPlacementError(
+                    "row placement needs a single pooling row; mean pooling calibrates every row "
+                    "(AllRowsCalibration) and keeps --placement softmax"
+                )
+            _log("[2/4] optimizing with onnxruntime.transformers.optimizer, then row placement in layers "
+                 f"{layers}", quiet)
+            ir_model = ir.from_proto(_ort_optimize(raw_path, info))
+            insert_row_calibration(ir_model, config, info.num_layers)
+            result = _row_result(config, layers)
+        elif config is not None:
+            _log(f"[2/4] inserting calibration in layers {layers}", quiet)
+            result = insert_calibration(ir_model, config, info.num_layers)
+        else:
+            _log("[2/4] no calibration requested", quiet)
+        save_onnx(ir_model, onnx_path)
+        del ir_model
+        shutil.rmtree(raw_path.parent)
+        onnx.checker.check_model(str(onnx_path), full_check=opts.placement == "softmax")
+        meta = {
+            "format": 1,
+            "calibrated": config is not None,
+            "config": config.to_dict() if config is not None else None,
+            "calibrated_layers": layers,
+            "op_type": result.op_type if result else None,
+            "op_attributes": result.attrs if result else None,
+            "source_model": str(info.root),
+            "model_type": info.model_type,
+            "num_layers": info.num_layers,
+            "pooling": pooling,
+            "normalize": info.normalize,
+            "max_seq_length": opts.max_length or info.max_seq_length,
+            "padding_side": info.padding_side,
+            "inputs": input_names,
+            "outputs": ["last_hidden_state", "sentence_embedding"],
+            "opset": opts.opset,
+            "exporter": opts.exporter,
+            "placement": opts.placement if config is not None else None,
+            "fp16": opts.fp16,
+            "versions": library_versions(),
+            "parity": None,
+        }
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+        if opts.check:
+            _log("[3/4] checking parity against the PyTorch reference", quiet)
+            from ..runtime.parity import check_parity
+
+            report = (check_fn or check_parity)(tmp, quiet=quiet)
+            meta["parity"] = report.to_dict()
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+            if not report.ok:
+                raise ParityError(f"parity check failed: {report.summary()}")
+        else:
+            _log("[3/4] parity check skipped (--skip-check)", quiet)
+        commit_dir(tmp, out)
+        _log(f"[4/4] wrote {out} in {time.perf_counter() - t_start:.1f} s", quiet)
+        return meta
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,217 @@
+"""Standard-ONNX function bodies for the calibration ops, so that any runtime can run them.
+
+The bodies read every attribute through attribute references (`ref_attr_name`),
+so one FunctionProto serves every node: a node copied with other attribute
+values computes the contract for those values.
+
+Memory: `PooledRowCalibration` gathers the pooling row ([B,H,1,K]), calibrates
+it and writes it back with ScatterElements into `probs`.  The Softmax output
+has no other reader, so ONNX Runtime updates it in place and the calibrated
+graph keeps no second full-size copy of the attention probabilities.
+
+The math is the calibration core's (steps 1-10), in float32 for float16 inputs:
+basket sums come from aligning each item's content span at offset 0 (a
+GatherElements over the row) and reshaping the key axis into (n, basket_size).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import onnx
+from onnx import AttributeProto, TensorProto, helper
+
+from .contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, attribute_names
+
+MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
+
+
+class _Builder:
+    """Appends nodes with fresh output names; a thin convenience over onnx.helper."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self._ids = itertools.count()
+
+    def op(self, op_type: str, *inputs: str, n_out: int = 1, **attrs) -> str:
+        outs = [f"t{next(self._ids)}_{op_type}" for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        return outs[0]
+
+    def const_i(self, value: int) -> str:
+        return self.op("Constant", value_int=value)
+
+    def axes(self, *values: int) -> str:
+        """A 1-D int64 constant (axes inputs must be vectors)."""
+        return self.op("Constant", value_ints=list(values))
+
+    def const_f(self, value: float) -> str:
+        return self.op("Constant", value_float=value)
+
+    def attr(self, name: str, kind: str) -> str:
+        """A Constant whose value is the calling node's attribute `name` (a scalar)."""
+        out = f"t{next(self._ids)}_attr_{name}"
+        field, atype = ("value_int", AttributeProto.INT) if kind == "int" else ("value_float", AttributeProto.FLOAT)
+        node = helper.make_node("Constant", [], [out])
+        a = AttributeProto()
+        a.name = field
+        a.ref_attr_name = name
+        a.type = atype
+        node.attribute.append(a)
+        self.nodes.append(node)
+        return out
+
+
+def _body(b: _Builder, all_rows: bool) -> str:
+    """Emit the body; returns the name of the output tensor. Inputs: `probs`, `attention_mask`.
+
+    Basket sums and the per-position multiplier are two small MatMuls against a
+    per-item basket membership matrix P[B,K,n] (1 where key k is content of
+    basket n), so a calibrated row costs one read and one write of the row plus
+    O(K·n) work, and no index tensor of the row's size is built.
+    """
+    i64 = TensorProto.INT64
+    f32 = TensorProto.FLOAT
+    # --- attributes as tensors
+    S = b.attr("basket_size", "int")
+    lam = b.attr("strength", "float")
+    iso_f = b.attr("isolate_first", "int")
+    iso_l = b.attr("isolate_last", "int")
+    mode_f = b.attr("first_mode", "int")
+    mode_l = b.attr("last_mode", "int")
+    w_f = b.attr("first_weight", "float")
+    w_l = b.attr("last_weight", "float")
+    skip = b.attr("skip_short", "int")
+    zero_i, one_i, two_i, neg1 = b.const_i(0), b.const_i(1), b.const_i(2), b.const_i(-1)
+    zero_f, one_f = b.const_f(0.0), b.const_f(1.0)
+    ax0, ax1, ax2, ax_last = b.axes(0), b.axes(1), b.axes(2), b.axes(-1)
+    ax_12 = b.axes(1, 2)
+
+    # --- batch geometry from the mask (steps 1-3, 5): [B,1] int64 tensors
+    valid = b.op("Not", b.op("Equal", "attention_mask", zero_i))  # [B,K] bool
+    K = b.op("Gather", b.op("Shape", "attention_mask"), one_i, axis=0)  # scalar
+    pos = b.op("Range", zero_i, K, one_i)  # [K]
+    start = b.op("ReduceMin", b.op("Where", valid, pos, K), ax1, keepdims=1)
+    end = b.op("ReduceMax", b.op("Where", valid, pos, neg1), ax1, keepdims=1)
+    length = b.op("Add", b.op("Sub", end, start), one_i)
+    n_iso = b.op("Add", iso_f, iso_l)
+    c0 = b.op("Add", start, iso_f)
+    C = b.op("Sub", length, n_iso)  # <= 0 for empty or too-short items
+    has = b.op("Greater", b.op("ReduceSum", b.op("Cast", valid, to=i64), ax1, keepdims=1), zero_i)
+    long_enough = b.op("Or", b.op("Equal", skip, zero_i), b.op("GreaterOrEqual", C, S))
+    active = b.op("And", b.op("And", has, b.op("Greater", C, zero_i)),
+                  b.op("And", long_enough, b.op("Greater", lam, zero_f)))  # [B,1]
+    n = b.op("Div", b.op("Sub", b.op("Add", b.op("Max", C, zero_i), S), one_i), S)  # ceil(C/S)
+    t = b.op("Cast", b.op("Add", n, n_iso), to=f32)  # [B,1]
+    n_max = b.op("Max", b.op("ReduceMax", b.op("Mul", n, b.op("Cast", active, to=i64)), keepdims=0), one_i)
+    last_pos = b.op("Sub", K, one_i)
+    start_c = b.op("Min", start, last_pos)  # empty items: any in-range index
+    end_c = b.op("Max", end, zero_i)
+    # Basket membership P[B,K,n]: key k is content (c0 <= k < c0 + C) of basket (k - c0) // S.
+    rel = b.op("Sub", b.op("Unsqueeze", pos, ax0), c0)  # [B,K]
+    content = b.op("And", b.op("GreaterOrEqual", rel, zero_i), b.op("Less", rel, C))
+    basket_of = b.op("Div", b.op("Max", rel, zero_i), S)  # [B,K]
+    baskets = b.op("Range", zero_i, n_max, one_i)  # [n]
+    member = b.op("And", b.op("Unsqueeze", content, ax_last),
+                  b.op("Equal", b.op("Unsqueeze", basket_of, ax_last), baskets))  # [B,K,n]
+    P = b.op("Cast", member, to=f32)
+    # One-hot columns of the first and last valid token: [B,K,2]
+    ends = b.op("Unsqueeze", b.op("Concat", start_c, end_c, axis=1), ax1)  # [B,1,2]
+    E = b.op("Cast", b.op("Equal", b.op("Unsqueeze", b.op("Unsqueeze", pos, ax0), ax_last), ends), to=f32)
+    ones_col = b.op("Expand", one_f, b.op("Concat", b.op("Shape", rel), b.axes(1), axis=0))  # [B,K,1]
+    P_read = b.op("Unsqueeze", b.op("Concat", P, E, axis=2), ax1)  # [B,1,K,n+2]
+    P_write = b.op("Unsqueeze", b.op("Transpose", b.op("Concat", P, ones_col, axis=2), perm=[0, 2, 1]), ax1)
+
+    # --- the rows to calibrate: x [B,H,R,K] (R = 1 for the pooling row, Q for all rows)
+    if all_rows:
+        x_native = "probs"
+        row_active = b.op("And", b.op("Unsqueeze", active, ax_12),
+                          b.op("Unsqueeze", valid, b.axes(1, 3)))  # [B,1,Q,1]: valid query rows
+    else:
+        pool_last = b.attr("pool_last", "int")
+        row = b.op("Where", b.op("Equal", pool_last, one_i), end_c, start_c)  # [B,1]
+        shape_p = b.op("Shape", "probs")
+        # Q == 1: the single row is the pooling row (row placement computes it separately).
+        q_is_one = b.op("Equal", b.op("Gather", shape_p, two_i, axis=0), one_i)
+        row = b.op("Where", q_is_one, b.op("Mul", row, zero_i), row)
+        row_shape = b.op("Concat", b.op("Slice", shape_p, b.axes(0), b.axes(2)), b.axes(1),
+                         b.op("Slice", shape_p, b.axes(3), b.axes(4)), axis=0)  # [B,H,1,K]
+        row_idx = b.op("Expand", b.op("Unsqueeze", row, ax_12), row_shape)
+        x_native = b.op("GatherElements", "probs", row_idx, axis=2)
+        row_active = b.op("Unsqueeze", active, ax_12)  # [B,1,1,1]
+    x = b.op("Cast", x_native, to=f32)
+
+    # --- basket masses and the isolated tokens' probabilities in one MatMul (steps 4, 6)
+    read = b.op("MatMul", x, P_read)  # [B,H,R,n+2]; pads never enter (P is 0 there)
+    n_1d = b.op("Unsqueeze", n_max, ax0)
+    mass = b.op("Slice", read, b.axes(0), n_1d, ax_last)
+    z_first = b.op("Slice", read, n_1d, b.op("Add", n_1d, b.axes(1)), ax_last)
+    z_last = b.op("Slice", read, b.op("Add", n_1d, b.axes(1)), b.op("Add", n_1d, b.axes(2)), ax_last)
+    t4 = b.op("Unsqueeze", t, ax_12)  # [B,1,1,1]
+    nz = b.op("Not", b.op("Equal", mass, zero_f))
+    f = b.op("Where", nz, b.op("Div", b.op("Div", one_f, b.op("Where", nz, mass, one_f)), t4), zero_f)
+    content_sum = b.op("Div", b.op("ReduceSum", b.op("Cast", nz, to=f32), ax_last, keepdims=1), t4)
+
+    # --- isolated shares (step 7)
+    inv_t = b.op("Div", one_f, t4)
+
+    def share(iso: str, mode: str, w: str, z_pos: str) -> str:
+        by_mode = b.op("Where", b.op("Equal", mode, zero_i), inv_t,
+                       b.op("Where", b.op("Equal", mode, one_i), z_pos, w))
+        return b.op("Mul", by_mode, b.op("Cast", iso, to=f32))
+
+    s_f = share(iso_f, mode_f, w_f, z_first)
+    s_l = share(iso_l, mode_l, w_l, z_last)
+    # --- budget rescale (step 8), only when an isolated token is not 'equal'
+    non_eq_f = b.op("And", b.op("Equal", iso_f, one_i), b.op("Not", b.op("Equal", mode_f, zero_i)))
+    non_eq_l = b.op("And", b.op("Equal", iso_l, one_i), b.op("Not", b.op("Equal", mode_l, zero_i)))
+    budget = b.op("Max", b.op("Sub", b.op("Sub", one_f, s_f), s_l), zero_f)
+    cs_nz = b.op("Not", b.op("Equal", content_sum, zero_f))
+    scale = b.op("Where", b.op("And", b.op("Or", non_eq_f, non_eq_l), cs_nz),
+                 b.op("Div", budget, b.op("Where", cs_nz, content_sum, one_f)), one_f)
+    # --- normalisation (step 9) and blend (step 10) as one multiplier per basket
+    total = b.op("Add", b.op("Add", b.op("Mul", content_sum, scale), s_f), s_l)
+    tot_nz = b.op("Not", b.op("Equal", total, zero_f))
+    norm = b.op("Where", tot_nz, b.op("Div", one_f, b.op("Where", tot_nz, total, one_f)), one_f)
+    one_minus = b.op("Sub", one_f, lam)
+    mult = b.op("Add", b.op("Mul", f, b.op("Mul", b.op("Mul", scale, norm), lam)), one_minus)  # [B,H,R,n]
+    # Calibrated rows: content gets its basket's multiplier, everything else 0 (pads; isolated tokens
+    # are written below).  Other rows get multiplier 1 through the ones column: bit-identical.
+    col_shape = b.op("Concat", b.op("Slice", b.op("Shape", mult), b.axes(0), b.axes(3)), b.axes(1), axis=0)
+    keep_col = b.op("Expand", b.op("Where", row_active, zero_f, one_f), col_shape)  # [B,H,R,1]
+    coef = b.op("Concat", b.op("Where", row_active, mult, zero_f), keep_col, axis=-1)  # [B,H,R,n+1]
+    out = b.op("Mul", x, b.op("MatMul", coef, P_write))
+    # Isolated tokens: out = λ·share·norm + (1-λ)·z at their position, in calibrated rows only.
+    out_shape = b.op("Shape", out)
+    idx_shape = b.op("Concat", b.op("Slice", out_shape, b.axes(0), b.axes(3)), b.axes(1), axis=0)
+    for iso, s, p, z_p in ((iso_f, s_f, start_c, z_first), (iso_l, s_l, end_c, z_last)):
+        idx = b.op("Expand", b.op("Unsqueeze", p, ax_12), idx_shape)  # [B,H,R,1]
+        current = b.op("GatherElements", out, idx, axis=3)
+        value = b.op("Add", b.op("Mul", b.op("Mul", lam, s), norm), b.op("Mul", one_minus, z_p))
+        use = b.op("And", row_active, b.op("Equal", iso, one_i))
+        out = b.op("ScatterElements", out, idx, b.op("Where", use, value, current), axis=3)
+    out_native = b.op("CastLike", out, "probs")
+    if all_rows:
+        return out_native
+    return b.op("ScatterElements", "probs", row_idx, out_native, axis=2)
+
+
+def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
+    """The model-local FunctionProto for `op_type`, using ONNX domain opset `opset`."""
+    if op_type not in (POOLED_OP, ALL_ROWS_OP):
+        raise ValueError(f"unknown calibration op {op_type!r}")
+    if opset < MIN_OPSET:
+        raise ValueError(f"the calibration function body needs opset >= {MIN_OPSET}, got {opset}")
+    b = _Builder()
+    out = _body(b, all_rows=op_type == ALL_ROWS_OP)
+    b.nodes.append(helper.make_node("Identity", [out], ["calibrated"]))
+    return helper.make_function(
+        DOMAIN,
+        op_type,
+        inputs=["probs", "attention_mask"],
+        outputs=["calibrated"],
+        nodes=b.nodes,
+        opset_imports=[helper.make_opsetid("", opset)],
+        attributes=attribute_names(op_type),
+        doc_string=f"attncal calibration op {op_type} (contract v1); see attncal.graphs.contract",
+    )

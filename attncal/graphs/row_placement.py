@@ -1,0 +1,196 @@
+"""Row placement: calibrate an ONNX Runtime-optimized graph without giving up fused attention.
+
+Placing the calibration op between Softmax and the value MatMul stops
+`onnxruntime.transformers.optimizer` from fusing that layer into an
+`Attention` node, so calibrated layers materialise [B,H,S,S] probabilities.
+Row placement instead keeps every fused `com.microsoft::Attention` node and
+recomputes only the pooling row beside it:
+
+    q_pool = x[b, row] · W_q + b_q                      (one row, [B,1,hidden])
+    K, V   = the fused node's own `present` output      (no recomputation)
+    p      = softmax(q_pool · Kᵀ · scale + mask_row)    ([B,H,1,S])
+    p      = PooledRowCalibration(p, attention_mask)    (the same op, Q == 1)
+    ctx[b, row] = p · V                                 (written in place before the output projection)
+
+This is exact: within a layer no other row depends on the pooling row.  It
+costs O(B·H·S·D) per layer.  We calibrate the *optimized* graph (rather than
+rewriting the unoptimized one into a shape the fuser still accepts) because
+the fused node is the stable interface: the fuser's pattern rules change
+between ORT releases, the fused node's inputs (packed QKV weights, bias) and
+its `present` output do not.
+
+Scope: fused `Attention` nodes as produced for BERT-family encoders (BERT,
+XLM-R, all-MiniLM).  Mean pooling calibrates every row (AllRowsCalibration)
+and keeps the softmax placement; so do graphs the optimizer does not fuse
+(Qwen3, ModernBERT), where there is no fusion to lose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from ..calibration.config import CalibrationConfig
+from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
+from .function_body import make_function
+from .rewrite import model_opset
+
+
+class RowPlacementError(ValueError):
+    """Row placement does not apply to this graph or config."""
+
+
+class _Ops:
+    """Creates nodes into a list, to be inserted after the fused node."""
+
+    def __init__(self, graph: ir.Graph, prefix: str) -> None:
+        self.graph, self.prefix, self.nodes, self.n = graph, prefix, [], 0
+
+    def __call__(self, op_type: str, *inputs: ir.Value | None, domain: str = "", num_outputs: int = 1, **attrs):
+        self.n += 1
+        node = ir.node(op_type, list(inputs), attrs or None, domain=domain, num_outputs=num_outputs,
+                       name=f"{self.prefix}/{op_type}_{self.n}")
+        for i, out in enumerate(node.outputs):
+            out.name = f"{self.prefix}/{op_type}_{self.n}_out{i}"
+        self.nodes.append(node)
+        return node.outputs[0] if num_outputs == 1 else node.outputs
+
+    def const(self, name: str, array: np.ndarray) -> ir.Value:
+        v = ir.Value(name=f"{self.prefix}/{name}", const_value=ir.tensor(array))
+        self.graph.register_initializer(v)
+        return v
+
+
+def fused_attention_nodes(graph: ir.Graph) -> list[ir.Node]:
+    return [n for n in graph if n.op_type == "Attention" and n.domain == "com.microsoft"]
+
+
+def insert_row_calibration(model: ir.Model, config: CalibrationConfig, num_layers: int,
+                           mask_input: str = "attention_mask") -> list[int]:
+    """Add row-placement calibration to the fused Attention nodes of the selected layers; returns them."""
+    rc = config.resolve()
+    if rc.all_rows:
+        raise RowPlacementError(
+            "row placement needs a single pooling row; mean pooling calibrates every row "
+            "(AllRowsCalibration) and keeps the softmax placement"
+        )
+    graph = model.graph
+    if any(n.domain == DOMAIN for n in graph):
+        raise RowPlacementError("the graph already contains attncal calibration nodes")
+    atts = fused_attention_nodes(graph)
+    if len(atts) != num_layers:
+        raise RowPlacementError(
+            f"row placement needs one fused com.microsoft::Attention node per layer ({num_layers}); found "
+            f"{len(atts)}. Run onnxruntime.transformers.optimizer on a TorchScript export first, or use the "
+            "softmax placement"
+        )
+    mask = next((v for v in graph.inputs if v.name == mask_input), None)
+    if mask is None:
+        raise RowPlacementError(f"the graph has no input named {mask_input!r}")
+    selected = config.layer_indices(num_layers)
+    for layer, att in enumerate(atts):
+        if layer not in selected:
+            continue
+        _calibrate_layer(graph, att, layer, rc, mask)
+    opset = model_opset(model)
+    model.opset_imports[DOMAIN] = VERSION
+    fn = ir.serde.deserialize_function(make_function(POOLED_OP, opset))
+    model.functions[fn.identifier()] = fn
+    return selected
+
+
+def _calibrate_layer(graph: ir.Graph, att: ir.Node, layer: int, rc, mask: ir.Value) -> None:
+    x, w, bias = att.inputs[0], att.inputs[1], att.inputs[2]
+    if w is None or w.const_value is None or bias is None or bias.const_value is None:
+        raise RowPlacementError(f"fused Attention {att.name}: packed QKV weight and bias must be initializers")
+    if len(att.inputs) > 4 and att.inputs[4] is not None:
+        raise RowPlacementError(f"fused Attention {att.name} has a past state; not an encoder layer")
+    extra = {a for a in att.attributes} - {"num_heads", "scale", "mask_filter_value"}
+    if extra:
+        raise RowPlacementError(f"fused Attention {att.name} has unsupported attributes {sorted(extra)}")
+    heads = att.attributes.get_int("num_heads")
+    W = w.const_value.numpy()
+    bvec = bias.const_value.numpy()
+    hidden = W.shape[1] // 3
+    head = hidden // heads
+    scale = att.attributes.get_float("scale", 0.0) or 1.0 / np.sqrt(head)
+    ops = _Ops(graph, f"attncal_row_layer{layer}")
+    # K and V as the fused node computes them: its `present` output, [2,B,H,S,D].
+    if len(att.outputs) < 2:
+        att.resize_outputs(2)
+    present = att.outputs[1]
+    present.name = f"{ops.prefix}/present"
+    i64 = np.int64
+    k_all = ops("Squeeze", ops("Slice", present, ops.const("k0", np.array([0], i64)), ops.const("k1", np.array([1], i64)),
+                                ops.const("ax0", np.array([0], i64))), ops.const("sq0", np.array([0], i64)))
+    v_all = ops("Squeeze", ops("Slice", present, ops.const("v0", np.array([1], i64)), ops.const("v1", np.array([2], i64)),
+                                ops.const("ax0b", np.array([0], i64))), ops.const("sq0b", np.array([0], i64)))
+    # The pooling row index per item: first or last valid token.
+    valid = ops("Cast", mask, to=ir.DataType.BOOL)
+    pos = ops("Range", ops.const("zero", np.array(0, i64)), ops("Gather", ops("Shape", mask), ops.const("one", np.array(1, i64)), axis=0),
+              ops.const("step", np.array(1, i64)))
+    big = ops("Gather", ops("Shape", mask), ops.const("one_b", np.array(1, i64)), axis=0)
+    if rc.pool_last:
+        row = ops("ReduceMax", ops("Where", valid, pos, ops.const("neg", np.array(-1, i64))), ops.const("ax1", np.array([1], i64)), keepdims=1)
+        row = ops("Max", row, ops.const("zero_r", np.array(0, i64)))
+    else:
+        row = ops("ReduceMin", ops("Where", valid, pos, big), ops.const("ax1", np.array([1], i64)), keepdims=1)
+        row = ops("Min", row, ops("Sub", big, ops.const("one_r", np.array(1, i64))))
+    # q for the pooling row only.
+    x_shape = ops("Shape", x)
+    idx_shape = ops("Concat", ops("Slice", x_shape, ops.const("s0", np.array([0], i64)), ops.const("s1", np.array([1], i64))),
+                    ops.const("one_v", np.array([1], i64)),
+                    ops("Slice", x_shape, ops.const("s2", np.array([2], i64)), ops.const("s3", np.array([3], i64))), axis=0)
+    row_idx = ops("Expand", ops("Unsqueeze", row, ops.const("ax2", np.array([2], i64))), idx_shape)  # [B,1,hidden]
+    x_row = ops("GatherElements", x, row_idx, axis=1)
+    q = ops("Add", ops("MatMul", x_row, ops.const("wq", np.ascontiguousarray(W[:, :hidden]))),
+            ops.const("bq", bvec[:hidden].copy()))
+    q = ops("Transpose", ops("Reshape", q, ops.const("qshape", np.array([0, 1, heads, head], i64))), perm=[0, 2, 1, 3])
+    scores = ops("Mul", ops("MatMul", q, ops("Transpose", k_all, perm=[0, 1, 3, 2])),
+                 ops.const("scale", np.array(scale, np.float32)))
+    neg = np.finfo(np.float32).min
+    mask_add = ops("Where", ops("Unsqueeze", valid, ops.const("ax12", np.array([1, 2], i64))),
+                   ops.const("m0", np.array(0.0, np.float32)), ops.const("mneg", np.array(neg, np.float32)))
+    probs = ops("Softmax", ops("Add", scores, mask_add), axis=-1)  # [B,H,1,S]
+    spec = op_spec(rc, layer)
+    calibrated = ops(spec.op_type, probs, mask, domain=DOMAIN, **spec.attrs)
+    ctx_row = ops("MatMul", calibrated, v_all)  # [B,H,1,D]
+    ctx_row = ops("Reshape", ops("Transpose", ctx_row, perm=[0, 2, 1, 3]), ops.const("cshape", np.array([0, 1, hidden], i64)))
+    # Overwrite the pooling row of the fused node's context, before the output projection.
+    ctx = att.outputs[0]
+    uses = list(ctx.uses())
+    new_ctx = ops("ScatterElements", ctx, row_idx, ctx_row, axis=1)
+    new_ctx.name = f"{ops.prefix}/context"
+    for user, i in uses:
+        user.replace_input_with(i, new_ctx)
+    graph.insert_after(att, ops.nodes)
+
+
+def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config: CalibrationConfig) -> dict:
+    """Row-placement calibration of an optimized export directory `src` into `dest` (atomic)."""
+    import onnx
+
+    from ..export.exporter import ONNX_FILE, ONNX_SUBDIR, save_onnx
+
+    src, dest = Path(src), Path(dest)
+    meta = json.loads((src / "attncal.json").read_text())
+    pooling = meta["pooling"] if config.pooling == "auto" else config.pooling
+    config = config.with_pooling(pooling)
+    model = ir.load(src / ONNX_SUBDIR / ONNX_FILE)
+    layers = insert_row_calibration(model, config, int(meta["num_layers"]))
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    save_onnx(model, tmp / ONNX_SUBDIR / ONNX_FILE)
+    onnx.checker.check_model(str(tmp / ONNX_SUBDIR / ONNX_FILE))
+    meta.update(calibrated=True, config=config.to_dict(), calibrated_layers=layers, op_type=POOLED_OP,
+                placement="row", parity=None)
+    (tmp / "attncal.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return meta

@@ -1,0 +1,31 @@
+"""One-node ONNX models holding a calibration op, for tests and kernel checks."""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from .contract import DOMAIN, VERSION, OpSpec
+from .function_body import make_function
+
+
+def single_op_model(spec: OpSpec, opset: int = 18, float16: bool = False, with_function: bool = True) -> onnx.ModelProto:
+    """`calibrated = <op>(probs, attention_mask)` with dynamic [B,H,Q,K] / [B,K] inputs."""
+    dtype = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
+    node = helper.make_node(spec.op_type, ["probs", "attention_mask"], ["calibrated"], domain=DOMAIN, **spec.attrs)
+    graph = helper.make_graph(
+        [node],
+        "attncal_single_op",
+        [
+            helper.make_tensor_value_info("probs", dtype, ["B", "H", "Q", "K"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "K"]),
+        ],
+        [helper.make_tensor_value_info("calibrated", dtype, ["B", "H", "Q", "K"])],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, VERSION)],
+        functions=[make_function(spec.op_type, opset)] if with_function else [],
+    )
+    model.ir_version = 10
+    return model

@@ -1,0 +1,48 @@
+"""The bench harness itself (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attncal.cli import main
+
+
+def test_two_engine_one_shape_run_writes_json_table_and_plots(tiny_models, tmp_path, capsys):
+    out = tmp_path / "results"
+    code = main(["bench", str(tiny_models["bert"]), "--engines", "ort,ort-cal", "--seq", "40", "--batch", "2",
+                 "--repeats", "2", "--basket-size", "8", "--out", str(out), "--workdir", str(tmp_path / "work")])
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert set(rows) == {"ort", "ort-cal"}
+    for r in rows.values():
+        assert (r["seq"], r["batch"]) == (40, 2)
+        assert r["p50_ms"] > 0 and r["p95_ms"] >= r["p50_ms"] and r["tok_per_s"] == pytest.approx(80 / r["p50_ms"] * 1e3)
+        assert r["peak_mib"] is not None
+    assert rows["ort"]["latency_vs_ort"] == 1.0
+    assert rows["ort-cal"]["latency_vs_ort"] == pytest.approx(rows["ort-cal"]["p50_ms"] / rows["ort"]["p50_ms"])
+    assert data["meta"]["machine"]["threads"] >= 1 and "onnxruntime" in data["meta"]["machine"]["versions"]
+    table = (out / "results.md").read_text()
+    assert "| ort-cal | 2 | 40 |" in table
+    for png in ("latency.png", "memory.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".results.tmp")]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--engines", "ort,onnx-magic"], "unknown engine(s) onnx-magic"),
+        (["--seq", "128,abc"], "--seq must be a comma-separated list of integers"),
+        (["--batch", "0"], "--batch must list integers >= 1"),
+        (["--seq", "100000"], "exceeds the model's max length 256"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+    ],
+)
+def test_bad_engine_or_shape_is_a_clear_error(tiny_models, tmp_path, capsys, args, message):
+    code = main(["bench", str(tiny_models["bert"]), "--out", str(tmp_path / "r"), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,228 @@
+"""Export, graph rewrite and ONNX Runtime parity for every architecture."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from attncal import CalibrationConfig
+from attncal.calibration import TorchEncoder
+from attncal.cli import main
+from attncal.export.exporter import ExportOptions, export, save_onnx
+from attncal.graphs import AlreadyCalibratedError, SoftmaxPatternError, insert_calibration
+from attncal.graphs.contract import DOMAIN
+from attncal.modelinfo import default_model_path
+from attncal.runtime import Encoder
+from attncal.synthetic import ARCHITECTURES, synthetic_text
+
+REPO = Path(__file__).resolve().parents[1]
+OVERLAY = REPO / ".venv" / "loader-overlay"
+# Mixed lengths: under one basket (16 tokens) up to the max length (256).
+TEXTS = [synthetic_text(n, seed=n) for n in (4, 30, 70, 140, 400, 9)]
+BASKET = 16
+
+
+def poolings(arch):
+    return ("last", "mean") if arch == "qwen3" else ("cls", "mean")
+
+
+@pytest.fixture(scope="module")
+def base_exports(tiny_models, tmp_path_factory):
+    """Uncalibrated TorchScript exports, one per (architecture, pooling); the rewrite pass runs on copies."""
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for arch in ARCHITECTURES:
+        for pooling in poolings(arch):
+            out[arch, pooling] = root / f"{arch}-{pooling}"
+            export(tiny_models[arch], out[arch, pooling],
+                   ExportOptions(config=CalibrationConfig(pooling=pooling), calibrate=False, exporter="torchscript",
+                                 check=False), quiet=True)
+    return out
+
+
+def calibrated_copy(base: Path, dest: Path, cfg: CalibrationConfig, num_layers: int = 4) -> Path:
+    import shutil
+
+    shutil.copytree(base, dest)
+    model = ir.load(dest / "onnx" / "model.onnx")
+    insert_calibration(model, cfg, num_layers)
+    save_onnx(model, dest / "onnx" / "model.onnx")
+    meta = json.loads((dest / "attncal.json").read_text())
+    meta.update(calibrated=True, config=cfg.to_dict())
+    (dest / "attncal.json").write_text(json.dumps(meta))
+    onnx.checker.check_model(str(dest / "onnx" / "model.onnx"), full_check=True)
+    return dest
+
+
+def encode_both(out: Path, source: Path, cfg: CalibrationConfig | None, padding_side: str):
+    enc = Encoder(out, providers=["CPUExecutionProvider"])
+    enc.tokenizer.padding_side = padding_side
+    ref = TorchEncoder(source)
+    ref.tokenizer.padding_side = padding_side
+    return enc.encode(TEXTS, batch_size=6), ref.encode(TEXTS, cfg, batch_size=6)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rewritten_exports_match_torch_reference(arch, tiny_models, base_exports, tmp_path):
+    """Architecture x pooling x layers {last, last-half} x padding side: ORT equals encode_torch."""
+    for pooling in poolings(arch):
+        base = base_exports[arch, pooling]
+        uncal = {}
+        for side in ("right", "left"):
+            got, exp = encode_both(base, tiny_models[arch], CalibrationConfig(strength=0.0, pooling=pooling), side)
+            assert np.abs(got - exp).max() <= 1e-5
+            uncal[side] = got
+        for layers in ("last", "last-half"):
+            cfg = CalibrationConfig(pooling=pooling, layers=layers, basket_size=BASKET, strength=0.9,
+                                    variant="uniform" if pooling == "mean" else "cls-soft")
+            out = calibrated_copy(base, tmp_path / f"{pooling}-{layers}", cfg)
+            for side in ("right", "left"):
+                got, exp = encode_both(out, tiny_models[arch], cfg, side)
+                err = np.abs(got - exp).max()
+                assert err <= 1e-5, (arch, pooling, layers, side, err)
+                moved = np.abs(got - uncal[side]).max(axis=1)
+                assert moved[0] == 0, "a text under one basket must not move"
+                assert moved.max() > max(20 * err, 1e-6), "calibration must change long texts beyond parity noise"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
+    out = tmp_path / "out"
+    meta = export(tiny_models[arch], out, ExportOptions(config=CalibrationConfig(basket_size=BASKET, strength=0.8)),
+                  quiet=True)
+    assert meta["parity"]["ok"] and meta["parity"]["max_abs"] <= 1e-5
+    assert meta["calibrated_layers"] == [2, 3] and meta["exporter"] == "dynamo"
+    model = onnx.load(str(out / "onnx" / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN]
+    assert sorted(next(a.i for a in n.attribute if a.name == "layer") for n in nodes) == [2, 3]
+    opset = {o.domain: o.version for o in model.opset_import}
+    assert {o.domain: o.version for o in model.functions[0].opset_import}[""] == opset[""] == 18
+    names = [i.name for i in model.graph.input]
+    assert names[:2] == ["input_ids", "attention_mask"]
+    assert ("token_type_ids" in names) == (arch == "bert")
+    assert [o.name for o in model.graph.output] == ["last_hidden_state", "sentence_embedding"]
+    for f in ("config.json", "tokenizer.json", "modules.json", "1_Pooling/config.json", "attncal.json"):
+        assert (out / f).exists(), f
+    assert not any(p.suffix == ".safetensors" for p in out.rglob("*"))
+
+
+def test_rewrite_is_idempotent_and_reports_missing_patterns(base_exports, tmp_path):
+    model = ir.load(base_exports["bert", "cls"] / "onnx" / "model.onnx")
+    cfg = CalibrationConfig(pooling="cls", layers="all")
+    insert_calibration(model, cfg, 4)
+    with pytest.raises(AlreadyCalibratedError, match="already contains attncal calibration nodes"):
+        insert_calibration(model, cfg, 4)
+    insert_calibration(model, CalibrationConfig(pooling="cls", layers="last"), 4, replace=True)
+    assert [n.attributes["layer"].value for n in model.graph if n.domain == DOMAIN] == [3]
+    with pytest.raises(SoftmaxPatternError, match=r"one attention Softmax -> MatMul per layer \(6 layers\) but found 4"):
+        insert_calibration(ir.load(base_exports["bert", "cls"] / "onnx" / "model.onnx"), cfg, 6)
+    fused = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Attention", ["q", "k", "v"], ["o"])], "g",
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 2, 4, 8]) for n in "qkv"]
+        + [onnx.helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, [1, 4])],
+        [onnx.helper.make_tensor_value_info("o", onnx.TensorProto.FLOAT, [1, 2, 4, 8])]),
+        opset_imports=[onnx.helper.make_opsetid("", 23)])
+    with pytest.raises(SoftmaxPatternError, match=r"found 0.*1 Attention.*fused \['Attention'\]"):
+        insert_calibration(ir.from_proto(fused), cfg, 1)
+
+
+def test_cli_export_check_inspect_and_errors(tiny_models, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "cli"
+    src = str(tiny_models["xlm-roberta"])
+    assert main(["export", src, "-o", str(out), "--basket-size", "16", "--exporter", "torchscript",
+                 "--layers", "-1"]) == 0
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "layer   3  PooledRowCalibration" in text and "basket_size=16" in text
+    texts_file = tmp_path / "texts.txt"
+    texts_file.write_text("\n".join(TEXTS), encoding="utf-8")
+    assert main(["check", str(out), "--texts", str(texts_file)]) == 0
+    assert "OK (fp32)" in capsys.readouterr().out
+
+    def err(args):
+        code = main(args)
+        err_text = capsys.readouterr().err
+        assert "Traceback" not in err_text, err_text
+        errors = [line for line in err_text.splitlines() if ": error: " in line]
+        assert len(errors) == 1, err_text  # one line, after any progress lines
+        return code, errors[0]
+
+    assert err(["export", str(tmp_path / "nope"), "-o", str(tmp_path / "x")])[1].endswith(
+        "attncal never downloads models)")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2", "num_hidden_layers": 2}')
+    assert "architecture 'gpt2' is not supported" in err(["export", str(gpt2), "-o", str(tmp_path / "x")])[1]
+    assert "layer index 7 is out of range" in err(["export", src, "-o", str(tmp_path / "x"), "--layers", "7"])[1]
+    assert "strength: 1.5 is outside [0, 1]" in err(["export", src, "-o", str(tmp_path / "x"), "--strength", "1.5"])[1]
+    assert "is not empty; pass --overwrite" in err(["export", src, "-o", str(out)])[1]
+    assert "texts file" in err(["check", str(out), "--texts", str(tmp_path / "missing.txt")])[1]
+
+    # A graph without the softmax pattern: a clear error, and nothing left behind.
+    import attncal.export.exporter as exporter
+
+    def no_softmax(info, pooling, onnx_path, opset, exporter_name, fp16=False):
+        onnx_path.parent.mkdir(parents=True, exist_ok=True)
+        g = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["input_ids"], ["last_hidden_state"])], "g",
+                                   [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["B", "S"]),
+                                    onnx.helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, ["B", "S"])],
+                                   [onnx.helper.make_tensor_value_info("last_hidden_state", onnx.TensorProto.INT64, ["B", "S"])])
+        onnx.save(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)]), str(onnx_path))
+        return ["input_ids", "attention_mask"]
+
+    monkeypatch.setattr(exporter, "torch_export", no_softmax)
+    code, msg = err(["export", src, "-o", str(tmp_path / "broken")])
+    assert code == 2 and "expected one attention Softmax -> MatMul per layer" in msg
+    assert not (tmp_path / "broken").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")], "temporary output left behind"
+
+
+@pytest.fixture(scope="module")
+def minilm_exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("minilm")
+    metas = {}
+    for name, cal in (("uncal", False), ("cal", True)):
+        metas[name] = export(default_model_path(), root / name,
+                             ExportOptions(calibrate=cal, exporter="torchscript"), quiet=True)
+    return root, metas
+
+
+def test_real_minilm_parity(minilm_exports):
+    root, metas = minilm_exports
+    for name, meta in metas.items():
+        assert meta["pooling"] == "mean" and meta["parity"]["ok"], (name, meta["parity"])
+        assert meta["parity"]["max_abs"] <= 1e-5
+    assert metas["cal"]["op_type"] == "AllRowsCalibration" and metas["cal"]["calibrated_layers"] == [3, 4, 5]
+    long_text = [" ".join(["Calibration spreads the pooling attention over the whole passage."] * 30)]
+    a = Encoder(root / "uncal").encode(long_text)
+    b = Encoder(root / "cal").encode(long_text)
+    assert np.abs(a - b).max() > 1e-4
+
+
+@pytest.mark.parametrize("name", ["uncal", "cal"])
+def test_real_minilm_loads_in_optimum_and_sentence_transformers(minilm_exports, name, tmp_path):
+    if not (OVERLAY / "optimum_onnx-0.1.0.dist-info").exists():
+        pytest.fail(f"loader overlay missing at {OVERLAY}: run `make test` (it installs tests/loaders/requirements.txt)")
+    root, _ = minilm_exports
+    out = root / name
+    texts = ["A short query.", " ".join(["A long passage about calibration and retrieval."] * 40), "Middle length " * 20]
+    (tmp_path / "t.json").write_text(json.dumps(texts))
+    env = {**os.environ, "PYTHONPATH": str(OVERLAY), "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, str(REPO / "tests" / "loaders" / "run_loaders.py"), str(out),
+                    str(tmp_path / "t.json"), str(tmp_path / "r.npz")], check=True, env=env, cwd=tmp_path)
+    res = np.load(tmp_path / "r.npz")
+    ours = Encoder(out).encode(texts)
+    assert np.abs(res["st"] - ours).max() <= 1e-5
+    m = res["attention_mask"][..., None]
+    pooled = (res["optimum_hidden"] * m).sum(1) / m.sum(1)
+    pooled /= np.linalg.norm(pooled, axis=1, keepdims=True)
+    assert np.abs(pooled - ours).max() <= 1e-5
