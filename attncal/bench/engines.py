@@ -55,7 +55,7 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
 
     notes: dict[str, str] = {}
     need = {
-        "uncal": any(e in engines for e in ("ort", "ort-opt")),
+        "uncal": any(e in engines for e in ("ort", "ort-opt", "ort-opt-cal")),
         "cal": any(e in engines for e in ("ort-cal", "ort-cal-lib")),
     }
     for name, cal in (("uncal", False), ("cal", True)):
@@ -64,15 +64,15 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
             export(ws.model, ws.export_dir(name),
                    ExportOptions(config=ws.config, calibrate=cal, exporter="torchscript", check=False, overwrite=True),
                    quiet=quiet)
-    if "ort-opt" in engines and not (ws.export_dir("opt") / "attncal.json").exists():
+    if ("ort-opt" in engines or "ort-opt-cal" in engines) and not (ws.export_dir("opt") / "attncal.json").exists():
         optimize_export(ws.export_dir("uncal"), ws.export_dir("opt"))
     if "ort-opt-cal" in engines and not (ws.export_dir("opt-cal") / "attncal.json").exists():
-        try:
-            from ..graphs.row_placement import calibrate_optimized
+        from ..graphs.row_placement import RowPlacementError, calibrate_optimized
 
+        try:
             calibrate_optimized(ws.export_dir("opt"), ws.export_dir("opt-cal"), ws.config)
-        except ImportError:
-            notes["ort-opt-cal"] = "row placement is not available in this build"
+        except RowPlacementError as exc:
+            notes["ort-opt-cal"] = str(exc)
     return notes
 
 
@@ -117,8 +117,10 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
 
     lib = None
     if name == "ort-cal-lib":
-        from ..runtime import oplib  # type: ignore[attr-defined]
-
+        try:
+            from ..runtime import oplib  # type: ignore[attr-defined]
+        except ImportError:
+            raise EngineUnavailable("the native op library support is not installed") from None
         lib = oplib.default_library_path()
         if lib is None:
             raise EngineUnavailable("the native op library is not built (make plugins)")
