@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test bench-core install clean
+.PHONY: demo test bench-core plugins gpu-check install clean
 
 install: $(STAMP)
 
@@ -27,6 +27,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Native kernels: the ORT custom-op library (CPU, + CUDA when nvcc is present), and the TensorRT
+# plugin where TensorRT is found. The tests build it on demand too.
+plugins: $(STAMP)
+	$(PY) -c "from attncal.runtime import oplib; print(oplib.build_library())"
+
+# On a GPU machine with torch and nvcc: kernel correctness, bandwidth and torch timing.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py --json results/gpu_check.json
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/calibration_overhead.py

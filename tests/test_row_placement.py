@@ -46,6 +46,15 @@ def test_single_row_tensor_is_the_pooling_row(pooling):
                                     providers=["CPUExecutionProvider"])
         (out,) = sess.run(None, {"probs": rows.numpy(), "attention_mask": mask.numpy()})
         assert np.abs(out - expected.numpy()).max() <= 1e-6
+        # The native kernel (plugins/) follows the same Q == 1 rule.
+        from attncal.runtime import oplib
+
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(oplib.build_library()))
+        sess = ort.InferenceSession(single_op_model(op_spec(cfg.resolve(), 0)).SerializeToString(), so,
+                                    providers=["CPUExecutionProvider"])
+        (out,) = sess.run(None, {"probs": rows.numpy(), "attention_mask": mask.numpy()})
+        assert np.abs(out - expected.numpy()).max() <= 1e-6
 
 
 def fused(path: Path) -> collections.Counter:

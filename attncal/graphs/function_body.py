@@ -120,7 +120,8 @@ def _body(b: _Builder, all_rows: bool) -> str:
     E = b.op("Cast", b.op("Equal", b.op("Unsqueeze", b.op("Unsqueeze", pos, ax0), ax_last), ends), to=f32)
     ones_col = b.op("Expand", one_f, b.op("Concat", b.op("Shape", rel), b.axes(1), axis=0))  # [B,K,1]
     P_read = b.op("Unsqueeze", b.op("Concat", P, E, axis=2), ax1)  # [B,1,K,n+2]
-    P_write = b.op("Unsqueeze", b.op("Transpose", b.op("Concat", P, ones_col, axis=2), perm=[0, 2, 1]), ax1)
+    P_ext = b.op("Concat", P, ones_col, axis=2)  # [B,K,n+1]
+    P_write = b.op("Unsqueeze", b.op("Transpose", P_ext, perm=[0, 2, 1]), ax1)  # [B,1,n+1,K]
 
     # --- the rows to calibrate: x [B,H,R,K] (R = 1 for the pooling row, Q for all rows)
     if all_rows:
@@ -182,11 +183,17 @@ def _body(b: _Builder, all_rows: bool) -> str:
     coef = b.op("Concat", b.op("Where", row_active, mult, zero_f), keep_col, axis=-1)  # [B,H,R,n+1]
     out = b.op("Mul", x, b.op("MatMul", coef, P_write))
     # Isolated tokens: out = λ·share·norm + (1-λ)·z at their position, in calibrated rows only.
-    out_shape = b.op("Shape", out)
-    idx_shape = b.op("Concat", b.op("Slice", out_shape, b.axes(0), b.axes(3)), b.axes(1), axis=0)
+    # Each ScatterElements is the only reader of `out`, so ONNX Runtime updates it in place; the value
+    # kept in other rows is recomputed from small tensors (x·M at that key, bit-identical to `out`).
+    idx_shape = b.op("Concat", b.op("Shape", coef, end=3), b.axes(1), axis=0)
+    n_ext = b.op("Gather", b.op("Shape", P_ext), two_i, axis=0)
     for iso, s, p, z_p in ((iso_f, s_f, start_c, z_first), (iso_l, s_l, end_c, z_last)):
         idx = b.op("Expand", b.op("Unsqueeze", p, ax_12), idx_shape)  # [B,H,R,1]
-        current = b.op("GatherElements", out, idx, axis=3)
+        p_row = b.op("GatherElements", P_ext, b.op("Expand", b.op("Unsqueeze", p, ax_last),
+                                                     b.op("Concat", b.op("Shape", p), b.op("Unsqueeze", n_ext, ax0),
+                                                          axis=0)), axis=1)  # [B,1,n+1]
+        m_at = b.op("ReduceSum", b.op("Mul", coef, b.op("Unsqueeze", p_row, ax1)), ax_last, keepdims=1)
+        current = b.op("Mul", z_p, m_at)
         value = b.op("Add", b.op("Mul", b.op("Mul", lam, s), norm), b.op("Mul", one_minus, z_p))
         use = b.op("And", row_active, b.op("Equal", iso, one_i))
         out = b.op("ScatterElements", out, idx, b.op("Where", use, value, current), axis=3)

@@ -1,0 +1,157 @@
+"""Build and locate the native plugins (plugins/): the ONNX Runtime custom-op
+library, the CUDA kernel and, where TensorRT is installed, the TensorRT plugin.
+
+There is one build entry point, CMake (plugins/CMakeLists.txt); this module
+drives it so that tests, `make plugins` and benchmarks share one build directory
+(default: <repo>/build/plugins, git-ignored) and repeated runs reuse it.  The
+ORT library is CPU-only when no CUDA compiler is found and CPU+CUDA when nvcc
+is present.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Literal, Sequence
+
+ORT_LIBRARY = "libattncal_ort.so"
+CUDA_LIBRARY = "libattncal_cuda.so"
+TRT_LIBRARY = "libattncal_trt_plugin.so"
+BUILD_INFO = "attncal_build.json"
+
+_REPO = Path(__file__).resolve().parents[2]
+PLUGINS_DIR = _REPO / "plugins"
+
+
+class BuildError(RuntimeError):
+    """The native build failed; the message ends with the tail of the build log."""
+
+
+def default_build_dir() -> Path:
+    """$ATTNCAL_PLUGIN_BUILD_DIR, else <repo>/build/plugins."""
+    env = os.environ.get("ATTNCAL_PLUGIN_BUILD_DIR")
+    return Path(env) if env else _REPO / "build" / "plugins"
+
+
+def default_library_path() -> Path | None:
+    """The ORT custom-op library: $ATTNCAL_ORT_LIBRARY if set, else the default
+    build's library; None when neither exists (nothing is built here)."""
+    env = os.environ.get("ATTNCAL_ORT_LIBRARY")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    lib = default_build_dir() / ORT_LIBRARY
+    return lib if lib.is_file() else None
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, or under $CUDA_HOME / /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def build_info(build_dir: str | os.PathLike | None = None) -> dict | None:
+    """What the last build in `build_dir` produced: {"ort", "cuda", "cuda_archs", "tensorrt"}."""
+    path = Path(build_dir or default_build_dir()) / BUILD_INFO
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@contextmanager
+def _locked(build_dir: Path) -> Iterator[None]:
+    """Serialises concurrent builds of one directory (parallel test workers)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".attncal-build.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run(cmd: Sequence[str], log: Path, quiet: bool) -> None:
+    if not quiet:
+        print("+", " ".join(cmd), flush=True)
+    with open(log, "a") as fh:
+        proc = subprocess.run(list(cmd), stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT,
+                              text=True)
+        if proc.stdout:
+            fh.write(proc.stdout)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-25:])
+        raise BuildError(f"{cmd[0]} failed (exit {proc.returncode}); see {log}:\n{tail}")
+
+
+def build_library(
+    build_dir: str | os.PathLike | None = None,
+    *,
+    cuda: Literal["auto", "on", "off"] = "auto",
+    ort: bool = True,
+    tensorrt: Literal["auto", "on", "off"] = "auto",
+    cuda_archs: Sequence[int] = (80, 90),
+    jobs: int = 2,
+    quiet: bool = True,
+) -> Path:
+    """Configure and build plugins/ with CMake; return the ORT library's path
+    (or the CUDA library's when `ort=False`).  Incremental: a second call only
+    re-runs what changed.  Needs cmake and a C++17 compiler; the first build
+    fetches the ONNX Runtime headers with npm (see plugins/cmake/OrtHeaders.cmake)."""
+    if cuda not in ("auto", "on", "off") or tensorrt not in ("auto", "on", "off"):
+        raise ValueError("cuda and tensorrt must be 'auto', 'on' or 'off'")
+    if not ort and cuda == "off":
+        raise ValueError("nothing to build: ort=False and cuda='off'")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise BuildError("cmake was not found on PATH; it is needed to build plugins/")
+    out = Path(build_dir or default_build_dir()).resolve()
+    with _locked(out):
+        log = out / "build.log"
+        log.write_text("")
+        configure = [
+            cmake, "-S", str(PLUGINS_DIR), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
+            f"-DATTNCAL_WITH_ORT={'ON' if ort else 'OFF'}",
+            f"-DATTNCAL_WITH_CUDA={cuda.upper()}",
+            f"-DATTNCAL_WITH_TENSORRT={tensorrt.upper()}",
+            f"-DATTNCAL_CUDA_ARCHS={';'.join(str(a) for a in cuda_archs)}",
+            "-DATTNCAL_ORT_HEADER_CACHE=" + str(_REPO / "build" / "ort-headers"),
+        ]
+        nvcc = find_nvcc()
+        if nvcc and cuda != "off":
+            configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        _run(configure, log, quiet)
+        _run([cmake, "--build", str(out), "-j", str(max(1, jobs))], log, quiet)
+    lib = out / (ORT_LIBRARY if ort else CUDA_LIBRARY)
+    if not lib.is_file():
+        raise BuildError(f"the build finished but {lib} is missing; see {log}")
+    return lib
+
+
+def compile_cuda_kernel(out: str | os.PathLike, archs: Sequence[int] = (80, 90), nvcc: str | None = None) -> Path:
+    """Compile plugins/kernels/calibration_cuda.cu alone into a shared library
+    with nvcc (no CMake, no ONNX Runtime headers): what benchmarks/gpu_check.py
+    loads through ctypes on a GPU machine.  Written to a temp name, then renamed."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc was not found (PATH, $CUDA_HOME, /usr/local/cuda)")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    cmd = [nvcc, "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart=static",
+           "-I", str(PLUGINS_DIR / "kernels")]
+    for a in archs:
+        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    cmd += [str(PLUGINS_DIR / "kernels" / "calibration_cuda.cu"), "-o", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise BuildError(f"nvcc failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    os.replace(tmp, out)
+    return out

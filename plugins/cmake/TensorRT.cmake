@@ -1,0 +1,30 @@
+# Finds TensorRT headers and libraries: TensorRT_ROOT (cache or environment),
+# the system include/lib dirs, or the pip wheels (tensorrt_libs holds the
+# libraries; headers must come from TensorRT_ROOT or the system).
+function(attncal_find_tensorrt found_var inc_var lib_var)
+  set(hints "")
+  if(TensorRT_ROOT)
+    list(APPEND hints "${TensorRT_ROOT}")
+  endif()
+  if(DEFINED ENV{TensorRT_ROOT})
+    list(APPEND hints "$ENV{TensorRT_ROOT}")
+  endif()
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(Python3_Interpreter_FOUND)
+    execute_process(COMMAND "${Python3_EXECUTABLE}" -c
+                            "import os, tensorrt_libs; print(os.path.dirname(tensorrt_libs.__file__))"
+                    OUTPUT_VARIABLE wheel_libs OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE rc)
+    if(rc EQUAL 0)
+      list(APPEND hints "${wheel_libs}")
+    endif()
+  endif()
+  find_path(TRT_INCLUDE NvInfer.h HINTS ${hints} PATH_SUFFIXES include NO_CACHE)
+  find_library(TRT_NVINFER NAMES nvinfer nvinfer_10 libnvinfer.so.10 HINTS ${hints} PATH_SUFFIXES lib lib64 NO_CACHE)
+  if(TRT_INCLUDE AND TRT_NVINFER)
+    set(${found_var} TRUE PARENT_SCOPE)
+    set(${inc_var} "${TRT_INCLUDE}" PARENT_SCOPE)
+    set(${lib_var} "${TRT_NVINFER}" PARENT_SCOPE)
+  else()
+    set(${found_var} FALSE PARENT_SCOPE)
+  endif()
+endfunction()

@@ -1,0 +1,223 @@
+// TensorRT IPluginV3 plugin for the calibration op: a thin adapter over the
+// CUDA launcher (kernels/calibration_cuda.h).  Two creators per op type, with
+// the op's name and version "1": one in namespace "" (what the ONNX parser
+// looks up by default) and one in namespace "ai.attncal" (the op's domain, for
+// nodes that carry plugin_namespace="ai.attncal").  TensorRT >= 10.7 prefers a
+// registered plugin over the model-local function of the same op name.
+//
+// NOT BUILT OR TESTED IN CI: TensorRT cannot be installed where this project is
+// built; CMake compiles this file only when TensorRT headers and libs are found.
+#include <NvInferRuntime.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "calibration_cuda.h"
+
+using namespace nvinfer1;
+
+namespace {
+
+constexpr char const* kVersion = "1";
+constexpr char const* kDomain = "ai.attncal";
+
+struct FieldSpec {
+  char const* name;
+  bool is_float;
+};
+constexpr FieldSpec kFields[] = {{"pool_last", false},    {"basket_size", false},  {"strength", true},
+                                 {"isolate_first", false}, {"isolate_last", false}, {"first_mode", false},
+                                 {"last_mode", false},     {"first_weight", true},  {"last_weight", true},
+                                 {"skip_short", false},    {"layer", false}};
+
+int32_t* int_slot(AttncalParams& p, char const* name) {
+  if (!strcmp(name, "pool_last")) return &p.pool_last;
+  if (!strcmp(name, "basket_size")) return &p.basket_size;
+  if (!strcmp(name, "isolate_first")) return &p.isolate_first;
+  if (!strcmp(name, "isolate_last")) return &p.isolate_last;
+  if (!strcmp(name, "first_mode")) return &p.first_mode;
+  if (!strcmp(name, "last_mode")) return &p.last_mode;
+  if (!strcmp(name, "skip_short")) return &p.skip_short;
+  return nullptr;
+}
+
+float* float_slot(AttncalParams& p, char const* name) {
+  if (!strcmp(name, "strength")) return &p.strength;
+  if (!strcmp(name, "first_weight")) return &p.first_weight;
+  if (!strcmp(name, "last_weight")) return &p.last_weight;
+  return nullptr;
+}
+
+// Reads the attributes whatever numeric width the parser used; false on a
+// missing/ill-typed field or invalid values.
+bool parse_fields(PluginFieldCollection const* fc, bool all_rows, AttncalParams* out) {
+  AttncalParams p{};
+  p.all_rows = all_rows;
+  int seen = 0;
+  for (int32_t i = 0; fc && i < fc->nbFields; ++i) {
+    PluginField const& f = fc->fields[i];
+    if (f.length < 1 || f.data == nullptr) continue;
+    double v;
+    switch (f.type) {
+      case PluginFieldType::kINT32: v = *static_cast<int32_t const*>(f.data); break;
+      case PluginFieldType::kINT64: v = static_cast<double>(*static_cast<int64_t const*>(f.data)); break;
+      case PluginFieldType::kFLOAT32: v = *static_cast<float const*>(f.data); break;
+      case PluginFieldType::kFLOAT64: v = *static_cast<double const*>(f.data); break;
+      default: continue;
+    }
+    if (int32_t* s = int_slot(p, f.name)) {
+      *s = static_cast<int32_t>(v);
+      ++seen;
+    } else if (float* s = float_slot(p, f.name)) {
+      *s = static_cast<float>(v);
+      ++seen;
+    }
+  }
+  if (seen < (all_rows ? 9 : 10)) return false;
+  if (attncal_validate_params(&p, nullptr, 0) != ATTNCAL_OK) return false;
+  *out = p;
+  return true;
+}
+
+class CalibrationPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuild, public IPluginV3OneRuntime {
+ public:
+  CalibrationPlugin(std::string name, std::string ns, AttncalParams p) : name_(std::move(name)), ns_(std::move(ns)), p_(p) {
+    int i = 0;
+    for (FieldSpec const& fs : kFields) {
+      if (p_.all_rows && !strcmp(fs.name, "pool_last")) continue;
+      if (!strcmp(fs.name, "layer")) continue;
+      if (fs.is_float) {
+        fields_[i++] = PluginField(fs.name, float_slot(p_, fs.name), PluginFieldType::kFLOAT32, 1);
+      } else {
+        fields_[i++] = PluginField(fs.name, int_slot(p_, fs.name), PluginFieldType::kINT32, 1);
+      }
+    }
+    fc_.nbFields = i;
+    fc_.fields = fields_;
+  }
+
+  // IPluginV3
+  IPluginCapability* getCapabilityInterface(PluginCapabilityType type) noexcept override {
+    switch (type) {
+      case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
+      case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
+      case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
+    }
+    return nullptr;
+  }
+  IPluginV3* clone() noexcept override { return new (std::nothrow) CalibrationPlugin(name_, ns_, p_); }
+
+  // IPluginV3OneCore
+  char const* getPluginName() const noexcept override { return name_.c_str(); }
+  char const* getPluginVersion() const noexcept override { return kVersion; }
+  char const* getPluginNamespace() const noexcept override { return ns_.c_str(); }
+
+  // IPluginV3OneBuild
+  int32_t configurePlugin(DynamicPluginTensorDesc const*, int32_t nbInputs, DynamicPluginTensorDesc const*,
+                          int32_t nbOutputs) noexcept override {
+    return nbInputs == 2 && nbOutputs == 1 ? 0 : -1;
+  }
+  int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
+                             int32_t nbInputs) const noexcept override {
+    if (nbOutputs != 1 || nbInputs != 2) return -1;
+    outputTypes[0] = inputTypes[0];
+    return 0;
+  }
+  int32_t getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* outputs,
+                          int32_t nbOutputs, IExprBuilder&) noexcept override {
+    if (nbInputs != 2 || nbOutputs != 1 || inputs[0].nbDims != 4 || inputs[1].nbDims != 2) return -1;
+    outputs[0] = inputs[0];
+    return 0;
+  }
+  bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t, int32_t) noexcept override {
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (d.format != TensorFormat::kLINEAR) return false;
+    if (pos == 0) return d.type == DataType::kFLOAT || d.type == DataType::kHALF;
+    if (pos == 1) return d.type == DataType::kINT64;
+    return d.type == inOut[0].desc.type;  // output
+  }
+  int32_t getNbOutputs() const noexcept override { return 1; }
+  size_t getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t, DynamicPluginTensorDesc const*,
+                          int32_t) const noexcept override {
+    return attncal_cuda_workspace_bytes(inputs[0].max.d[0]);
+  }
+
+  // IPluginV3OneRuntime
+  int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const*, int32_t) noexcept override {
+    if (nbInputs != 2 || in[0].dims.nbDims != 4 || in[1].dims.nbDims != 2) return -1;
+    if (in[1].dims.d[0] != in[0].dims.d[0] || in[1].dims.d[1] != in[0].dims.d[3]) return -1;
+    return 0;
+  }
+  int32_t enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*, void const* const* inputs,
+                  void* const* outputs, void* workspace, cudaStream_t stream) noexcept override {
+    Dims const& d = inputDesc[0].dims;
+    const int dtype = inputDesc[0].type == DataType::kHALF ? ATTNCAL_DTYPE_FLOAT16 : ATTNCAL_DTYPE_FLOAT32;
+    return attncal_cuda_calibrate(dtype, inputs[0], outputs[0], static_cast<int64_t const*>(inputs[1]), d.d[0], d.d[1],
+                                  d.d[2], d.d[3], &p_, workspace, stream);
+  }
+  IPluginV3* attachToContext(IPluginResourceContext*) noexcept override { return clone(); }
+  PluginFieldCollection const* getFieldsToSerialize() noexcept override { return &fc_; }
+
+ private:
+  std::string name_, ns_;
+  AttncalParams p_;
+  PluginField fields_[16];
+  PluginFieldCollection fc_{};
+};
+
+class CalibrationCreator : public IPluginCreatorV3One {
+ public:
+  CalibrationCreator(char const* op, char const* ns) : op_(op), ns_(ns), all_rows_(!strcmp(op, "AllRowsCalibration")) {
+    for (FieldSpec const& fs : kFields) {
+      if (all_rows_ && !strcmp(fs.name, "pool_last")) continue;
+      names_.emplace_back(fs.name, nullptr, fs.is_float ? PluginFieldType::kFLOAT32 : PluginFieldType::kINT32, 1);
+    }
+    fc_.nbFields = static_cast<int32_t>(names_.size());
+    fc_.fields = names_.data();
+  }
+  IPluginV3* createPlugin(char const* name, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
+    AttncalParams p;
+    if (!parse_fields(fc, all_rows_, &p)) return nullptr;  // missing or invalid attributes
+    (void)name;
+    return new (std::nothrow) CalibrationPlugin(op_, ns_, p);
+  }
+  PluginFieldCollection const* getFieldNames() noexcept override { return &fc_; }
+  char const* getPluginName() const noexcept override { return op_.c_str(); }
+  char const* getPluginVersion() const noexcept override { return kVersion; }
+  char const* getPluginNamespace() const noexcept override { return ns_.c_str(); }
+
+ private:
+  std::string op_, ns_;
+  bool all_rows_;
+  std::vector<PluginField> names_;
+  PluginFieldCollection fc_{};
+};
+
+}  // namespace
+
+// Entry points for IPluginRegistry::loadLibrary / trtexec --dynamicPlugins.
+extern "C" __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder*) {}
+
+extern "C" __attribute__((visibility("default"))) IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
+  static CalibrationCreator pooled_default("PooledRowCalibration", ""), all_default("AllRowsCalibration", "");
+  static CalibrationCreator pooled_domain("PooledRowCalibration", kDomain), all_domain("AllRowsCalibration", kDomain);
+  static IPluginCreatorInterface* const creators[] = {&pooled_default, &all_default, &pooled_domain, &all_domain};
+  nbCreators = 4;
+  return creators;
+}
+
+// Static registration when the library is simply loaded (trtexec --staticPlugins, ctypes.CDLL in polygraphy).
+namespace {
+struct RegisterOnLoad {
+  RegisterOnLoad() {
+    int32_t n = 0;
+    IPluginCreatorInterface* const* list = getCreators(n);
+    IPluginRegistry* registry = getPluginRegistry();
+    for (int32_t i = 0; registry != nullptr && i < n; ++i) {
+      auto* c = static_cast<CalibrationCreator*>(list[i]);
+      registry->registerCreator(*list[i], c->getPluginNamespace());
+    }
+  }
+} g_register_on_load;
+}  // namespace
