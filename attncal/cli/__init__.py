@@ -70,13 +70,14 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def _commands() -> list[tuple[str, str, Callable]]:
-    from . import bench, check, demo, export, inspect
+    from . import bench, check, demo, eval, export, inspect
 
     return [
         ("export", "export an encoder to ONNX with the calibration op", export),
         ("check", "check an export's embeddings against the PyTorch reference", check),
         ("inspect", "list the calibrated layers of an export", inspect),
         ("bench", "latency, throughput and peak memory of calibrated vs uncalibrated engines", bench),
+        ("eval", "measure position bias and retrieval effect of calibration configs", eval),
         ("demo", "export the embedded default model calibrated and not, check and compare them", demo),
     ]
 

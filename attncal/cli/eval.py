@@ -1,0 +1,153 @@
+"""Measure position bias and the retrieval effect of calibration configs (nDCG@10 per position group, HM, PSI).
+
+Examples:
+  attncal eval default --data my-data --strength 0,0.5,1 --out results/
+  attncal eval my-model --data beir-dir --configs grid.yaml --baselines sea --out results/
+  attncal eval --make-synthetic posq-demo            # write the small synthetic set and stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import CLIError, add_calibration_args, config_from_args
+
+DEFAULT_STRENGTHS = "0,0.25,0.5,0.75,1"
+
+
+def _strengths(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values:
+        raise argparse.ArgumentTypeError("the list of strengths is empty")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (__doc__ or "").split("\n", 1)[1]
+    p.add_argument("model", nargs="?", help="model directory, 'default', or an attncal export directory "
+                   "(an export evaluates its stored calibration only)")
+    p.add_argument("--data", help="dataset directory (FineWeb-PosQ or PosIR/BEIR layout; see README)")
+    p.add_argument("--configs", help="YAML file: a list of calibration config mappings (optional 'name' each)")
+    p.add_argument("--baselines", default="", help="comma-separated baselines: sea (Segment Embed Average)")
+    p.add_argument("--out", help="output directory for results.md, results.json and the plots")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
+    p.add_argument("--cache", default=str(Path.home() / ".cache" / "attncal" / "eval"),
+                   help="embedding cache directory (default %(default)s)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the embedding cache")
+    p.add_argument("--split", default="test", help="qrels split for the BEIR layout (default %(default)s)")
+    p.add_argument("--position-groups", type=int, default=3, help="equal-width position groups (default thirds)")
+    p.add_argument("--length-buckets", type=_ints, default=None,
+                   help="also report by relevant-document length, e.g. 128,256 (token edges)")
+    p.add_argument("--top-k", type=int, default=100, help="exact search depth (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
+    p.add_argument("--sea-chunk-tokens", type=int, default=128, help="SEA chunk size in tokens (default %(default)s)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--make-synthetic", metavar="DIR",
+                   help="write the small synthetic position-controlled set to DIR; with a MODEL, evaluate on it")
+    p.add_argument("--synthetic-per-class", type=int, default=30, help="passages per position class (default 30)")
+    p.add_argument("--synthetic-words", type=int, default=200, help="words per synthetic passage (default 200)")
+    add_calibration_args(p)
+    for action in p._actions:  # eval sweeps λ: --strength takes a comma-separated list here
+        if action.dest == "strength":
+            action.type = _strengths
+            action.default = None
+            action.help = f"comma-separated strengths λ to sweep (default {DEFAULT_STRENGTHS})"
+
+
+def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
+    """Configs and optional names from a YAML list of mappings (or a mapping with a 'configs' list)."""
+    import yaml
+
+    from ..calibration.config import CalibrationConfig
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: config grid not found")
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ValueError(f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    if isinstance(doc, dict) and "configs" in doc:
+        doc = doc["configs"]
+    if not isinstance(doc, list) or not doc:
+        raise ValueError(f"{path}: expected a non-empty list of calibration config mappings")
+    configs, names = [], []
+    for i, item in enumerate(doc, 1):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: item {i} is not a mapping")
+        item = dict(item)
+        names.append(item.pop("name", None))
+        try:
+            configs.append(CalibrationConfig.from_dict(item))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: item {i}: {exc}") from None
+    return configs, names
+
+
+def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None]:
+    from ..eval.report import config_label
+
+    if args.configs:
+        if args.strength is not None:
+            raise CLIError("--configs and --strength are exclusive; put the strengths in the YAML file")
+        configs, names = load_grid(args.configs)
+        return configs, [n or config_label(c) for n, c in zip(names, configs)]
+    configs = []
+    for s in args.strength or _strengths(DEFAULT_STRENGTHS):
+        ns = argparse.Namespace(**vars(args))
+        ns.strength = s
+        configs.append(config_from_args(ns))
+    return configs, None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..eval import EvalOptions, evaluate, load_dataset, write_synthetic
+
+    if args.make_synthetic:
+        write_synthetic(args.make_synthetic, n_per_class=args.synthetic_per_class, words=args.synthetic_words)
+        print(f"wrote the synthetic set ({3 * args.synthetic_per_class} passages) to {args.make_synthetic}")
+        if args.model is None:
+            return 0
+        if args.data is not None:
+            raise CLIError("--data and --make-synthetic are exclusive when a MODEL is given")
+        args.data = args.make_synthetic
+    if args.model is None or args.data is None:
+        raise CLIError("give MODEL and --data DIR (or --make-synthetic DIR)")
+    from ..eval.runner import is_export
+
+    if is_export(args.model) and (args.configs or args.strength is not None):
+        raise CLIError(f"{args.model} is an export: only its stored calibration can be evaluated; "
+                       "drop --configs/--strength or pass the model directory")
+    configs, labels = ([], None) if is_export(args.model) else _configs_from_args(args)
+    data = load_dataset(args.data, split=args.split, n_groups=args.position_groups)
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    opts = EvalOptions(configs=configs, labels=labels, baselines=baselines, top_k=args.top_k,
+                       batch_size=args.batch_size, max_length=args.max_length,
+                       cache_dir=None if args.no_cache else args.cache, length_buckets=args.length_buckets,
+                       sea_chunk_tokens=args.sea_chunk_tokens, plots=not args.no_plots)
+    results = evaluate(args.model, data, opts, out=args.out, overwrite=args.overwrite)
+    from ..eval.report import markdown_table
+
+    sys.stdout.write(markdown_table(results["rows"], data.groups))
+    for n in results["notes"]:
+        print(f"note: {n}")
+    if args.out:
+        print(f"wrote {args.out} (results.md, results.json{', plots' if not args.no_plots else ''}) "
+              f"in {results['seconds']} s")
+    return 0

@@ -1,0 +1,311 @@
+"""`evaluate`: encode, search, score and write the report for a list of calibration configs.
+
+Queries are never calibrated (calibration is an indexing-time change), so they
+are encoded once with the uncalibrated model and reused for every config.
+The uncalibrated corpus is always evaluated too: every config is reported as
+a delta against it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..calibration.config import CalibrationConfig
+from .data import Dataset
+from .encoders import Backend, EncodeCache, OnnxBackend, TorchBackend, chunker_id, segment_embed_average
+from .metrics import group_scores
+from .report import config_label, markdown_table, plot_groups_vs_strength
+
+BASELINES = ("sea",)
+TOP_K = 100
+
+
+@dataclass
+class EvalOptions:
+    configs: list[CalibrationConfig] = field(default_factory=list)
+    labels: list[str] | None = None
+    baselines: Sequence[str] = ()
+    top_k: int = TOP_K
+    batch_size: int = 32
+    max_length: int | None = None
+    cache_dir: str | Path | None = None
+    length_buckets: Sequence[int] | None = None
+    sea_chunk_tokens: int = 128
+    plots: bool = True
+
+
+def exact_search(
+    q: np.ndarray, c: np.ndarray, qids: Sequence[str], dids: Sequence[str], k: int
+) -> dict[str, dict[str, float]]:
+    """Top-k documents per query by dot product of L2-normalised embeddings (cosine), exact."""
+    def norm(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float32)
+        return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+    scores = norm(q) @ norm(c).T
+    k = min(k, scores.shape[1])
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    return {qid: {dids[j]: float(scores[i, j]) for j in top[i]} for i, qid in enumerate(qids)}
+
+
+def is_export(path: str | Path) -> bool:
+    from ..export.exporter import METADATA_FILE
+
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+def open_backends(
+    model: str, opts: EvalOptions, query_texts: Sequence[str]
+) -> tuple[Backend, Backend | None, list[str]]:
+    """(corpus backend, uncalibrated backend or None, notes).
+
+    For an export the uncalibrated side comes from its source model when that is
+    still on disk; otherwise a calibrated export may encode the queries only if
+    calibration provably leaves them unchanged (all shorter than one basket with
+    skip_short), and no uncalibrated row can be reported.
+    """
+    notes: list[str] = []
+    if not is_export(model):
+        b = TorchBackend(model, batch_size=opts.batch_size, max_length=opts.max_length)
+        return b, b, notes
+    onnx = OnnxBackend(model, batch_size=opts.batch_size)
+    if onnx.stored is None:
+        return onnx, onnx, notes
+    src = onnx.meta.get("source_model")
+    if src and Path(src).is_dir():
+        notes.append(f"queries and the uncalibrated row are encoded in PyTorch from the export's source model {src}")
+        return onnx, TorchBackend(src, batch_size=opts.batch_size, max_length=onnx.max_length), notes
+    from .encoders import content_lengths
+
+    rc = onnx.stored.resolve()
+    longest = max(content_lengths(onnx, query_texts)) - rc.n_isolated
+    if rc.skip_short and longest < rc.basket_size:
+        notes.append(f"the export's source model is not on disk; queries (at most {longest} content tokens, less than "
+                     f"one basket of {rc.basket_size}) are encoded by the export, which leaves them uncalibrated; "
+                     "no uncalibrated corpus row")
+        return onnx, None, notes
+    raise ValueError(
+        f"{model}: the export is calibrated and its source model {src!r} is not on disk, so queries cannot be "
+        f"encoded uncalibrated (the longest query has {longest} content tokens >= one basket of {rc.basket_size}); "
+        "pass the model directory instead"
+    )
+
+
+def _length_bucket_of(lengths: dict[str, int], edges: Sequence[int]) -> dict[str, str]:
+    names = [f"<{edges[0]}"] + [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:])] + [f">={edges[-1]}"]
+    return {d: names[int(np.searchsorted(edges, n, side="right"))] for d, n in lengths.items()}
+
+
+def _scores_dict(data: Dataset, run: dict, qids: Sequence[str], bucket_of_query: dict[str, str] | None) -> dict:
+    qrels = {q: data.qrels[q] for q in qids}
+    out = {"scores": group_scores(qrels, run, data.group, data.groups).to_dict()}
+    if bucket_of_query:
+        by = {}
+        for b in dict.fromkeys(bucket_of_query[q] for q in qids):
+            sub = [q for q in qids if bucket_of_query[q] == b]
+            by[b] = group_scores({q: qrels[q] for q in sub}, run, data.group, data.groups).to_dict()
+        out["by_length"] = by
+    return out
+
+
+def _delta(s: dict, base: dict | None) -> dict | None:
+    if base is None:
+        return None
+
+    def d(a, b):
+        return None if a is None or b is None else a - b
+
+    out = {f"group_{g}": d(s["groups"].get(g), base["groups"].get(g)) for g in base["groups"]}
+    for k in ("hm", "psi", "ndcg10", "recall10"):
+        out[k] = d(s[k], base[k])
+    return out
+
+
+def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | None = None,
+             overwrite: bool = False) -> dict:
+    """Run the evaluation; write the report to `out` (atomically) when given. Returns results.json's content."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    unknown = sorted(set(opts.baselines) - set(BASELINES))
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {', '.join(unknown)}; available: {', '.join(BASELINES)}")
+    if opts.top_k < 10:
+        raise ValueError(f"top-k must be >= 10 for nDCG@10, got {opts.top_k}")
+    if opts.length_buckets is not None:
+        edges = list(opts.length_buckets)
+        if not edges or edges != sorted(set(edges)) or edges[0] < 1:
+            raise ValueError(f"length buckets must be increasing positive token counts, got {edges}")
+    out_path = Path(out) if out is not None else None
+    if out_path is not None and out_path.exists() and any(out_path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_path} exists and is not empty; pass --overwrite to replace it")
+    qids = data.query_ids()
+    if not qids:
+        raise ValueError(f"{data.name}: no query has both a relevant document and a position group")
+    q_texts = [data.queries[q] for q in qids]
+    dids = list(data.corpus)
+    d_texts = [data.corpus[d] for d in dids]
+    backend, plain, notes = open_backends(model, opts, q_texts)
+    notes = list(data.notes) + notes
+    configs = list(opts.configs)
+    labels = list(opts.labels) if opts.labels else [config_label(c) for c in configs]
+    if isinstance(backend, OnnxBackend):
+        if not configs:
+            configs = [backend.stored] if backend.stored is not None else []
+            labels = [config_label(CalibrationConfig.from_dict(backend.meta["config"]))] if configs else []
+        notes.append("an export evaluates its stored calibration only; pass the model directory to sweep configs")
+    if plain is None and "sea" in opts.baselines:
+        raise ValueError("the SEA baseline needs an uncalibrated encoder; pass the model directory instead")
+    cache = EncodeCache(opts.cache_dir)
+    fp = data.fingerprint()
+    q_enc = plain if plain is not None else backend
+    q_emb = cache.get_or_encode(q_enc, None, _hash_texts(q_texts), "queries",
+                                lambda: q_enc.encode(q_texts, None, desc="encode queries"))
+    bucket_of_query = None
+    if opts.length_buckets:
+        rel_doc = {q: next(iter(data.qrels[q])) for q in qids}
+        tok = q_enc.tokenizer(d_texts, truncation=False, verbose=False)
+        lengths = {d: len(ids) for d, ids in zip(dids, tok["input_ids"])}
+        bucket_doc = _length_bucket_of(lengths, list(opts.length_buckets))
+        bucket_of_query = {q: bucket_doc[rel_doc[q]] for q in qids}
+
+    rows: list[dict] = []
+    jobs: list[tuple[str, str, CalibrationConfig | None, Backend]] = []
+    if plain is not None:
+        jobs.append(("uncalibrated", "uncalibrated", None, plain))
+    jobs += [("calibrated", lab, cfg, backend) for lab, cfg in zip(labels, configs)]
+    if "sea" in opts.baselines:
+        jobs.append(("baseline", f"SEA ({opts.sea_chunk_tokens}-token chunks)", None, plain))
+    chunker = None
+    for kind, label, cfg, b in tqdm(jobs, desc="configs", unit="config"):
+        if kind == "baseline":
+            holder: dict = {}
+
+            def compute() -> np.ndarray:
+                emb, holder["chunker"] = segment_embed_average(b, d_texts, opts.sea_chunk_tokens)
+                return emb
+
+            emb = cache.get_or_encode(b, None, fp, f"sea-{chunker_id()}-{opts.sea_chunk_tokens}", compute)
+            chunker = holder.get("chunker", f"{chunker_id()} ({opts.sea_chunk_tokens} tokens, cached)")
+        else:
+            def encode_corpus(b=b, cfg=cfg, label=label) -> np.ndarray:
+                return b.encode(d_texts, cfg, desc=f"encode corpus {label}")
+
+            emb = cache.get_or_encode(b, cfg, fp, "corpus", encode_corpus)
+        run = exact_search(q_emb, emb, qids, dids, opts.top_k)
+        row = {"label": label, "kind": kind, "config": None if cfg is None else b.bind(cfg).to_dict()}
+        row.update(_scores_dict(data, run, qids, bucket_of_query))
+        rows.append(row)
+    base = next((r["scores"] for r in rows if r["kind"] == "uncalibrated"), None)
+    for r in rows:
+        r["delta"] = None if r["kind"] == "uncalibrated" else _delta(r["scores"], base)
+    results = {
+        "model": str(model),
+        "backend": backend.kind,
+        "dataset": {
+            "name": data.name, "layout": data.layout, "passages": len(dids), "queries": len(qids),
+            "queries_per_group": {g: sum(1 for q in qids if data.group[q] == g) for g in data.groups},
+        },
+        "groups": list(data.groups),
+        "top_k": opts.top_k,
+        "metrics": {"library": "ir-measures", "measures": ["nDCG@10", "R@10"], "relevance": "binary",
+                    "hm": "harmonic mean of group nDCG@10", "psi": "1 - min/max of group nDCG@10"},
+        "rows": rows,
+        "sea_chunker": chunker,
+        "cache": {"dir": None if cache.root is None else str(cache.root), "hits": cache.hits, "misses": cache.misses},
+        "notes": notes,
+        "versions": _versions(),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if out_path is not None:
+        _write(out_path, results, data, backend, plain, configs, labels, opts)
+    return results
+
+
+def _hash_texts(texts: Sequence[str]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("attncal", "ir-measures", "torch", "transformers", "onnxruntime", "chonkie"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _example_passage(data: Dataset) -> str:
+    last = data.groups[-1]
+    docs = [d for q, g in data.group.items() if g == last and q in data.qrels for d in data.qrels[q]]
+    docs = docs or list(data.corpus)
+    return max((data.corpus[d] for d in docs), key=len)
+
+
+def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Backend | None,
+           configs: list[CalibrationConfig], labels: list[str], opts: EvalOptions) -> None:
+    from ..export.exporter import commit_dir
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        rows = results["rows"]
+        text = [f"# attncal eval: {data.name} ({data.layout}, {results['dataset']['passages']} passages, "
+                f"{results['dataset']['queries']} queries)\n\n",
+                f"Model `{results['model']}` ({backend.kind}); exact top-{opts.top_k} search; nDCG@10 per position "
+                "group (binary relevance), HM = harmonic mean of the groups, PSI = 1 - min/max, "
+                "ΔHM against the uncalibrated model.\n\n",
+                markdown_table(rows, data.groups)]
+        if rows and "by_length" in rows[0]:
+            for b in rows[0]["by_length"]:
+                sub = [dict(r, scores=r["by_length"].get(b)) for r in rows]
+                text += [f"\n## Relevant document length {b} tokens\n\n", markdown_table(sub, data.groups)]
+        if results["notes"]:
+            text.append("\n" + "\n".join(f"- {n}" for n in results["notes"]) + "\n")
+        results["plots"] = {}
+        if opts.plots:
+            if any(r["kind"] == "calibrated" for r in rows):
+                plot_groups_vs_strength(rows, data.groups, tmp / "ndcg_vs_strength.png")
+                results["plots"]["ndcg_vs_strength"] = "ndcg_vs_strength.png"
+            torch_enc = plain if isinstance(plain, TorchBackend) else None
+            if torch_enc is not None and configs:
+                from .attention import basket_mass, plot_basket_mass
+
+                i = max(range(len(configs)), key=lambda j: configs[j].strength)
+                mass = basket_mass(torch_enc.encoder, _example_passage(data), configs[i])
+                plot_basket_mass(mass, labels[i], tmp / "attention_baskets.png")
+                results["plots"]["attention_baskets"] = "attention_baskets.png"
+                results["attention_example"] = dict(mass.to_dict(), config=labels[i])
+        (tmp / "results.md").write_text("".join(text), encoding="utf-8")
+        (tmp / "results.json").write_text(json.dumps(results, indent=2, default=_json_default), encoding="utf-8")
+        tmp.chmod(0o755)
+        commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
