@@ -37,7 +37,7 @@ def test_two_engine_one_shape_run_writes_json_table_and_plots(tiny_models, tmp_p
         (["--engines", "ort,onnx-magic"], "unknown engine(s) onnx-magic"),
         (["--seq", "128,abc"], "--seq must be a comma-separated list of integers"),
         (["--batch", "0"], "--batch must list integers >= 1"),
-        (["--seq", "100000"], "exceeds the model's max length 256"),
+        (["--seq", "100000"], "exceeds the model's 256 positions"),
         (["--repeats", "0"], "--repeats must be >= 1"),
     ],
 )

@@ -20,6 +20,17 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def _position_limit(info) -> int | None:
+    """How many tokens the model can take (its position table; the ST max length may be lower)."""
+    cfg = json.loads((info.path / "config.json").read_text())
+    n = cfg.get("max_position_embeddings")
+    if n is None:
+        return None
+    if info.model_type == "xlm-roberta":
+        n -= int(cfg.get("pad_token_id", 1)) + 1
+    return int(n)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..bench.engines import DEFAULT_ENGINES, ENGINES
 
@@ -72,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
             model = Path(json.loads((model / "attncal.json").read_text())["source_model"])
         name = str(model)
     info = load_model_info(model)
-    if info.max_seq_length is not None and max(seqs) > info.max_seq_length:
-        raise CLIError(f"--seq {max(seqs)} exceeds the model's max length {info.max_seq_length}")
+    limit = _position_limit(info)
+    if limit is not None and max(seqs) > limit:
+        raise CLIError(f"--seq {max(seqs)} exceeds the model's {limit} positions")
     pooling = info.pooling if config.pooling == "auto" else config.pooling
     config = config.with_pooling(pooling)
     config.layer_indices(info.num_layers)
