@@ -64,17 +64,11 @@ def run_engine(model, batch, engine: str):
             return model(**batch).last_hidden_state
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def memory_child(engine: str, batch: int, seq: int, threads: int) -> None:
     """Subprocess body: one warm-up forward, then one measured forward."""
     import torch
+
+    from attncal.bench.harness import _status_kib
 
     torch.set_num_threads(threads)
     model = build_model(seq)
