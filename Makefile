@@ -7,26 +7,36 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncal-installed
 OVERLAY := $(VENV)/loader-overlay
+# Triton's Python-backend stub needs numpy < 2, so the server gets its own environment (no torch).
+TRITON_VENV  ?= .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.attncal-installed
+export ATTNCAL_TRITON_ENV := $(abspath $(TRITON_VENV))
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test bench-core plugins gpu-check install clean
+.PHONY: demo test bench-core plugins gpu-check serving-env install clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml tests/loaders/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -m pip install -q -e '.[test,demo,serving]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
 	@touch $(STAMP)
+
+$(TRITON_STAMP): $(STAMP) attncal/serving/requirements-triton.txt
+	$(PY) -m attncal.serving.env --env $(TRITON_VENV)
+	@touch $(TRITON_STAMP)
+
+serving-env: $(TRITON_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/attncal demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: $(STAMP) $(TRITON_STAMP)
+	ATTNCAL_REQUIRE_SERVING=1 $(PY) -m pytest -q
 
 # Native kernels: the ORT custom-op library (CPU, + CUDA when nvcc is present), and the TensorRT
 # plugin where TensorRT is found. The tests build it on demand too.
@@ -41,4 +51,4 @@ bench-core: $(STAMP)
 	$(PY) benchmarks/calibration_overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRITON_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -70,7 +70,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def _commands() -> list[tuple[str, str, Callable]]:
-    from . import bench, check, demo, eval, export, inspect
+    from . import bench, check, demo, eval, export, inspect, serve, triton_repo
 
     return [
         ("export", "export an encoder to ONNX with the calibration op", export),
@@ -78,6 +78,8 @@ def _commands() -> list[tuple[str, str, Callable]]:
         ("inspect", "list the calibrated layers of an export", inspect),
         ("bench", "latency, throughput and peak memory of calibrated vs uncalibrated engines", bench),
         ("eval", "measure position bias and retrieval effect of calibration configs", eval),
+        ("triton-repo", "generate a Triton model repository from an export", triton_repo),
+        ("serve", "serve a model repository with Triton Inference Server", serve),
         ("demo", "export the embedded default model calibrated and not, check and compare them", demo),
     ]
 

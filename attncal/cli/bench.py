@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=None,
                    help="model directory, an attncal export (its source model is used) or 'default'")
+    p.add_argument("--triton", default=None, metavar="REPO_OR_URL",
+                   help="bench served models instead: a model repository (a server is started on loopback ports) "
+                        "or a running server's host:grpc_port")
+    p.add_argument("--names", default=None, help="with --triton: comma-separated model names (default: all attncal models)")
+    p.add_argument("--concurrency", default="1,4,16", help="with --triton: client concurrency levels (default %(default)s)")
     p.add_argument("--synthetic", choices=("long",), default=None,
                    help="bench a random-weight XLM-R-shaped encoder with 8194 positions instead of MODEL")
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
@@ -49,8 +54,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_calibration_args(p)
 
 
+def run_triton(args: argparse.Namespace) -> int:
+    from ..serving.bench import bench_triton, format_table
+
+    conc = _int_list(args.concurrency, "--concurrency")
+    names = [n.strip() for n in args.names.split(",") if n.strip()] if args.names else None
+    result = bench_triton(args.triton, names, concurrency=conc)
+    table = format_table(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".triton.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out / "triton.json")
+    (out / "triton.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench.engines import ENGINES, Workspace, build_exports
+
+    if args.triton:
+        return run_triton(args)
     from ..bench.harness import machine_info, run_bench
     from ..bench.report import write_results
     from ..modelinfo import load_model_info, resolve_model_path

@@ -1,0 +1,302 @@
+"""Generate a Triton model repository from an `attncal export` directory.
+
+For an export and a NAME it writes three models:
+
+- `NAME-tokenizer`: Python backend, UTF-8 text -> the encoder's int64 inputs;
+- `NAME-encoder`: the ONNX encoder, in one of three backends
+  (`python`: ONNX Runtime inside the Python backend, the variant this project's
+  server runs; `onnxruntime`: Triton's ORT backend; `tensorrt`: a plan the user
+  builds with the attncal TensorRT plugin);
+- `NAME`: an ensemble of the two; clients send text, get `sentence_embedding`.
+
+Several exports (calibrated and not) share one repository under different
+names.  The three models are built in a temporary directory beside REPO and
+renamed in, so a failure never leaves a half-written model, and models already
+in REPO are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import pbtxt
+from .pbtxt import Enum
+
+BACKENDS = ("python", "onnxruntime", "tensorrt")
+KINDS = ("cpu", "gpu")
+TEXT_INPUT = "text"
+EMBEDDING_OUTPUT = "sentence_embedding"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_TEMPLATES = Path(__file__).parent / "models"
+
+
+@dataclass
+class RepoOptions:
+    name: str | None = None  # default: the export directory's name
+    max_batch: int = 64
+    instances: int = 1
+    backend: str = "python"
+    kind: str = "cpu"
+    with_tokenizer: bool = True
+    max_queue_delay_us: int = 2000
+    intra_op_threads: int = 0  # 0 = ONNX Runtime's default
+    custom_op_library: str | None = None  # path on the serving machine
+    overwrite: bool = False
+
+
+def model_names(name: str, with_tokenizer: bool = True) -> dict[str, str]:
+    """The repository entries one export occupies."""
+    names = {"encoder": f"{name}-encoder"}
+    if with_tokenizer:
+        names.update(tokenizer=f"{name}-tokenizer", ensemble=name)
+    return names
+
+
+def _preferred(max_batch: int) -> list[int]:
+    sizes = [s for s in (4, 8, 16, 32, 64, 128, 256) if s <= max_batch]
+    return sizes[-3:] or [max_batch]
+
+
+def _onnx_signature(onnx_file: Path) -> tuple[list[str], int | None, str]:
+    """(input names, embedding dimension if static, embedding element type) of the exported graph."""
+    import onnx
+
+    graph = onnx.load(str(onnx_file), load_external_data=False).graph
+    inputs = [i.name for i in graph.input]
+    out = next((o for o in graph.output if o.name == EMBEDDING_OUTPUT), None)
+    if out is None:
+        raise ValueError(f"{onnx_file} has no {EMBEDDING_OUTPUT!r} output; is it an attncal export?")
+    dims = out.type.tensor_type.shape.dim
+    dim = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+    etype = "TYPE_FP16" if out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else "TYPE_FP32"
+    return inputs, dim, etype
+
+
+def _read_export(out_dir: Path) -> dict:
+    from ..export.exporter import METADATA_FILE, ONNX_FILE, ONNX_SUBDIR
+
+    if not out_dir.is_dir():
+        raise FileNotFoundError(f"export directory {out_dir} not found")
+    meta_file = out_dir / METADATA_FILE
+    onnx_file = out_dir / ONNX_SUBDIR / ONNX_FILE
+    for f in (meta_file, onnx_file):
+        if not f.exists():
+            raise FileNotFoundError(f"{out_dir} is not an attncal export: {f.relative_to(out_dir)} is missing")
+    meta = json.loads(meta_file.read_text())
+    inputs, dim, etype = _onnx_signature(onnx_file)
+    if dim is None:
+        cfg = out_dir / "config.json"
+        dim = int(json.loads(cfg.read_text())["hidden_size"]) if cfg.exists() else None
+    if not dim:
+        raise ValueError(f"cannot tell the embedding size of {onnx_file}")
+    return {"meta": meta, "onnx": onnx_file, "inputs": inputs, "dim": dim, "etype": etype}
+
+
+def _pad_token_id(out_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    return int(tok.pad_token_id if tok.pad_token_id is not None else 0)
+
+
+def _params(**kv) -> list[dict]:
+    return [{"key": k, "value": {"string_value": str(v)}} for k, v in kv.items() if v is not None]
+
+
+def _instance_group(opts: RepoOptions) -> list[dict]:
+    return [{"count": opts.instances, "kind": Enum("KIND_GPU" if opts.kind == "gpu" else "KIND_CPU")}]
+
+
+def _batching(opts: RepoOptions) -> dict:
+    return {"preferred_batch_size": _preferred(opts.max_batch), "max_queue_delay_microseconds": opts.max_queue_delay_us}
+
+
+def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int) -> dict:
+    ragged = opts.backend == "python"  # only the Python model re-pads requests of different lengths
+    inputs = [{"name": n, "data_type": Enum("TYPE_INT64"), "dims": [-1], "allow_ragged_batch": True if ragged else None}
+              for n in exp["inputs"]]
+    etype = "TYPE_FP32" if opts.backend == "python" else exp["etype"]
+    cfg: dict = {"name": name, "max_batch_size": opts.max_batch, "input": inputs,
+                 "output": [{"name": EMBEDDING_OUTPUT, "data_type": Enum(etype), "dims": [exp["dim"]]}],
+                 "dynamic_batching": _batching(opts), "instance_group": _instance_group(opts)}
+    meta = exp["meta"]
+    if opts.backend == "python":
+        cfg = {"name": name, "backend": "python", **{k: v for k, v in cfg.items() if k != "name"}}
+        cfg["parameters"] = _params(intra_op_threads=opts.intra_op_threads, custom_op_library=opts.custom_op_library,
+                                    padding_side=meta.get("padding_side", "right"), pad_token_id=pad_id,
+                                    onnx_file="model.onnx")
+    elif opts.backend == "onnxruntime":
+        cfg = {"name": name, "platform": "onnxruntime_onnx", "default_model_filename": "model.onnx",
+               **{k: v for k, v in cfg.items() if k != "name"}}
+        if opts.intra_op_threads:
+            cfg["parameters"] = _params(intra_op_thread_count=opts.intra_op_threads)
+        if opts.custom_op_library:
+            cfg["model_operations"] = {"op_library_filename": [opts.custom_op_library]}
+    else:
+        cfg = {"name": name, "platform": "tensorrt_plan", "default_model_filename": "model.plan",
+               **{k: v for k, v in cfg.items() if k != "name"}}
+    return cfg
+
+
+def tokenizer_config(name: str, exp: dict, opts: RepoOptions) -> dict:
+    meta = exp["meta"]
+    max_len = meta.get("max_seq_length")
+    # Backends that batch only same-shape requests get fixed-length inputs.
+    padding = "longest" if opts.backend == "python" else "max_length"
+    if padding == "max_length" and not max_len:
+        raise ValueError("the export has no max_seq_length; the onnxruntime/tensorrt variants need one")
+    return {
+        "name": name, "backend": "python", "max_batch_size": opts.max_batch,
+        "input": [{"name": TEXT_INPUT, "data_type": Enum("TYPE_STRING"), "dims": [1]}],
+        "output": [{"name": n, "data_type": Enum("TYPE_INT64"), "dims": [-1]} for n in exp["inputs"]],
+        "dynamic_batching": _batching(opts),
+        "instance_group": [{"count": opts.instances, "kind": Enum("KIND_CPU")}],
+        "parameters": _params(max_length=max_len, padding_side=meta.get("padding_side", "right"), padding=padding),
+    }
+
+
+def ensemble_config(names: dict[str, str], exp: dict, opts: RepoOptions, etype: str) -> dict:
+    return {
+        "name": names["ensemble"], "platform": "ensemble", "max_batch_size": opts.max_batch,
+        "input": [{"name": TEXT_INPUT, "data_type": Enum("TYPE_STRING"), "dims": [1]}],
+        "output": [{"name": EMBEDDING_OUTPUT, "data_type": Enum(etype), "dims": [exp["dim"]]}],
+        "ensemble_scheduling": {"step": [
+            {"model_name": names["tokenizer"], "model_version": -1,
+             "input_map": [{"key": TEXT_INPUT, "value": TEXT_INPUT}],
+             "output_map": [{"key": n, "value": f"_{n}"} for n in exp["inputs"]]},
+            {"model_name": names["encoder"], "model_version": -1,
+             "input_map": [{"key": n, "value": f"_{n}"} for n in exp["inputs"]],
+             "output_map": [{"key": EMBEDDING_OUTPUT, "value": EMBEDDING_OUTPUT}]},
+        ]},
+    }
+
+
+_TENSORRT_README = """\
+This encoder uses Triton's TensorRT backend; attncal does not build the plan.
+Build it from the ONNX file with the attncal TensorRT plugin, for example:
+
+  trtexec --onnx=model.onnx --saveEngine=1/model.plan --staticPlugins=/path/libattncal_trt.so \\
+    --minShapes={mins} --optShapes={opts} --maxShapes={maxs}
+
+and start Triton with the plugin loaded:
+
+  tritonserver --model-repository=REPO --backend-config=tensorrt,plugins=/path/libattncal_trt.so
+
+The tokenizer pads every text to {max_len} tokens, so the plan needs that length.
+"""
+
+
+def _write_model(root: Path, config: dict) -> Path:
+    text = pbtxt.dumps(config)
+    pbtxt.validate(text)  # strict schema check when tritonclient is installed
+    model_dir = root / config["name"]
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(text)
+    return model_dir
+
+
+def _copy_onnx(exp: dict, dest: Path) -> None:
+    shutil.copy2(exp["onnx"], dest / "model.onnx")
+    data = exp["onnx"].with_name(exp["onnx"].name + "_data")
+    if data.exists():
+        shutil.copy2(data, dest / data.name)
+
+
+def _copy_tokenizer(out_dir: Path, dest: Path) -> None:
+    from ..export.exporter import METADATA_FILE
+
+    dest.mkdir(parents=True)
+    for f in out_dir.iterdir():
+        if f.is_file() and f.name != METADATA_FILE and not f.name.startswith("."):
+            shutil.copy2(f, dest / f.name)
+
+
+def discover(repo: str | os.PathLike) -> dict[str, bool]:
+    """{client-facing model name: calibrated?} for every attncal export in `repo`."""
+    found = {}
+    for meta_file in sorted(Path(repo).glob("*/attncal.json")):
+        meta = json.loads(meta_file.read_text())
+        tri = meta.get("triton", {})
+        name = tri.get("name") if tri.get("with_tokenizer") else meta_file.parent.name
+        if name:
+            found[name] = bool(meta.get("calibrated"))
+    return found
+
+
+def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: RepoOptions | None = None) -> dict:
+    """Write the models for export `out_dir` into `repo`; returns {role: model name}."""
+    opts = opts or RepoOptions()
+    out_dir, repo = Path(out_dir), Path(repo)
+    name = opts.name or out_dir.resolve().name
+    if not _NAME_RE.match(name):
+        raise ValueError(f"model name {name!r}: use letters, digits, '_', '-', '.'")
+    if opts.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {opts.backend!r}")
+    if opts.kind not in KINDS:
+        raise ValueError(f"kind must be cpu or gpu, not {opts.kind!r}")
+    if not 1 <= opts.max_batch <= 4096:
+        raise ValueError(f"--max-batch must be in [1, 4096], got {opts.max_batch}")
+    if opts.instances < 1:
+        raise ValueError(f"--instances must be >= 1, got {opts.instances}")
+    if opts.backend == "tensorrt" and opts.kind != "gpu":
+        raise ValueError("the tensorrt backend runs on GPU only: pass --kind gpu")
+    if opts.custom_op_library and opts.backend == "tensorrt":
+        raise ValueError("--custom-op-library is an ONNX Runtime library; TensorRT takes its plugin via "
+                         "--backend-config=tensorrt,plugins=... at server start")
+    if repo.exists() and not repo.is_dir():
+        raise FileExistsError(f"repository path {repo} exists and is a file")
+    exp = _read_export(out_dir)
+    names = model_names(name, opts.with_tokenizer)
+    clashes = [n for n in names.values() if (repo / n).exists()]
+    if clashes and not opts.overwrite:
+        raise FileExistsError(f"{repo} already holds {', '.join(clashes)}; pass --overwrite or pick another --name")
+
+    repo.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.attncal-", dir=repo.parent))
+    try:
+        enc_cfg = encoder_config(names["encoder"], exp, opts, _pad_token_id(out_dir))
+        enc_dir = _write_model(tmp, enc_cfg)
+        # Provenance for `discover`/`bench_triton`; Triton ignores extra files in a model directory.
+        (enc_dir / "attncal.json").write_text(json.dumps({**exp["meta"], "triton": {
+            "name": name, "backend": opts.backend, "with_tokenizer": opts.with_tokenizer}}, indent=2))
+        if opts.backend == "python":
+            shutil.copy2(_TEMPLATES / "encoder_model.py", enc_dir / "1" / "model.py")
+            _copy_onnx(exp, enc_dir / "1")
+        elif opts.backend == "onnxruntime":
+            _copy_onnx(exp, enc_dir / "1")
+        else:
+            _copy_onnx(exp, enc_dir)  # the user builds 1/model.plan from it
+            L, B = exp["meta"].get("max_seq_length"), opts.max_batch
+            shape = lambda b: ",".join(f"{n}:{b}x{L}" for n in exp["inputs"])  # noqa: E731
+            (enc_dir / "README.txt").write_text(_TENSORRT_README.format(
+                mins=shape(1), opts=shape(max(1, B // 2)), maxs=shape(B), max_len=L))
+        if opts.with_tokenizer:
+            tok_dir = _write_model(tmp, tokenizer_config(names["tokenizer"], exp, opts))
+            shutil.copy2(_TEMPLATES / "tokenizer_model.py", tok_dir / "1" / "model.py")
+            _copy_tokenizer(out_dir, tok_dir / "1" / "tokenizer")
+            _write_model(tmp, ensemble_config(names, exp, opts, enc_cfg["output"][0]["data_type"]))
+        moved: list[tuple[Path, Path | None]] = []
+        try:
+            for n in names.values():
+                target = repo / n
+                old = None
+                if target.exists():
+                    old = tmp / f".old-{n}"
+                    os.replace(target, old)
+                os.replace(tmp / n, target)
+                moved.append((target, old))
+        except OSError:
+            for target, old in reversed(moved):  # put the repository back as it was
+                shutil.rmtree(target, ignore_errors=True)
+                if old is not None:
+                    os.replace(old, target)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names

@@ -1,0 +1,441 @@
+"""Triton serving: repository generation, a real server (the pytriton-bundled tritonserver),
+parity over HTTP and gRPC, load, faults, restart, and the `serve` CLI.
+
+Server tests need the serving env (.venv-triton, see attncal/serving/env.py); they are
+skipped with the reason when it is missing, unless ATTNCAL_REQUIRE_SERVING=1 (set by
+`make test`), which turns the skip into a failure.  Servers bind 127.0.0.1 on free ports
+and are stopped by PID; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attncal.serving import pbtxt
+from attncal.serving.env import ServingEnvError, check_env
+from attncal.serving.repository import RepoOptions, build_repository, discover
+from attncal.serving.server import TritonServer, diagnose, free_port
+
+tritonclient = pytest.importorskip("tritonclient")
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+MAX_LEN = 64
+MAX_BATCH = 16
+TOL = 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env_or_skip():
+    try:
+        return check_env()
+    except ServingEnvError as exc:
+        if os.environ.get("ATTNCAL_REQUIRE_SERVING") == "1":
+            pytest.fail(f"serving env required but unusable: {exc}")
+        pytest.skip(f"serving env unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    from attncal.calibration.config import CalibrationConfig
+    from attncal.export.exporter import ExportOptions, export
+    from attncal.synthetic import save_synthetic_model
+
+    root = tmp_path_factory.mktemp("serving")
+    model = save_synthetic_model("bert", root / "m", seed=3, max_positions=128, max_seq_length=MAX_LEN)
+    cal = root / "cal"
+    raw = root / "raw"
+    export(str(model), cal, ExportOptions(config=CalibrationConfig(basket_size=4, strength=1.0),
+                                          exporter="torchscript", check=False), quiet=True)
+    export(str(model), raw, ExportOptions(calibrate=False, exporter="torchscript", check=False), quiet=True)
+    return {"cal": cal, "raw": raw, "root": root}
+
+
+@pytest.fixture(scope="module")
+def encoders(exports):
+    from attncal.runtime.encoder import Encoder
+
+    return {n: Encoder(exports[n], providers=["CPUExecutionProvider"]) for n in ("cal", "raw")}
+
+
+@pytest.fixture(scope="module")
+def repo(exports):
+    path = exports["root"] / "repo"
+    build_repository(exports["cal"], path, RepoOptions(name="cal", max_batch=MAX_BATCH, max_queue_delay_us=5000))
+    build_repository(exports["raw"], path, RepoOptions(name="raw", max_batch=MAX_BATCH, max_queue_delay_us=5000))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    _env_or_skip()
+    s = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    s.start()
+    try:
+        s.wait_ready(150)
+        yield s
+    finally:
+        s.stop()
+
+
+TEXTS = ["a", "hello world", "the quick brown fox jumps over the lazy dog",
+         "calibrated attention " * 5, "naïve café — 東京 ✓"]
+
+
+def _http_embed(url, model, texts, timeout=20.0):
+    c = httpclient.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout)
+    try:
+        arr = np.array([[t.encode() if isinstance(t, str) else t] for t in texts], dtype=object)
+        inp = httpclient.InferInput("text", list(arr.shape), "BYTES")
+        inp.set_data_from_numpy(arr)
+        return c.infer(model, [inp]).as_numpy("sentence_embedding")
+    finally:
+        c.close()
+
+
+def _grpc_infer(url, model, arr, datatype="BYTES", timeout=20.0):
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        inp = grpcclient.InferInput("text", list(arr.shape), datatype)
+        inp.set_data_from_numpy(arr)
+        return c.infer(model, [inp], client_timeout=timeout).as_numpy("sentence_embedding")
+    finally:
+        c.close()
+
+
+def _grpc_embed(url, model, texts, timeout=20.0):
+    return _grpc_infer(url, model, np.array([[t.encode()] for t in texts], dtype=object), timeout=timeout)
+
+
+# -- repository generation (no server) ------------------------------------------------------------
+
+def _configs(path: Path) -> dict:
+    return {p.parent.name: pbtxt.validate(p.read_text(), required=True) for p in path.glob("*/config.pbtxt")}
+
+
+def test_repository_configs_follow_triton_schema(exports, tmp_path):
+    from google.protobuf.json_format import MessageToDict
+
+    lib = "/opt/attncal/libattncal_ort.so"
+    build_repository(exports["cal"], tmp_path / "py", RepoOptions(name="e", instances=2))
+    build_repository(exports["cal"], tmp_path / "ort", RepoOptions(name="e", backend="onnxruntime",
+                                                                   custom_op_library=lib, kind="gpu"))
+    build_repository(exports["cal"], tmp_path / "trt", RepoOptions(name="e", backend="tensorrt", kind="gpu"))
+    for variant, platform in (("py", None), ("ort", "onnxruntime_onnx"), ("trt", "tensorrt_plan")):
+        cfgs = _configs(tmp_path / variant)
+        assert set(cfgs) == {"e", "e-tokenizer", "e-encoder"}
+        enc, tok, ens = cfgs["e-encoder"], cfgs["e-tokenizer"], cfgs["e"]
+        if platform is None:
+            assert enc.backend == "python" and (tmp_path / variant / "e-encoder/1/model.py").exists()
+            assert all(i.allow_ragged_batch for i in enc.input)
+            assert enc.instance_group[0].count == 2 and enc.instance_group[0].kind == enc.instance_group[0].KIND_CPU
+        else:
+            assert enc.platform == platform and not any(i.allow_ragged_batch for i in enc.input)
+            assert enc.instance_group[0].kind == enc.instance_group[0].KIND_GPU
+        assert enc.max_batch_size == 64 and list(enc.dynamic_batching.preferred_batch_size) == [16, 32, 64]
+        assert enc.dynamic_batching.max_queue_delay_microseconds > 0
+        assert [i.name for i in enc.input] == ["input_ids", "attention_mask", "token_type_ids"]
+        assert enc.output[0].name == "sentence_embedding" and list(enc.output[0].dims) == [32]
+        # the ensemble wires text -> tokenizer -> encoder with matching names
+        steps = ens.ensemble_scheduling.step
+        assert ens.platform == "ensemble" and [s.model_name for s in steps] == ["e-tokenizer", "e-encoder"]
+        assert set(steps[0].output_map) == {i.name for i in enc.input} == {o.name for o in tok.output}
+        assert set(steps[0].output_map.values()) == set(steps[1].input_map.values())
+        from tritonclient.grpc import model_config_pb2 as mc
+        assert ens.input[0].data_type == mc.TYPE_STRING and tok.input[0].name == "text"
+        params = {k: v.string_value for k, v in tok.parameters.items()}
+        assert params["max_length"] == str(MAX_LEN) and params["padding_side"] == "right"
+        assert params["padding"] == ("longest" if platform is None else "max_length")
+        assert (tmp_path / variant / "e-tokenizer/1/tokenizer/tokenizer.json").exists()
+        assert MessageToDict(ens)  # round-trips
+    ort = _configs(tmp_path / "ort")["e-encoder"]
+    assert list(ort.model_operations.op_library_filename) == [lib]
+    assert (tmp_path / "ort/e-encoder/1/model.onnx").exists()
+    assert "plugins=" in (tmp_path / "trt/e-encoder/README.txt").read_text()
+    assert _configs(tmp_path / "trt")["e-encoder"].default_model_filename == "model.plan"
+
+
+def test_repository_side_by_side_and_input_errors(exports, tmp_path):
+    repo = tmp_path / "r"
+    build_repository(exports["cal"], repo, RepoOptions(name="cal"))
+    before = (repo / "cal-encoder/config.pbtxt").read_text()
+    build_repository(exports["raw"], repo, RepoOptions(name="raw"))
+    assert discover(repo) == {"cal": True, "raw": False}
+    assert (repo / "cal-encoder/config.pbtxt").read_text() == before
+    with pytest.raises(FileExistsError, match="already holds cal"):
+        build_repository(exports["raw"], repo, RepoOptions(name="cal"))
+    assert discover(repo) == {"cal": True, "raw": False}  # untouched by the refused write
+    build_repository(exports["raw"], repo, RepoOptions(name="cal", overwrite=True))
+    assert discover(repo) == {"cal": False, "raw": False}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+    with pytest.raises(FileNotFoundError, match="not an attncal export"):
+        build_repository(exports["root"] / "m", repo, RepoOptions(name="x"))
+    with pytest.raises(ValueError, match="model name"):
+        build_repository(exports["cal"], repo, RepoOptions(name="bad name"))
+    with pytest.raises(ValueError, match="GPU only"):
+        build_repository(exports["cal"], repo, RepoOptions(name="t", backend="tensorrt"))
+    with pytest.raises(ValueError, match="invalid Triton model config"):
+        pbtxt.validate('name: "x"\nbackend: "python"\nmax_batch_sise: 4\n', required=True)
+
+
+def test_triton_repo_cli(exports, tmp_path, capsys):
+    from attncal.cli import triton_repo
+
+    p = argparse.ArgumentParser()
+    triton_repo.add_arguments(p)
+    args = p.parse_args([str(exports["cal"]), "-o", str(tmp_path / "r"), "--name", "c", "--no-tokenizer",
+                         "--backend", "onnxruntime", "--max-batch", "8"])
+    assert triton_repo.run(args) == 0
+    assert sorted(x.name for x in (tmp_path / "r").iterdir()) == ["c-encoder"]
+    assert "c-encoder" in capsys.readouterr().out
+    assert _configs(tmp_path / "r")["c-encoder"].max_batch_size == 8
+
+
+def test_env_problems_are_named(tmp_path):
+    with pytest.raises(ServingEnvError, match="no serving environment"):
+        check_env(tmp_path / "nowhere")
+    if (ROOT / ".venv/bin/python").exists():  # the main env: numpy 2 and no pytriton
+        with pytest.raises(ServingEnvError, match="lacks nvidia-pytriton"):
+            check_env(ROOT / ".venv")
+    assert "numpy < 2" in diagnose("E1129 pb_stub.cc] output tensor shape does not match")
+    assert "libpython" in diagnose("Fatal Python error: init_fs_encoding\nNo module named 'encodings'")
+
+
+# -- the real server ---------------------------------------------------------------------------------
+
+def test_parity_http_and_grpc(server, encoders):
+    long_text = "x" * (MAX_LEN * 40)  # far beyond max length: truncated, as the source model does
+    texts = TEXTS + [long_text]
+    got = {}
+    for name in ("cal", "raw"):
+        ref = encoders[name].encode(texts)
+        for proto, fn, url in (("http", _http_embed, server.http_url), ("grpc", _grpc_embed, server.grpc_url)):
+            emb = fn(url, name, texts)
+            assert emb.shape == ref.shape and emb.dtype == np.float32
+            assert np.abs(emb - ref).max() <= TOL, (name, proto, np.abs(emb - ref).max())
+            got[name] = emb
+    assert np.abs(got["cal"] - got["raw"]).max() > 1e-3  # the calibrated model is the one served
+
+
+def test_load_dynamic_batching(server, encoders):
+    from attncal.synthetic import synthetic_text
+
+    pool = [synthetic_text(n, seed=n) for n in range(5, 200, 6)]
+    expected = {n: encoders[n].encode(pool) for n in ("cal", "raw")}
+    clients, per_client = 16, 50
+    errors: list[str] = []
+    wrong: list[float] = []
+    done = [0] * clients
+    barrier = threading.Barrier(clients)
+
+    def worker(k: int) -> None:
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            barrier.wait(timeout=30)
+            for r in range(per_client):
+                name = "cal" if (k + r) % 2 else "raw"
+                i = (k * 7 + r * 3) % len(pool)
+                arr = np.array([[pool[i].encode()]], dtype=object)
+                inp = grpcclient.InferInput("text", [1, 1], "BYTES")
+                inp.set_data_from_numpy(arr)
+                try:
+                    emb = c.infer(name, [inp], client_timeout=30).as_numpy("sentence_embedding")[0]
+                except InferenceServerException as exc:
+                    errors.append(str(exc))
+                    continue
+                err = float(np.abs(emb - expected[name][i]).max())
+                if err > TOL:
+                    wrong.append(err)
+                done[k] += 1
+        finally:
+            c.close()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    elapsed = time.monotonic() - t0
+    assert not any(t.is_alive() for t in threads), "load clients did not finish in time"
+    assert errors == [] and wrong == []
+    assert sum(done) == clients * per_client
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        sizes = {}
+        for m in ("cal-encoder", "raw-encoder"):
+            stats = c.get_inference_statistics(model_name=m, as_json=True)["model_stats"][0]
+            sizes[m] = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats["batch_stats"]}
+    finally:
+        c.close()
+    print(f"\nload: {sum(done)} requests in {elapsed:.1f} s ({sum(done) / elapsed:.0f} req/s); "
+          f"encoder batch sizes {sizes}")
+    for m, hist in sizes.items():
+        assert max(hist) > 1, f"{m} never batched: {hist}"
+
+
+def test_faults_get_errors_and_server_keeps_serving(server, encoders):
+    url = server.grpc_url
+    good = encoders["cal"].encode(["still fine"])
+
+    def still_serving():
+        assert np.abs(_grpc_embed(url, "cal", ["still fine"]) - good).max() <= TOL
+
+    faults = {
+        "wrong dtype": lambda: _grpc_infer(url, "cal", np.array([[1], [2]], dtype=np.int32), datatype="INT32"),
+        "wrong shape": lambda: _grpc_infer(url, "cal", np.array([[b"a", b"b"]], dtype=object)),
+        "empty batch": lambda: _grpc_infer(url, "cal", np.zeros((0, 1), dtype=object)),
+        "empty string": lambda: _grpc_embed(url, "cal", ["ok", ""]),
+        "non-UTF-8": lambda: _grpc_infer(url, "cal", np.array([[b"ok"], [b"\xff\xfe\x80"]], dtype=object)),
+        "batch above max": lambda: _grpc_embed(url, "cal", ["t"] * (MAX_BATCH + 1)),
+        "http non-UTF-8": lambda: _http_embed(server.http_url, "cal", [b"\xc3\x28"]),
+    }
+    messages = {}
+    for what, call in faults.items():
+        with pytest.raises(InferenceServerException) as info:
+            call()
+        messages[what] = str(info.value)
+        still_serving()
+    assert "UTF-8" in messages["non-UTF-8"] and "empty" in messages["empty string"]
+    # far beyond max length is not a fault: truncated exactly like the local encoder
+    long_text = "y " * 5000
+    assert np.abs(_grpc_embed(url, "cal", [long_text]) - encoders["cal"].encode([long_text])).max() <= TOL
+    assert server.running()
+
+
+# -- `attncal serve`, kill and restart ------------------------------------------------------------------
+
+def _serve_cmd(repo, ports):
+    code = ("import sys, argparse\nfrom attncal.cli import CLIError, serve\np = argparse.ArgumentParser()\n"
+            "serve.add_arguments(p)\ntry:\n    sys.exit(serve.run(p.parse_args(sys.argv[1:])))\n"
+            "except CLIError as e:\n    print(f'error: {e}', flush=True)\n    sys.exit(e.code)\n")
+    return [sys.executable, "-c", code, str(repo), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+            "--metrics-port", str(ports[2]), "--ready-timeout", "120"]
+
+
+def _start_cli(repo, ports):
+    proc = subprocess.Popen(_serve_cmd(repo, ports), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def reader():
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready:" in line:
+                ready.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    deadline = time.monotonic() + 150
+    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not ready.is_set():
+        proc.kill()
+        pytest.fail("attncal serve did not become ready: " + "".join(lines[-20:]))
+    time.sleep(0.3)  # let the model list print
+    pid = int(re.search(r"tritonserver \(pid (\d+)", "".join(lines)).group(1))
+    return proc, pid, lines
+
+
+def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
+    """True once no process is left in group `pgid` (killed members may take a moment to be reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_serve_cli_kill_restart_and_sigterm(exports, encoders, tmp_path):
+    _env_or_skip()
+    repo = tmp_path / "r"
+    build_repository(exports["raw"], repo, RepoOptions(name="raw", max_batch=MAX_BATCH))
+    ports = (free_port(), free_port(), free_port())
+    url = f"127.0.0.1:{ports[1]}"
+    proc, pid, lines = _start_cli(repo, ports)
+    try:
+        text = "".join(lines)
+        assert "raw-encoder v1 READY" in text and "raw-tokenizer v1 READY" in text and "127.0.0.1" in text
+        ref = encoders["raw"].encode(["restart me"])
+        outcomes: list[tuple[str, float]] = []
+        stop = threading.Event()
+
+        def loader():
+            c = grpcclient.InferenceServerClient(url)
+            try:
+                for _ in range(400):
+                    if stop.is_set():
+                        break
+                    t0 = time.monotonic()
+                    try:
+                        _ = c.infer("raw", [_inp(["restart me"])], client_timeout=5)
+                        outcomes.append(("ok", time.monotonic() - t0))
+                    except InferenceServerException:
+                        outcomes.append(("error", time.monotonic() - t0))
+                        time.sleep(0.05)
+            finally:
+                c.close()
+
+        def _inp(texts):
+            arr = np.array([[t.encode()] for t in texts], dtype=object)
+            i = grpcclient.InferInput("text", list(arr.shape), "BYTES")
+            i.set_data_from_numpy(arr)
+            return i
+
+        threads = [threading.Thread(target=loader, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        os.kill(pid, signal.SIGKILL)  # mid-load
+        time.sleep(1.5)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "a client hung after the server died"
+        oks = [d for o, d in outcomes if o == "ok"]
+        errs = [d for o, d in outcomes if o == "error"]
+        assert oks and errs, (len(oks), len(errs))
+        assert max(errs) < 6.0  # clean errors within the client timeout, no hang
+        assert proc.wait(timeout=30) == 1  # the CLI notices the server died
+        assert "exited unexpectedly" in "".join(lines)
+        assert _group_gone(pid), "a Python stub outlived the killed server"
+
+        proc, pid, lines = _start_cli(repo, ports)  # restart on the same ports
+        assert np.abs(_grpc_embed(url, "raw", ["restart me"]) - ref).max() <= TOL
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        out = "".join(lines)
+        assert "stopped (tritonserver status 0)" in out
+        assert _group_gone(pid), "a Python stub outlived the stopped server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_bench_triton_smoke(server):
+    from attncal.serving.bench import bench_triton, format_table
+
+    res = bench_triton(server.grpc_url, ["cal", "raw"], baseline="raw", concurrency=(1, 4),
+                       requests_per_client=5, rounds=2, warmup=2, show_progress=False)
+    assert {(r["model"], r["concurrency"]) for r in res["rows"]} == {(m, c) for m in ("cal", "raw") for c in (1, 4)}
+    assert all(r["errors"] == 0 and r["seq_per_s"] > 0 and r["p95_ms"] >= r["p50_ms"] > 0 for r in res["rows"])
+    assert len(res["ratios"]) == 2 and "throughput" in format_table(res)
