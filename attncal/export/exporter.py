@@ -248,7 +248,12 @@ def export(
         raw_path = tmp / ".raw" / ONNX_FILE
         _log(f"[1/4] exporting {info.model_type} ({info.num_layers} layers) with the {opts.exporter} exporter, "
              f"opset {opts.opset}", quiet)
-        input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16)
+        try:
+            input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16)
+        except Exception as exc:  # torch.onnx failures are long; report the cause in one line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ExportError(f"torch.onnx ({opts.exporter}) failed to export {info.model_type}: "
+                              f"{type(exc).__name__}: {first[:300]}") from exc
         ir_model = ir.load(raw_path)
         result = None
         if config is not None and opts.placement == "row":
