@@ -6,18 +6,18 @@ Placing the calibration op between Softmax and the value MatMul stops
 Row placement instead keeps every fused `com.microsoft::Attention` node and
 recomputes only the pooling row beside it:
 
-    q_pool = x[b, row] · W_q + b_q                      (one row, [B,1,hidden])
-    K, V   = the fused node's own `present` output      (no recomputation)
-    p      = softmax(q_pool · Kᵀ · scale + mask_row)    ([B,H,1,S])
-    p      = PooledRowCalibration(p, attention_mask)    (the same op, Q == 1)
-    ctx[b, row] = p · V                                 (written in place before the output projection)
+    q      = x[b, row] · W_q + b_q                          (one row, [B,H,1,D])
+    s_j    = ((q·W_kᵀ)·x_j + q·b_k) · scale + mask_j        (= q·k_j: K is never materialised)
+    p      = PooledRowCalibration(softmax(s), attention_mask)   (the same op, Q == 1)
+    ctx[b, row] = (p·x)·W_v + (Σp)·b_v                      (= p·V; written in place before the output projection)
 
 This is exact: within a layer no other row depends on the pooling row.  It
-costs O(B·H·S·D) per layer.  We calibrate the *optimized* graph (rather than
+costs O(B·H·S·hidden) per layer and allocates only [B,H,1,·]-sized tensors;
+the fused node is left exactly as the optimizer made it.  We calibrate the *optimized* graph (rather than
 rewriting the unoptimized one into a shape the fuser still accepts) because
 the fused node is the stable interface: the fuser's pattern rules change
-between ORT releases, the fused node's inputs (packed QKV weights, bias) and
-its `present` output do not.
+between ORT releases, the fused node's inputs (packed QKV weights and bias) do
+not.
 
 Scope: fused `Attention` nodes as produced for BERT-family encoders (BERT,
 XLM-R, all-MiniLM).  Mean pooling calibrates every row (AllRowsCalibration)
@@ -120,16 +120,9 @@ def _calibrate_layer(graph: ir.Graph, att: ir.Node, layer: int, rc, mask: ir.Val
     head = hidden // heads
     scale = att.attributes.get_float("scale", 0.0) or 1.0 / np.sqrt(head)
     ops = _Ops(graph, f"attncal_row_layer{layer}")
-    # K and V as the fused node computes them: its `present` output, [2,B,H,S,D].
-    if len(att.outputs) < 2:
-        att.resize_outputs(2)
-    present = att.outputs[1]
-    present.name = f"{ops.prefix}/present"
     i64 = np.int64
-    k_all = ops("Squeeze", ops("Slice", present, ops.const("k0", np.array([0], i64)), ops.const("k1", np.array([1], i64)),
-                                ops.const("ax0", np.array([0], i64))), ops.const("sq0", np.array([0], i64)))
-    v_all = ops("Squeeze", ops("Slice", present, ops.const("v0", np.array([1], i64)), ops.const("v1", np.array([2], i64)),
-                                ops.const("ax0b", np.array([0], i64))), ops.const("sq0b", np.array([0], i64)))
+    Wq, Wk, Wv = (np.ascontiguousarray(W[:, i * hidden : (i + 1) * hidden]) for i in range(3))
+    bq, bk, bv = (bvec[i * hidden : (i + 1) * hidden].copy() for i in range(3))
     # The pooling row index per item: first or last valid token.
     valid = ops("Cast", mask, to=ir.DataType.BOOL)
     pos = ops("Range", ops.const("zero", np.array(0, i64)), ops("Gather", ops("Shape", mask), ops.const("one", np.array(1, i64)), axis=0),
@@ -148,18 +141,29 @@ def _calibrate_layer(graph: ir.Graph, att: ir.Node, layer: int, rc, mask: ir.Val
                     ops("Slice", x_shape, ops.const("s2", np.array([2], i64)), ops.const("s3", np.array([3], i64))), axis=0)
     row_idx = ops("Expand", ops("Unsqueeze", row, ops.const("ax2", np.array([2], i64))), idx_shape)  # [B,1,hidden]
     x_row = ops("GatherElements", x, row_idx, axis=1)
-    q = ops("Add", ops("MatMul", x_row, ops.const("wq", np.ascontiguousarray(W[:, :hidden]))),
-            ops.const("bq", bvec[:hidden].copy()))
+    q = ops("Add", ops("MatMul", x_row, ops.const("wq", Wq)), ops.const("bq", bq))
     q = ops("Transpose", ops("Reshape", q, ops.const("qshape", np.array([0, 1, heads, head], i64))), perm=[0, 2, 1, 3])
-    scores = ops("Mul", ops("MatMul", q, ops("Transpose", k_all, perm=[0, 1, 3, 2])),
-                 ops.const("scale", np.array(scale, np.float32)))
+    # Scores without materialising K: q·k_j = (q·W_kᵀ)·x_j + q·b_k, per head.
+    wk_heads = np.ascontiguousarray(Wk.reshape(hidden, heads, head).transpose(1, 2, 0))  # [H,D,hidden]
+    u = ops("MatMul", q, ops.const("wk_heads", wk_heads))  # [B,H,1,hidden]
+    qb = ops("ReduceSum", ops("Mul", q, ops.const("bk_heads", bk.reshape(1, heads, 1, head))),
+             ops.const("axl", np.array([-1], i64)), keepdims=1)  # [B,H,1,1]
+    x4 = ops("Unsqueeze", x, ops.const("ax1x", np.array([1], i64)))  # [B,1,S,hidden]
+    col = ops("MatMul", x4, ops("Transpose", u, perm=[0, 1, 3, 2]))  # [B,H,S,1]
+    scores = ops("Reshape", col, ops.const("sshape", np.array([0, 0, 1, -1], i64)))  # [B,H,1,S], same layout
+    scores = ops("Mul", ops("Add", scores, qb), ops.const("scale", np.array(scale, np.float32)))
     neg = np.finfo(np.float32).min
     mask_add = ops("Where", ops("Unsqueeze", valid, ops.const("ax12", np.array([1, 2], i64))),
                    ops.const("m0", np.array(0.0, np.float32)), ops.const("mneg", np.array(neg, np.float32)))
     probs = ops("Softmax", ops("Add", scores, mask_add), axis=-1)  # [B,H,1,S]
     spec = op_spec(rc, layer)
     calibrated = ops(spec.op_type, probs, mask, domain=DOMAIN, **spec.attrs)
-    ctx_row = ops("MatMul", calibrated, v_all)  # [B,H,1,D]
+    # p·v_j summed without materialising V: (p·x)·W_v + (Σp)·b_v, per head.
+    px = ops("MatMul", calibrated, x4)  # [B,H,1,hidden]
+    wv_heads = np.ascontiguousarray(Wv.reshape(hidden, heads, head).transpose(1, 0, 2))  # [H,hidden,D]
+    mass = ops("ReduceSum", calibrated, ops.const("axl2", np.array([-1], i64)), keepdims=1)  # [B,H,1,1]
+    ctx_row = ops("Add", ops("MatMul", px, ops.const("wv_heads", wv_heads)),
+                  ops("Mul", mass, ops.const("bv_heads", bv.reshape(1, heads, 1, head))))  # [B,H,1,D]
     ctx_row = ops("Reshape", ops("Transpose", ctx_row, perm=[0, 2, 1, 3]), ops.const("cshape", np.array([0, 1, hidden], i64)))
     # Overwrite the pooling row of the fused node's context, before the output projection.
     ctx = att.outputs[0]
