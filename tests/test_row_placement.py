@@ -100,3 +100,29 @@ def test_row_placement_refuses_mean_pooling_and_unfused_graphs(tiny_models, tmp_
     with pytest.raises(RowPlacementError, match="one fused com.microsoft::Attention node per layer"):
         calibrate_optimized(tmp_path / "q", tmp_path / "qr", CalibrationConfig(pooling="last", basket_size=16))
     assert not (tmp_path / "r").exists() and not (tmp_path / "qr").exists()
+
+
+@pytest.mark.parametrize("arch,exporter", [("bert", "dynamo"), ("xlm-roberta", "torchscript"),
+                                           ("qwen3", "torchscript"), ("modernbert", "torchscript")])
+def test_row_placement_export_matches_softmax_placement_and_torch(arch, exporter, tiny_models, tmp_path):
+    """`--placement row` for every architecture: beside ORT-fused attention (BERT-family TorchScript
+    exports) or on the plain graph (GQA + rotary in Qwen3, sliding windows in ModernBERT, dynamo)."""
+    pooling = "last" if arch == "qwen3" else "cls"
+    cfg = CalibrationConfig(pooling=pooling, basket_size=16, strength=0.8)
+    path = tiny_models[arch]
+    opts = dict(exporter=exporter, check=False)
+    export(path, tmp_path / "softmax", ExportOptions(config=cfg, **opts), quiet=True)
+    meta = export(path, tmp_path / "row", ExportOptions(config=cfg, placement="row", **opts), quiet=True)
+    assert meta["placement"] == "row"
+    model = onnx.load(str(tmp_path / "row" / "onnx" / "model.onnx"))
+    fused_here = arch == "xlm-roberta"
+    onnx.checker.check_model(model, full_check=not fused_here)
+    assert (fused(tmp_path / "row")["Attention"] == 4) == fused_here
+    assert not any(n.domain == "com.microsoft" for n in model.graph.node) or fused_here
+    row = Encoder(tmp_path / "row").encode(TEXTS)
+    soft = Encoder(tmp_path / "softmax").encode(TEXTS)
+    ref = TorchEncoder(path).encode(TEXTS, cfg)
+    assert np.abs(row - soft).max() <= 1e-5
+    assert np.abs(row - ref).max() <= 1e-5
+    uncal = TorchEncoder(path).encode(TEXTS)
+    assert np.abs(row - uncal).max() > 1e-6

@@ -21,9 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
     p.add_argument("--placement", choices=("softmax", "row"), default="softmax",
-                   help="softmax: op after each calibrated Softmax, portable to any runtime (default); row: "
-                        "ONNX Runtime-optimized graph keeping fused attention, pooling row recomputed beside it "
-                        "(cls/last pooling, needs --exporter torchscript)")
+                   help="softmax: op after each calibrated Softmax (default); row: the pooling row is recomputed "
+                        "beside the attention (cls/last pooling); with --exporter torchscript on BERT/XLM-R the "
+                        "graph is ORT-optimized first and keeps every fused attention node")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--skip-check", action="store_true", help="do not run the parity check at export")
 

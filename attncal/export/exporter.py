@@ -175,6 +175,15 @@ def save_onnx(model, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def fused_row_placement(info: ModelInfo, opts: ExportOptions) -> bool:
+    """Row placement beside ORT-fused attention: BERT-family models exported with TorchScript.
+
+    Other row placements (Qwen3, ModernBERT, dynamo exports) calibrate the unfused graph, which
+    stays standard ONNX.
+    """
+    return opts.placement == "row" and opts.exporter == "torchscript" and info.model_type in ("bert", "xlm-roberta")
+
+
 def _ort_optimize(path: Path, info: ModelInfo):
     """ONNX Runtime's transformer optimizer (attention and layer-norm fusions)."""
     from onnxruntime.transformers.optimizer import optimize_model
@@ -225,9 +234,6 @@ def export(
         raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
     if opts.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
-    if opts.placement == "row" and opts.exporter != "torchscript":
-        raise ValueError("--placement row calibrates ONNX Runtime's fused attention, which the optimizer builds "
-                         "from TorchScript exports: add --exporter torchscript")
     if opts.placement == "row" and opts.fp16:
         raise ValueError("--placement row is float32 only; drop --fp16 or use --placement softmax")
     if opts.max_length is not None and opts.max_length < 2:
@@ -264,10 +270,16 @@ def export(
                     "row placement needs a single pooling row; mean pooling calibrates every row "
                     "(AllRowsCalibration) and keeps --placement softmax"
                 )
-            _log("[2/4] optimizing with onnxruntime.transformers.optimizer, then row placement in layers "
-                 f"{layers}", quiet)
-            ir_model = ir.from_proto(_ort_optimize(raw_path, info))
-            insert_row_calibration(ir_model, config, info.num_layers)
+            if fused_row_placement(info, opts):
+                _log("[2/4] optimizing with onnxruntime.transformers.optimizer, then row placement beside the "
+                     f"fused attention of layers {layers}", quiet)
+                ir_model = ir.from_proto(_ort_optimize(raw_path, info))
+                insert_row_calibration(ir_model, config, info.num_layers)
+            else:
+                from ..graphs.row_placement import insert_row_calibration_unfused
+
+                _log(f"[2/4] row placement in layers {layers} (attention stays unfused)", quiet)
+                insert_row_calibration_unfused(ir_model, config, info.num_layers)
             result = _row_result(config, layers)
         elif config is not None:
             _log(f"[2/4] inserting calibration in layers {layers}", quiet)
@@ -277,7 +289,7 @@ def export(
         save_onnx(ir_model, onnx_path)
         del ir_model
         shutil.rmtree(raw_path.parent)
-        onnx.checker.check_model(str(onnx_path), full_check=opts.placement == "softmax")
+        onnx.checker.check_model(str(onnx_path), full_check=not (config is not None and fused_row_placement(info, opts)))
         meta = {
             "format": 1,
             "calibrated": config is not None,

@@ -198,3 +198,150 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Row placement on unfused graphs (any architecture: Qwen3 with GQA and rotary, ModernBERT, ...)
+# ---------------------------------------------------------------------------------------------
+_CHAIN_OPS = {"Add", "Mul", "Div", "Sub", "Cast", "Identity", "Where"}
+
+
+def _scores_chain(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node]]:
+    """Walk back from the Softmax to the scores MatMul; returns (matmul, elementwise chain in order)."""
+    chain: list[ir.Node] = []
+    value = softmax.inputs[0]
+    for _ in range(8):
+        node = value.producer()
+        if node is None:
+            break
+        if node.op_type == "MatMul" and node.domain == "":
+            return node, list(reversed(chain))
+        if node.op_type not in _CHAIN_OPS or node.domain != "":
+            break
+        users = [u for u, _ in value.uses()]
+        if len(users) != 1:
+            break
+        # The chain input is the one whose producer leads back to the MatMul: the first non-constant
+        # input with a producer (scale and mask are the other inputs).
+        chain.append(node)
+        candidates = [v for v in node.inputs if v is not None and v.producer() is not None and v.const_value is None]
+        if not candidates:
+            break
+        value = candidates[0]
+    raise RowPlacementError(f"could not find the scores MatMul before {softmax.name}")
+
+
+def _value_path(softmax: ir.Node) -> tuple[list[ir.Node], ir.Node]:
+    """From the Softmax output to the value MatMul: (pass-through casts, matmul)."""
+    chain: list[ir.Node] = []
+    value = softmax.outputs[0]
+    for _ in range(4):
+        uses = list(value.uses())
+        mm = [u for u, i in uses if u.op_type == "MatMul" and u.domain == "" and i == 0]
+        if mm:
+            return chain, mm[0]
+        nxt = [u for u, i in uses if u.op_type in ("Cast", "Identity") and u.domain == "" and i == 0]
+        if not nxt:
+            break
+        chain.append(nxt[0])
+        value = nxt[0].outputs[0]
+    raise RowPlacementError(f"could not find the value MatMul after {softmax.name}")
+
+
+def insert_row_calibration_unfused(model: ir.Model, config: CalibrationConfig, num_layers: int,
+                                   mask_input: str = "attention_mask") -> list[int]:
+    """Row placement on a graph with explicit attention (Softmax between two MatMuls).
+
+    For each selected layer: gather the pooling row of the scores MatMul's Q input (after rotary,
+    with GQA keys already repeated), replay the scale/mask chain on that row, Softmax, calibrate,
+    multiply by V, and overwrite that row of the value MatMul's output.  The layer's own Softmax
+    path stays untouched, so the other rows are computed exactly as before.
+    """
+    from onnx_ir.passes.common import ShapeInferencePass
+
+    from .softmax_pattern import find_attention_softmaxes
+
+    rc = config.resolve()
+    if rc.all_rows:
+        raise RowPlacementError("row placement needs a single pooling row; mean pooling keeps the softmax placement")
+    # Side inputs of the scale/mask chain are row-gathered only when they are rank 4, so ranks must be known.
+    ShapeInferencePass()(model)
+    graph = model.graph
+    mask = next((v for v in graph.inputs if v.name == mask_input), None)
+    if mask is None:
+        raise RowPlacementError(f"the graph has no input named {mask_input!r}")
+    selected = config.layer_indices(num_layers)
+    i64 = np.int64
+    for att in find_attention_softmaxes(graph, num_layers):
+        if att.layer not in selected:
+            continue
+        if att.calibration is not None:
+            raise RowPlacementError("the graph already contains attncal calibration nodes")
+        scores_mm, chain = _scores_chain(att.softmax)
+        post, value_mm = _value_path(att.softmax)
+        ops = _Ops(graph, f"attncal_row_layer{att.layer}")
+        c = lambda name, arr: ops.const(name, np.asarray(arr))  # noqa: E731
+        valid = ops("Cast", mask, to=ir.DataType.BOOL)
+        seq = ops("Gather", ops("Shape", mask), c("one", i64(1)), axis=0)
+        pos = ops("Range", c("zero", i64(0)), seq, c("step", i64(1)))
+        if rc.pool_last:
+            row = ops("Max", ops("ReduceMax", ops("Where", valid, pos, c("neg", i64(-1))), c("ax1", np.array([1], i64)),
+                                 keepdims=1), c("z", i64(0)))
+        else:
+            row = ops("Min", ops("ReduceMin", ops("Where", valid, pos, seq), c("ax1", np.array([1], i64)), keepdims=1),
+                      ops("Sub", seq, c("one_b", i64(1))))
+        row4 = ops("Unsqueeze", row, c("ax23", np.array([2, 3], i64)))  # [B,1,1,1]
+
+        def take_row(t: ir.Value, tag: str) -> ir.Value:
+            """Row `row[b]` of axis 2 of a rank-4 tensor (clamped, so broadcast rows of size 1 work)."""
+            shape = ops("Shape", t)
+            bsz = ops("Gather", ops("Shape", mask), c(f"{tag}_b0", i64(0)), axis=0)
+            full = ops("Concat", ops("Unsqueeze", bsz, c(f"{tag}_u0", np.array([0], i64))),
+                       ops("Slice", shape, c(f"{tag}_s1", np.array([1], i64)), c(f"{tag}_s4", np.array([4], i64))), axis=0)
+            t_b = ops("Expand", t, full)  # batch-broadcast side inputs get a batch dim
+            idx_shape = ops("Concat", ops("Slice", full, c(f"{tag}_a", np.array([0], i64)), c(f"{tag}_b", np.array([2], i64))),
+                            c(f"{tag}_one", np.array([1], i64)),
+                            ops("Slice", full, c(f"{tag}_c", np.array([3], i64)), c(f"{tag}_d", np.array([4], i64))), axis=0)
+            last = ops("Sub", ops("Gather", full, c(f"{tag}_two", i64(2)), axis=0), c(f"{tag}_one_s", i64(1)))
+            idx = ops("Expand", ops("Min", row4, last), idx_shape)
+            return ops("GatherElements", t_b, idx, axis=2)
+
+        q_row = take_row(scores_mm.inputs[0], "q")
+        cur = ops("MatMul", q_row, scores_mm.inputs[1])  # [B,H,1,S]
+        prev = scores_mm.outputs[0]
+        for k, node in enumerate(chain):
+            inputs = []
+            for v in node.inputs:
+                if v is prev:
+                    inputs.append(cur)
+                elif v is not None and v.const_value is None and v.producer() is not None \
+                        and v.producer().op_type != "Constant":
+                    if v.shape is None:
+                        raise RowPlacementError(f"unknown rank of {v.name} feeding {node.name}")
+                    inputs.append(take_row(v, f"side{k}") if v.shape.rank() == 4 else v)
+                else:
+                    inputs.append(v)
+            attrs = {a.name: a.value for a in node.attributes.values()}
+            cur = ops(node.op_type, *inputs, **attrs)
+            prev = node.outputs[0]
+        if prev is not att.softmax.inputs[0]:
+            raise RowPlacementError(f"unexpected graph between the scores MatMul and {att.softmax.name}")
+        attrs = {a.name: a.value for a in att.softmax.attributes.values()}
+        cur = ops("Softmax", cur, **attrs)
+        spec = op_spec(rc, att.layer)
+        cur = ops(spec.op_type, cur, mask, domain=DOMAIN, **spec.attrs)
+        for node in post:
+            cur = ops(node.op_type, cur, **{a.name: a.value for a in node.attributes.values()})
+        ctx_row = ops("MatMul", cur, value_mm.inputs[1])  # [B,H,1,D]
+        out = value_mm.outputs[0]
+        uses = list(out.uses())
+        idx = ops("Expand", row4, ops("Shape", ctx_row))
+        new_out = ops("ScatterElements", out, idx, ctx_row, axis=2)
+        for user, i in uses:
+            user.replace_input_with(i, new_out)
+        graph.insert_after(value_mm, ops.nodes)
+    opset = model_opset(model)
+    model.opset_imports[DOMAIN] = VERSION
+    fn = ir.serde.deserialize_function(make_function(POOLED_OP, opset))
+    model.functions[fn.identifier()] = fn
+    return selected
