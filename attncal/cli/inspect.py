@@ -33,6 +33,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     fused = sum(1 for n in model.graph.node if n.op_type == "Attention" and n.domain == "com.microsoft")
     placement = "row (beside fused attention)" if fused else "softmax"
+    meta_file = path / "attncal.json" if path.is_dir() else None
+    if meta_file is not None and meta_file.exists():
+        import json
+
+        if json.loads(meta_file.read_text()).get("placement") == "row" and not fused:
+            placement = "row (pooling row recomputed beside the unfused attention)"
     print(f"calibration: {len(nodes)} node(s), placement {placement}; fused Attention nodes: {fused}")
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
