@@ -280,3 +280,14 @@ def test_naive_full_tensor_variant_matches_reference(one_thread):
         probs = random_probs(gen, mask, 2)
         cfg = random_config(rng, S)
         assert (naive_apply(probs.clone(), mask, cfg) - reference(probs, mask, cfg)).abs().max() <= 1e-12
+
+
+def test_subnormal_fixed_weight_is_normalised_by_division():
+    """Found by hypothesis: an all-zero row with a subnormal cls-hard weight; 1/total would overflow."""
+    probs = torch.zeros(1, 2, 2, 2, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.long)
+    cfg = CalibrationConfig(variant="cls-hard", strength=1.0, basket_size=1, pooling="cls",
+                            self_weight=2.225073858507e-311, skip_short=False)
+    out = apply(probs.clone(), mask, cfg)
+    assert torch.equal(out, reference(probs, mask, cfg))
+    assert torch.all(out[0, :, 0, 0] == 1.0)

@@ -224,9 +224,10 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
     else:
         scale = torch.ones_like(content_sum)
     total = content_sum * scale + s_first + s_last  # step 9
-    norm = torch.where(total != 0, 1.0 / torch.where(total != 0, total, 1.0), 1.0)
-    # Step 10 as one multiplier per basket: out_j = z_j * (lam * f_k * scale * norm + 1 - lam).
-    mult = f * (scale * norm * lam) + (1.0 - lam)  # [A,R,n]
+    # Divide (rather than multiply by 1/total): a tiny fixed weight can make total subnormal.
+    total = torch.where(total != 0, total, 1.0)  # a zero total skips normalisation
+    # Step 10 as one multiplier per basket: out_j = z_j * (lam * f_k * scale / total + 1 - lam).
+    mult = (f * scale) / total * lam + (1.0 - lam)  # [A,R,n]
     if g.common_c0 is not None:
         # Positions of the window that are not content are pads (0) or the
         # isolated tokens, which are overwritten below.
@@ -240,7 +241,7 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
         per_pos.masked_fill_(~g.content_pos[:, None, :], 1.0 - lam)
         z.mul_(per_pos)
     if rc.isolate_first:
-        z.scatter_(-1, start_idx, lam * s_first * norm + (1.0 - lam) * z_first)
+        z.scatter_(-1, start_idx, lam * (s_first / total) + (1.0 - lam) * z_first)
     if rc.isolate_last:
-        z.scatter_(-1, end_idx, lam * s_last * norm + (1.0 - lam) * z_last)
+        z.scatter_(-1, end_idx, lam * (s_last / total) + (1.0 - lam) * z_last)
     return z

@@ -173,16 +173,17 @@ def _body(b: _Builder, all_rows: bool) -> str:
     # --- normalisation (step 9) and blend (step 10) as one multiplier per basket
     total = b.op("Add", b.op("Add", b.op("Mul", content_sum, scale), s_f), s_l)
     tot_nz = b.op("Not", b.op("Equal", total, zero_f))
-    norm = b.op("Where", tot_nz, b.op("Div", one_f, b.op("Where", tot_nz, total, one_f)), one_f)
+    # Divide (rather than multiply by 1/total): a tiny fixed weight can make total subnormal.
+    total = b.op("Where", tot_nz, total, one_f)  # a zero total skips normalisation
     one_minus = b.op("Sub", one_f, lam)
-    mult = b.op("Add", b.op("Mul", f, b.op("Mul", b.op("Mul", scale, norm), lam)), one_minus)  # [B,H,R,n]
+    mult = b.op("Add", b.op("Mul", b.op("Div", b.op("Mul", f, scale), total), lam), one_minus)  # [B,H,R,n]
     # Calibrated rows: content gets its basket's multiplier, everything else 0 (pads; isolated tokens
     # are written below).  Other rows get multiplier 1 through the ones column: bit-identical.
     col_shape = b.op("Concat", b.op("Slice", b.op("Shape", mult), b.axes(0), b.axes(3)), b.axes(1), axis=0)
     keep_col = b.op("Expand", b.op("Where", row_active, zero_f, one_f), col_shape)  # [B,H,R,1]
     coef = b.op("Concat", b.op("Where", row_active, mult, zero_f), keep_col, axis=-1)  # [B,H,R,n+1]
     out = b.op("Mul", x, b.op("MatMul", coef, P_write))
-    # Isolated tokens: out = λ·share·norm + (1-λ)·z at their position, in calibrated rows only.
+    # Isolated tokens: out = λ·share/total + (1-λ)·z at their position, in calibrated rows only.
     # Each ScatterElements is the only reader of `out`, so ONNX Runtime updates it in place; the value
     # kept in other rows is recomputed from small tensors (x·M at that key, bit-identical to `out`).
     idx_shape = b.op("Concat", b.op("Shape", coef, end=3), b.axes(1), axis=0)
@@ -194,7 +195,7 @@ def _body(b: _Builder, all_rows: bool) -> str:
                                                           axis=0)), axis=1)  # [B,1,n+1]
         m_at = b.op("ReduceSum", b.op("Mul", coef, b.op("Unsqueeze", p_row, ax1)), ax_last, keepdims=1)
         current = b.op("Mul", z_p, m_at)
-        value = b.op("Add", b.op("Mul", b.op("Mul", lam, s), norm), b.op("Mul", one_minus, z_p))
+        value = b.op("Add", b.op("Mul", lam, b.op("Div", s, total)), b.op("Mul", one_minus, z_p))
         use = b.op("And", row_active, b.op("Equal", iso, one_i))
         out = b.op("ScatterElements", out, idx, b.op("Where", use, value, current), axis=3)
     out_native = b.op("CastLike", out, "probs")
