@@ -112,7 +112,7 @@ def _set_max_length(dest: Path, max_length: int) -> None:
     st_cfg.write_text(json.dumps(data, indent=2))
 
 
-def _example_inputs(tokenizer, info: ModelInfo, use_token_types: bool):
+def _example_inputs(tokenizer, use_token_types: bool):
     texts = ["a short example", "a somewhat longer example sentence for the exporter to trace"]
     batch = tokenizer(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if use_token_types else [])
@@ -134,7 +134,7 @@ def torch_export(
     model = AutoModel.from_pretrained(str(info.path), attn_implementation="eager", dtype=dtype).eval()
     use_token_types = "token_type_ids" in tokenizer.model_input_names and info.model_type == "bert"
     wrapper = SentenceEmbeddingModule(model, pooling, info.normalize, decoder=info.model_type == "qwen3").eval()
-    args, names = _example_inputs(tokenizer, info, use_token_types)
+    args, names = _example_inputs(tokenizer, use_token_types)
     outputs = ["last_hidden_state", "sentence_embedding"]
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
