@@ -255,8 +255,14 @@ def test_end_to_end_tiny_model(tmp_path, tiny_bert, capsys):
     assert d["hm"] == pytest.approx(rows["λ=1"]["scores"]["hm"] - rows["uncalibrated"]["scores"]["hm"])
     assert set(rows["λ=1"]["by_length"]) <= {"<200", ">=200"}
     assert {p.name for p in out.iterdir()} == {"results.md", "results.json", "ndcg_vs_strength.png",
-                                               "attention_baskets.png"}
+                                               "hm_psi_vs_strength.png", "attention_baskets.png"}
     assert (out / "ndcg_vs_strength.png").read_bytes()[:4] == b"\x89PNG"
+    # truncation is counted with the tokenizer (one token per non-space character here, plus CLS/SEP)
+    texts = [json.loads(line)["text"] for line in (data / "passages.jsonl").read_text().splitlines()]
+    trunc = json.loads((out / "results.json").read_text())["dataset"]["truncation"]
+    assert trunc["max_length"] == 256 and trunc["passages"] == len(texts)
+    assert trunc["passages_truncated"] == sum(len(t.replace(" ", "")) + 2 > 256 for t in texts)
+    assert "## Length and truncation" in (out / "results.md").read_text()
     # a second run into the same OUT needs --overwrite; with it, every embedding comes from the cache
     with pytest.raises(FileExistsError):
         _cli(argv)

@@ -4,6 +4,10 @@ Examples:
   attncal eval default --data my-data --strength 0,0.5,1 --out results/
   attncal eval my-model --data beir-dir --configs grid.yaml --baselines sea --out results/
   attncal eval --make-synthetic posq-demo            # write the small synthetic set and stop
+  attncal eval --make-posq my-docs/ -o my-posq       # build a position-labelled set from your documents
+  attncal eval my-model --data my-posq --out results/
+  attncal eval default --make-posq-example pyref --strength 0,0.5,1 --baselines sea --out results/
+                                                     # real-prose example (the Python Language Reference)
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="dataset directory (FineWeb-PosQ or PosIR/BEIR layout; see README)")
     p.add_argument("--configs", help="YAML file: a list of calibration config mappings (optional 'name' each)")
     p.add_argument("--baselines", default="", help="comma-separated baselines: sea (Segment Embed Average)")
-    p.add_argument("--out", help="output directory for results.md, results.json and the plots")
+    p.add_argument("-o", "--out", help="output directory for results.md, results.json and the plots "
+                   "(with --make-posq: the directory the set is written to)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--cache", default=str(Path.home() / ".cache" / "attncal" / "eval"),
                    help="embedding cache directory (default %(default)s)")
@@ -60,6 +65,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the small synthetic position-controlled set to DIR; with a MODEL, evaluate on it")
     p.add_argument("--synthetic-per-class", type=int, default=30, help="passages per position class (default 30)")
     p.add_argument("--synthetic-words", type=int, default=200, help="words per synthetic passage (default 200)")
+    g = p.add_argument_group("building a position-labelled set from real text")
+    g.add_argument("--make-posq", metavar="DOCS",
+                   help="build a FineWeb-PosQ set from DOCS (a directory of .txt/.md/.rst files or a JSONL file) "
+                   "and write it to -o DIR; passages are counted with MODEL's tokenizer (default: 'default')")
+    g.add_argument("--make-posq-example", metavar="DIR",
+                   help="build the real-prose example set (the Python Language Reference shipped with Python) "
+                   "in DIR; with a MODEL, evaluate on it")
+    g.add_argument("--text-field", default="text", help="JSONL field holding the document text (default text)")
+    g.add_argument("--passage-tokens", type=int, default=None,
+                   help="token budget per passage (default: the model's max length; larger budgets warn that "
+                   "passages will be truncated)")
+    g.add_argument("--min-passage-tokens", type=int, default=None, help="drop shorter passages (default: half the "
+                   "budget)")
+    g.add_argument("--drop-words", type=float, default=0.5,
+                   help="share of a sentence's words dropped to make its query (default %(default)s)")
+    g.add_argument("--max-passages", type=int, default=None, help="keep a seeded sample of at most N passages")
+    g.add_argument("--seed", type=int, default=0, help="seed for query sentences and dropped words (default 0)")
     add_calibration_args(p)
     for action in p._actions:  # eval sweeps λ: --strength takes a comma-separated list here
         if action.dest == "strength":
@@ -116,9 +138,66 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None
     return configs, None
 
 
+def _posq_options(args: argparse.Namespace):
+    from ..eval.posq_builder import PosqOptions
+
+    return PosqOptions(passage_tokens=args.passage_tokens, min_passage_tokens=args.min_passage_tokens,
+                       drop_words=args.drop_words, max_passages=args.max_passages, seed=args.seed)
+
+
+def _print_posq(posq, out) -> None:
+    c = posq.manifest["counts"]
+    lt = posq.manifest["passage_tokens"]
+    per = ", ".join(f"{k} {v}" for k, v in c["queries_per_class"].items())
+    print(f"wrote {c['passages']} passages (tokens: min {lt['min']}, median {lt['median']}, max {lt['max']}; budget "
+          f"{posq.manifest['passage_budget_tokens']}) and {c['queries']} queries ({per}) to {out}")
+    for w in posq.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+
+
+def _make_posq(args: argparse.Namespace) -> int:
+    from ..eval.posq_builder import make_posq
+
+    if args.data is not None:
+        raise CLIError("--data and --make-posq are exclusive: build the set first, then evaluate with --data")
+    if not args.out:
+        raise CLIError("--make-posq DOCS needs -o DIR, the directory to write the set to")
+    posq = make_posq(args.make_posq, args.out, args.model or "default", _posq_options(args),
+                     text_field=args.text_field, overwrite=args.overwrite, warn=lambda w: None)
+    _print_posq(posq, args.out)
+    print(f"evaluate it with: attncal eval {args.model or 'default'} --data {args.out} --out RESULTS")
+    return 0
+
+
+def _make_posq_example(args: argparse.Namespace) -> None:
+    from ..eval.posq_builder import build_posq, load_tokenizer, write_posq
+    from ..eval.realtext import python_reference_documents
+
+    if args.data is not None:
+        raise CLIError("--data and --make-posq-example are exclusive")
+    out = Path(args.make_posq_example)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.overwrite)):
+        raise FileExistsError(f"{out} exists and is not an empty directory; pass --overwrite to replace it")
+    docs, source = python_reference_documents()
+    tokenizer, max_length, label = load_tokenizer(args.model or "default")
+    posq = build_posq(docs, tokenizer, max_length, _posq_options(args), tokenizer_label=label, source=source)
+    write_posq(out, posq, overwrite=args.overwrite)
+    _print_posq(posq, out)
+    args.data = str(out)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..eval import EvalOptions, evaluate, load_dataset, write_synthetic
 
+    makers = [f for f in ("make_synthetic", "make_posq", "make_posq_example") if getattr(args, f)]
+    if len(makers) > 1:
+        raise CLIError(" and ".join("--" + f.replace("_", "-") for f in makers) + " are exclusive")
+    if args.make_posq:
+        return _make_posq(args)
+    if args.make_posq_example:
+        _make_posq_example(args)
+        if args.model is None:
+            return 0
     if args.make_synthetic:
         write_synthetic(args.make_synthetic, n_per_class=args.synthetic_per_class, words=args.synthetic_words)
         print(f"wrote the synthetic set ({3 * args.synthetic_per_class} passages) to {args.make_synthetic}")

@@ -3,15 +3,20 @@
 `load_dataset` reads position-labelled retrieval data (FineWeb-PosQ or
 PosIR/BEIR layout), `evaluate` encodes, searches and scores a list of configs
 (nDCG@10 per position group, harmonic mean, PSI, deltas against the
-uncalibrated model), `write_synthetic` builds a small position-controlled set.
+uncalibrated model), `write_synthetic` builds a small position-controlled set,
+`make_posq` builds a position-labelled set from a user's own documents and
+`python_reference_documents` gives the real-prose example corpus.
 """
 
 from .data import Dataset, DataError, load_dataset
+from .posq_builder import Document, PosqOptions, build_posq, make_posq, write_posq
 from .metrics import GroupScores, group_scores, harmonic_mean, psi
 from .runner import EvalOptions, evaluate, exact_search
+from .realtext import python_reference_documents
 from .synthetic_set import make_passages, write_synthetic
 
 __all__ = [
-    "DataError", "Dataset", "EvalOptions", "GroupScores", "evaluate", "exact_search", "group_scores",
+    "DataError", "Dataset", "Document", "EvalOptions", "PosqOptions", "build_posq", "make_posq",
+    "python_reference_documents", "write_posq", "GroupScores", "evaluate", "exact_search", "group_scores",
     "harmonic_mean", "load_dataset", "make_passages", "psi", "write_synthetic",
 ]

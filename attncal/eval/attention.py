@@ -16,7 +16,7 @@ import torch
 
 from ..calibration.config import CalibrationConfig
 from ..calibration.encode import TorchEncoder
-from ..calibration.patching import calibrate
+from ..calibration.patching import base_model_of, calibrate
 
 
 @dataclass
@@ -67,9 +67,16 @@ def basket_mass(encoder: TorchEncoder, text: str, config: CalibrationConfig, lay
     kwargs = dict(batch, output_attentions=True)
     if encoder.info.model_type == "qwen3":
         kwargs["use_cache"] = False
-    before = encoder.model(**kwargs).attentions[layer]
-    with calibrate(encoder.model, bound) as patch:
-        after = encoder.model(**kwargs).attentions[layer]
+    # Attention probabilities are only returned by eager attention; the encoder may run SDPA.
+    base = base_model_of(encoder.model)
+    orig_impl = base.config._attn_implementation
+    base.config._attn_implementation = "eager"
+    try:
+        before = encoder.model(**kwargs).attentions[layer]
+        with calibrate(encoder.model, bound, implementation="efficient") as patch:
+            after = encoder.model(**kwargs).attentions[layer]
+    finally:
+        base.config._attn_implementation = orig_impl
     calibrated = patch.calls > 0 and not torch.equal(before, after)
     return BasketMass(labels, _row_mass(before, rows, spans), _row_mass(after, rows, spans), layer, pooling,
                       len(valid), bool(calibrated))

@@ -81,3 +81,65 @@ def plot_groups_vs_strength(rows: list[dict], groups: tuple[str, ...], path) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def truncation_section(t: dict, rows: list[dict], groups: tuple[str, ...]) -> str:
+    """The 'Length and truncation' part of results.md, kept apart from the position-bias table.
+
+    A passage longer than the model's max length loses its end before the
+    encoder sees it; an end-group query on it fails for that reason alone.
+    When any passage is truncated, the scores without those queries follow.
+    """
+    lt = t.get("passage_tokens") or {}
+    lines = ["\n## Length and truncation\n\n",
+             f"Passage length in tokens (special tokens included): min {lt.get('min')}, median {lt.get('median')}, "
+             f"mean {lt.get('mean')}, max {lt.get('max')}; model max length "
+             f"{t['max_length'] if t['max_length'] is not None else 'unbounded'}.\n"]
+    n = t["passages_truncated"]
+    if not n:
+        lines.append("No passage is truncated: the table above measures position, not truncation.\n")
+        return "".join(lines)
+    per = ", ".join(f"{HEADERS.get(g, g)} {c}" for g, c in t["queries_on_truncated_passages"].items())
+    lines.append(f"**{n} of {t['passages']} passages are truncated** to {t['max_length']} tokens; the encoder never "
+                 f"sees their ends. Queries whose relevant passage is truncated: {per}. A lost end is not position "
+                 "bias, so the table below leaves those queries out.\n\n")
+    if any(r.get("untruncated") for r in rows):
+        lines.append(markdown_table(rows, groups, key="untruncated"))
+    else:
+        lines.append("Every query's relevant passage is truncated; no untruncated scores.\n")
+    return "".join(lines)
+
+
+def plot_hm_psi_vs_strength(rows: list[dict], path) -> None:
+    """HM and PSI against λ (one line per non-λ setting); uncalibrated dotted, SEA baseline dashed, as references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    cal = [r for r in rows if r["kind"] == "calibrated" and r["scores"]]
+    series: dict[str, list[dict]] = {}
+    for r in cal:
+        series.setdefault(r["label"].split(" ", 1)[1] if " " in r["label"] else "", []).append(r)
+    base = next((r for r in rows if r["kind"] == "uncalibrated" and r["scores"]), None)
+    refs = [r for r in rows if r["kind"] == "baseline" and r["scores"]]
+    styles = ["-", "--", "-.", ":"]
+    for ax, key, name in ((axes[0], "hm", "HM (harmonic mean of group nDCG@10)"),
+                          (axes[1], "psi", "PSI = 1 - min/max (0 = no position bias)")):
+        for si, (rest, rs) in enumerate(series.items()):
+            rs = sorted(rs, key=lambda r: r["config"]["strength"])
+            ys = [math.nan if r["scores"][key] is None else r["scores"][key] for r in rs]
+            ax.plot([r["config"]["strength"] for r in rs], ys, styles[si % len(styles)], marker="o", color="C0",
+                    label=f"calibrated{' ' + rest if rest else ''}")
+        if base is not None and base["scores"][key] is not None:
+            ax.axhline(base["scores"][key], color="black", ls=":", lw=1, label="uncalibrated")
+        for i, r in enumerate(refs):
+            if r["scores"][key] is not None:
+                ax.axhline(r["scores"][key], color=f"C{3 + i}", ls="--", lw=1.2, label=r["label"])
+        ax.set_xlabel("calibration strength λ")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

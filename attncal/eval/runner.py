@@ -23,7 +23,7 @@ from ..calibration.config import CalibrationConfig
 from .data import Dataset
 from .encoders import Backend, EncodeCache, OnnxBackend, TorchBackend, chunker_id, segment_embed_average
 from .metrics import group_scores
-from .report import config_label, markdown_table, plot_groups_vs_strength
+from .report import config_label, markdown_table, plot_groups_vs_strength, plot_hm_psi_vs_strength, truncation_section
 
 BASELINES = ("sea",)
 TOP_K = 100
@@ -170,11 +170,15 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
     q_enc = plain if plain is not None else backend
     q_emb = cache.get_or_encode(q_enc, None, _hash_texts(q_texts), "queries",
                                 lambda: q_enc.encode(q_texts, None, desc="encode queries"))
+    lengths = dict(zip(dids, token_counts(q_enc.tokenizer, d_texts)))
+    truncation = truncation_stats(data, qids, lengths, effective_max_length(backend))
+    if truncation["passages_truncated"]:
+        notes.append(truncation_note(truncation))
+    cut = set(truncation.pop("_truncated_queries"))
+    untruncated = [q for q in qids if q not in cut]
     bucket_of_query = None
     if opts.length_buckets:
         rel_doc = {q: next(iter(data.qrels[q])) for q in qids}
-        tok = q_enc.tokenizer(d_texts, truncation=False, verbose=False)
-        lengths = {d: len(ids) for d, ids in zip(dids, tok["input_ids"])}
         bucket_doc = _length_bucket_of(lengths, list(opts.length_buckets))
         bucket_of_query = {q: bucket_doc[rel_doc[q]] for q in qids}
 
@@ -204,6 +208,8 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
         run = exact_search(q_emb, emb, qids, dids, opts.top_k)
         row = {"label": label, "kind": kind, "config": None if cfg is None else b.bind(cfg).to_dict()}
         row.update(_scores_dict(data, run, qids, bucket_of_query))
+        if truncation["passages_truncated"]:
+            row["untruncated"] = (_scores_dict(data, run, untruncated, None)["scores"] if untruncated else None)
         rows.append(row)
     base = next((r["scores"] for r in rows if r["kind"] == "uncalibrated"), None)
     for r in rows:
@@ -214,6 +220,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
         "dataset": {
             "name": data.name, "layout": data.layout, "passages": len(dids), "queries": len(qids),
             "queries_per_group": {g: sum(1 for q in qids if data.group[q] == g) for g in data.groups},
+            "truncation": truncation,
         },
         "groups": list(data.groups),
         "top_k": opts.top_k,
@@ -229,6 +236,49 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
     if out_path is not None:
         _write(out_path, results, data, backend, plain, configs, labels, opts)
     return results
+
+
+def token_counts(tokenizer, texts: Sequence[str]) -> list[int]:
+    """Tokens of each text, special tokens included, without truncation."""
+    if not texts:
+        return []
+    return [len(ids) for ids in tokenizer(list(texts), truncation=False, verbose=False)["input_ids"]]
+
+
+def effective_max_length(backend: Backend) -> int | None:
+    """The length the corpus encoder truncates to: its max length, else the tokenizer's (None = unbounded)."""
+    if backend.max_length:
+        return int(backend.max_length)
+    limit = getattr(backend.tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else None
+
+
+def truncation_stats(data: Dataset, qids: Sequence[str], lengths: dict[str, int], max_length: int | None) -> dict:
+    """How many passages the encoder truncates, and which queries' relevant passages lose their end.
+
+    A truncated passage's end is never seen by the encoder, so an end-group
+    query on it fails whatever the model's position bias; the report keeps
+    these apart (the `untruncated` scores leave them out).
+    """
+    too_long = {d for d, n in lengths.items() if max_length is not None and n > max_length}
+    hit = [q for q in qids if any(d in too_long for d in data.qrels[q])]
+    values = sorted(lengths.values())
+    return {
+        "max_length": max_length,
+        "passages": len(lengths),
+        "passages_truncated": len(too_long),
+        "queries_on_truncated_passages": {g: sum(1 for q in hit if data.group[q] == g) for g in data.groups},
+        "passage_tokens": {"min": values[0], "median": float(np.median(values)),
+                           "mean": round(float(np.mean(values)), 1), "max": values[-1]} if values else {},
+        "_truncated_queries": hit,
+    }
+
+
+def truncation_note(t: dict) -> str:
+    share = 100.0 * t["passages_truncated"] / max(t["passages"], 1)
+    return (f"{t['passages_truncated']} of {t['passages']} passages ({share:.1f} %) are longer than the model's max "
+            f"length ({t['max_length']} tokens) and were truncated; a lost end is not position bias: see "
+            "'Length and truncation' in results.md for the scores without them")
 
 
 def _hash_texts(texts: Sequence[str]) -> str:
@@ -278,6 +328,7 @@ def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Bac
             for b in rows[0]["by_length"]:
                 sub = [dict(r, scores=r["by_length"].get(b)) for r in rows]
                 text += [f"\n## Relevant document length {b} tokens\n\n", markdown_table(sub, data.groups)]
+        text.append(truncation_section(results["dataset"]["truncation"], rows, data.groups))
         if results["notes"]:
             text.append("\n" + "\n".join(f"- {n}" for n in results["notes"]) + "\n")
         results["plots"] = {}
@@ -285,6 +336,8 @@ def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Bac
             if any(r["kind"] == "calibrated" for r in rows):
                 plot_groups_vs_strength(rows, data.groups, tmp / "ndcg_vs_strength.png")
                 results["plots"]["ndcg_vs_strength"] = "ndcg_vs_strength.png"
+                plot_hm_psi_vs_strength(rows, tmp / "hm_psi_vs_strength.png")
+                results["plots"]["hm_psi_vs_strength"] = "hm_psi_vs_strength.png"
             torch_enc = plain if isinstance(plain, TorchBackend) else None
             if torch_enc is not None and configs:
                 from .attention import basket_mass, plot_basket_mass
