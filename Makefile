@@ -32,7 +32,17 @@ $(TRITON_STAMP): $(STAMP) attncal/serving/requirements-triton.txt
 
 serving-env: $(TRITON_STAMP)
 
+# The demo times the calibrated model with the native kernel when it can be built here (a C++
+# compiler, cmake and npm for the ONNX Runtime headers); otherwise, or if the build fails, it says so
+# and times the ONNX function body.  `attncal demo` prints which one ran.
 demo: $(STAMP)
+	@if command -v cmake >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && \
+	    { command -v c++ || command -v g++ || command -v clang++; } >/dev/null 2>&1; then \
+	  $(PY) -c "from attncal.runtime import oplib; print('native kernel library:', oplib.build_library())" || \
+	    echo "attncal: building the native kernel library failed (see build/plugins/build.log); the demo uses the ONNX function body"; \
+	else \
+	  echo "attncal: no C++ compiler, cmake or npm here: the native kernel library is not built; the demo uses the ONNX function body"; \
+	fi
 	$(VENV)/bin/attncal demo
 
 test: $(STAMP) $(TRITON_STAMP)

@@ -203,6 +203,96 @@ def test_triton_repo_cli(exports, tmp_path, capsys):
     assert _configs(tmp_path / "r")["c-encoder"].max_batch_size == 8
 
 
+def _encoder_params(repo: Path, name: str = "e") -> dict:
+    return {k: v.string_value for k, v in _configs(repo)[f"{name}-encoder"].parameters.items()}
+
+
+def test_repository_native_library_by_default(exports, tmp_path, monkeypatch):
+    """The encoder references the attncal library built here (python and onnxruntime backends),
+    not when it is turned off or absent; an explicit path is required, an auto-found one is not."""
+    built = tmp_path / "build"
+    built.mkdir()
+    (built / "libattncal_ort.so").write_bytes(b"stand-in")
+    monkeypatch.delenv("ATTNCAL_ORT_LIBRARY", raising=False)
+    monkeypatch.delenv("ATTNCAL_NATIVE", raising=False)
+    monkeypatch.setenv("ATTNCAL_PLUGIN_BUILD_DIR", str(built))
+    lib = str((built / "libattncal_ort.so").resolve())
+    build_repository(exports["cal"], tmp_path / "py", RepoOptions(name="e"))
+    assert _encoder_params(tmp_path / "py")["custom_op_library"] == lib
+    assert _encoder_params(tmp_path / "py")["custom_op_library_required"] == "0"
+    build_repository(exports["cal"], tmp_path / "ort", RepoOptions(name="e", backend="onnxruntime"))
+    assert list(_configs(tmp_path / "ort")["e-encoder"].model_operations.op_library_filename) == [lib]
+    build_repository(exports["cal"], tmp_path / "off", RepoOptions(name="e", native=False))
+    assert "custom_op_library" not in _encoder_params(tmp_path / "off")
+    monkeypatch.setenv("ATTNCAL_NATIVE", "0")
+    build_repository(exports["cal"], tmp_path / "env-off", RepoOptions(name="e", backend="onnxruntime"))
+    assert not _configs(tmp_path / "env-off")["e-encoder"].model_operations.op_library_filename
+    build_repository(exports["cal"], tmp_path / "explicit", RepoOptions(name="e", custom_op_library="/x/lib.so"))
+    assert _encoder_params(tmp_path / "explicit")["custom_op_library_required"] == "1"
+    monkeypatch.delenv("ATTNCAL_NATIVE")
+    monkeypatch.setenv("ATTNCAL_PLUGIN_BUILD_DIR", str(tmp_path / "nothing-built"))
+    build_repository(exports["cal"], tmp_path / "none", RepoOptions(name="e"))
+    assert "custom_op_library" not in _encoder_params(tmp_path / "none")
+    with pytest.raises(FileNotFoundError, match="nothing-built"):
+        build_repository(exports["cal"], tmp_path / "req", RepoOptions(name="e", native=True))
+    assert not (tmp_path / "req").exists()
+
+
+def test_repository_prefers_optimized_graph(exports, tmp_path):
+    """onnx/model_optimized.onnx, when an export has it, is what the ORT-based encoders serve;
+    the tensorrt variant keeps the standard graph."""
+    import shutil
+
+    import onnx
+
+    exp = tmp_path / "exp"
+    shutil.copytree(exports["cal"], exp)
+    marked = onnx.load(str(exp / "onnx/model.onnx"))
+    marked.doc_string = "optimized stand-in"
+    onnx.save(marked, str(exp / "onnx/model_optimized.onnx"))
+    for backend, kind, path in (("python", "cpu", "e-encoder/1/model.onnx"),
+                                ("onnxruntime", "cpu", "e-encoder/1/model.onnx"),
+                                ("tensorrt", "gpu", "e-encoder/model.onnx")):
+        build_repository(exp, tmp_path / backend, RepoOptions(name="e", backend=backend, kind=kind, native=False))
+        doc = onnx.load(str(tmp_path / backend / path)).doc_string
+        assert (doc == "optimized stand-in") == (backend != "tensorrt"), backend
+
+
+def test_python_encoder_model_library_policy(tmp_path, monkeypatch, capsys):
+    """The Triton Python model registers the library when present, falls back with a notice when an
+    auto-found library is missing or ATTNCAL_NATIVE=0, and fails when an explicit one is missing."""
+    import importlib.util
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    spec = importlib.util.spec_from_file_location(
+        "attncal_encoder_model", ROOT / "attncal/serving/models/encoder_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    registered = []
+
+    class SO:
+        def register_custom_ops_library(self, path):
+            if not os.path.isfile(path):
+                raise RuntimeError(f"cannot load {path}")
+            registered.append(path)
+
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"x")
+    reg = mod.TritonPythonModel._register_library
+    monkeypatch.delenv("ATTNCAL_NATIVE", raising=False)
+    assert reg(SO(), {}) is None
+    assert reg(SO(), {"custom_op_library": str(lib), "custom_op_library_required": "0"}) == str(lib)
+    assert reg(SO(), {"custom_op_library": str(tmp_path / "gone.so"), "custom_op_library_required": "0"}) is None
+    assert "function body" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="gone.so"):
+        reg(SO(), {"custom_op_library": str(tmp_path / "gone.so"), "custom_op_library_required": "1"})
+    monkeypatch.setenv("ATTNCAL_NATIVE", "off")
+    assert reg(SO(), {"custom_op_library": str(lib), "custom_op_library_required": "0"}) is None
+    assert reg(SO(), {"custom_op_library": str(lib)}) == str(lib)
+    assert registered == [str(lib), str(lib)]
+
+
 def test_env_problems_are_named(tmp_path):
     with pytest.raises(ServingEnvError, match="no serving environment"):
         check_env(tmp_path / "nowhere")

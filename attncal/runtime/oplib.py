@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal, Sequence
@@ -23,6 +25,10 @@ ORT_LIBRARY = "libattncal_ort.so"
 CUDA_LIBRARY = "libattncal_cuda.so"
 TRT_LIBRARY = "libattncal_trt_plugin.so"
 BUILD_INFO = "attncal_build.json"
+NATIVE_ENV = "ATTNCAL_NATIVE"
+"""Environment variable that turns the native library off ("0", "off", "false", "no")."""
+FALLBACK_MESSAGE = "attncal: native kernel library not built (make plugins); using the ONNX function body"
+_OFF_VALUES = frozenset({"0", "off", "false", "no"})
 
 _REPO = Path(__file__).resolve().parents[2]
 PLUGINS_DIR = _REPO / "plugins"
@@ -46,6 +52,50 @@ def default_library_path() -> Path | None:
         return Path(env) if Path(env).is_file() else None
     lib = default_build_dir() / ORT_LIBRARY
     return lib if lib.is_file() else None
+
+
+_fallback_lock = threading.Lock()
+_fallback_said = False
+
+
+def _say_fallback_once() -> None:
+    """Tell the user (stderr, once per process) that the function body is used
+    because nothing is built: silent fallbacks hide a 10-40 % latency change."""
+    global _fallback_said
+    with _fallback_lock:
+        if _fallback_said:
+            return
+        _fallback_said = True
+    print(FALLBACK_MESSAGE, file=sys.stderr, flush=True)
+
+
+def native_disabled_by_env() -> bool:
+    """True when $ATTNCAL_NATIVE is one of "0", "off", "false", "no" (any case)."""
+    return os.environ.get(NATIVE_ENV, "").strip().lower() in _OFF_VALUES
+
+
+def resolve_library(enabled: bool | None = None) -> Path | None:
+    """Which ORT custom-op library a session should register, by policy:
+
+    * ``enabled=False``: None (the ONNX function body).
+    * ``enabled=None`` (the default everywhere): None when $ATTNCAL_NATIVE turns it
+      off; else the built library (:func:`default_library_path`), or None with a
+      one-time notice on stderr when nothing is built.
+    * ``enabled=True``: the built library; FileNotFoundError naming the expected
+      path when it is missing (an explicit request must not silently fall back).
+    """
+    if enabled is False:
+        return None
+    if enabled is None and native_disabled_by_env():
+        return None
+    lib = default_library_path()
+    if lib is not None:
+        return lib
+    if enabled:
+        expected = os.environ.get("ATTNCAL_ORT_LIBRARY") or str(default_build_dir() / ORT_LIBRARY)
+        raise FileNotFoundError(f"attncal native kernel library not found at {expected} (build it: make plugins)")
+    _say_fallback_once()
+    return None
 
 
 def find_nvcc() -> str | None:
@@ -155,3 +205,48 @@ def compile_cuda_kernel(out: str | os.PathLike, archs: Sequence[int] = (80, 90),
         raise BuildError(f"nvcc failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     os.replace(tmp, out)
     return out
+
+
+def annotate_inplace_shapes(model) -> int:
+    """Give each calibration op's `probs` input symbolic dims [B, H, S, S] of its own, in place
+    on the ModelProto; returns how many ops were annotated.
+
+    Why: ONNX Runtime runs the native op in place (no [B,H,S,S] output buffer, and for the
+    pooled op only B*H rows of traffic) only when its planner can prove input and output have
+    the same size, i.e. when both shapes are known or carry the same dim_params.  Exports
+    whose attention shapes come from runtime Reshapes have unknown dims there; the library's
+    shape inference copies the input's dims to the output, so labelling the input is enough.
+    Softmax placement only (Q == K); a [B,H,1,K] row-placement input is left alone."""
+    import onnx
+
+    from ..graphs.contract import DOMAIN
+
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    targets = [n.input[0] for n in graph.node if n.domain == DOMAIN and n.input and n.input[0] in producers
+               and producers[n.input[0]].op_type == "Softmax"]  # only this pattern is [B,H,S,S]
+    if not targets:
+        return 0
+    # Element types come from ONNX shape inference (its unknown dims are not used).
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except (ValueError, onnx.shape_inference.InferenceError):  # > 2 GiB or an unusual graph: leave it
+        return 0
+    types = {v.name: v.type.tensor_type for v in inferred.graph.value_info}
+    known = {v.name: v for v in graph.value_info}
+    count = 0
+    for i, name in enumerate(dict.fromkeys(targets)):
+        tt = types.get(name)
+        if tt is None or not tt.elem_type:
+            continue
+        if name in known and any(d.HasField("dim_value") or d.dim_param
+                                 for d in known[name].type.tensor_type.shape.dim):
+            continue  # already informative: leave it
+        vi = onnx.helper.make_tensor_value_info(name, tt.elem_type, [f"attncal_b{i}", f"attncal_h{i}",
+                                                                      f"attncal_s{i}", f"attncal_s{i}"])
+        if name in known:
+            known[name].CopyFrom(vi)
+        else:
+            graph.value_info.append(vi)
+        count += 1
+    return count

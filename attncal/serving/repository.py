@@ -9,6 +9,14 @@ For an export and a NAME it writes three models:
   builds with the attncal TensorRT plugin);
 - `NAME`: an ensemble of the two; clients send text, get `sentence_embedding`.
 
+The `python` and `onnxruntime` encoders use the export's
+`onnx/model_optimized.onnx` when the export has one (same interface, ORT-only
+fused graph), else `onnx/model.onnx`, and load the attncal native op library
+when it is built here (`attncal.runtime.oplib.resolve_library`: off with
+ATTNCAL_NATIVE=0 or `RepoOptions(native=False)`; `custom_op_library` names
+another path).  The Python model falls back to the function body if the
+library is missing on the serving machine; Triton's ORT backend cannot.
+
 Several exports (calibrated and not) share one repository under different
 names.  The three models are built in a temporary directory beside REPO and
 renamed in, so a failure never leaves a half-written model, and models already
@@ -34,6 +42,7 @@ TEXT_INPUT = "text"
 EMBEDDING_OUTPUT = "sentence_embedding"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TEMPLATES = Path(__file__).parent / "models"
+OPTIMIZED_ONNX_FILE = "model_optimized.onnx"  # written by `attncal export` beside model.onnx when it optimizes
 
 
 @dataclass
@@ -46,7 +55,8 @@ class RepoOptions:
     with_tokenizer: bool = True
     max_queue_delay_us: int = 2000
     intra_op_threads: int = 0  # 0 = ONNX Runtime's default
-    custom_op_library: str | None = None  # path on the serving machine
+    custom_op_library: str | None = None  # path on the serving machine; required when given
+    native: bool | None = None  # None: the built attncal library when there is one; False: never; True: required
     overwrite: bool = False
 
 
@@ -95,7 +105,23 @@ def _read_export(out_dir: Path) -> dict:
         dim = int(json.loads(cfg.read_text())["hidden_size"]) if cfg.exists() else None
     if not dim:
         raise ValueError(f"cannot tell the embedding size of {onnx_file}")
-    return {"meta": meta, "onnx": onnx_file, "inputs": inputs, "dim": dim, "etype": etype}
+    optimized = onnx_file.with_name(OPTIMIZED_ONNX_FILE)
+    serve = optimized if optimized.is_file() else onnx_file
+    return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype}
+
+
+def _native_library(opts: RepoOptions) -> tuple[str | None, bool]:
+    """(library path for the encoder config, required?).  An explicit
+    `custom_op_library` is required; otherwise the attncal library built on
+    this machine, when there is one (see oplib.resolve_library)."""
+    if opts.custom_op_library:
+        return opts.custom_op_library, True
+    if opts.backend == "tensorrt":
+        return None, False
+    from ..runtime.oplib import resolve_library
+
+    lib = resolve_library(opts.native)
+    return (str(lib.resolve()), bool(opts.native)) if lib is not None else (None, False)
 
 
 def _pad_token_id(out_dir: Path) -> int:
@@ -117,7 +143,10 @@ def _batching(opts: RepoOptions) -> dict:
     return {"preferred_batch_size": _preferred(opts.max_batch), "max_queue_delay_microseconds": opts.max_queue_delay_us}
 
 
-def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int) -> dict:
+def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int,
+                   library: tuple[str | None, bool] = (None, False)) -> dict:
+    """The encoder's config.pbtxt as a dict; `library` is (op library path, required?)."""
+    lib, required = library
     ragged = opts.backend == "python"  # only the Python model re-pads requests of different lengths
     inputs = [{"name": n, "data_type": Enum("TYPE_INT64"), "dims": [-1], "allow_ragged_batch": True if ragged else None}
               for n in exp["inputs"]]
@@ -128,7 +157,8 @@ def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int) -> dict
     meta = exp["meta"]
     if opts.backend == "python":
         cfg = {"name": name, "backend": "python", **{k: v for k, v in cfg.items() if k != "name"}}
-        cfg["parameters"] = _params(intra_op_threads=opts.intra_op_threads, custom_op_library=opts.custom_op_library,
+        cfg["parameters"] = _params(intra_op_threads=opts.intra_op_threads, custom_op_library=lib,
+                                    custom_op_library_required=(("1" if required else "0") if lib else None),
                                     padding_side=meta.get("padding_side", "right"), pad_token_id=pad_id,
                                     onnx_file="model.onnx")
     elif opts.backend == "onnxruntime":
@@ -136,8 +166,8 @@ def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int) -> dict
                **{k: v for k, v in cfg.items() if k != "name"}}
         if opts.intra_op_threads:
             cfg["parameters"] = _params(intra_op_thread_count=opts.intra_op_threads)
-        if opts.custom_op_library:
-            cfg["model_operations"] = {"op_library_filename": [opts.custom_op_library]}
+        if lib:
+            cfg["model_operations"] = {"op_library_filename": [lib]}
     else:
         cfg = {"name": name, "platform": "tensorrt_plan", "default_model_filename": "model.plan",
                **{k: v for k, v in cfg.items() if k != "name"}}
@@ -201,9 +231,12 @@ def _write_model(root: Path, config: dict) -> Path:
     return model_dir
 
 
-def _copy_onnx(exp: dict, dest: Path) -> None:
-    shutil.copy2(exp["onnx"], dest / "model.onnx")
-    data = exp["onnx"].with_name(exp["onnx"].name + "_data")
+def _copy_onnx(exp: dict, dest: Path, key: str = "serve_onnx") -> None:
+    """Copy the graph as model.onnx; an external-data file keeps its own name,
+    which is what the graph's tensors reference."""
+    src = exp[key]
+    shutil.copy2(src, dest / "model.onnx")
+    data = src.with_name(src.name + "_data")
     if data.exists():
         shutil.copy2(data, dest / data.name)
 
@@ -246,6 +279,8 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
         raise ValueError(f"--instances must be >= 1, got {opts.instances}")
     if opts.backend == "tensorrt" and opts.kind != "gpu":
         raise ValueError("the tensorrt backend runs on GPU only: pass --kind gpu")
+    if opts.native and opts.backend == "tensorrt":
+        raise ValueError("native=True asks for the ONNX Runtime op library, which the tensorrt backend does not use")
     if opts.custom_op_library and opts.backend == "tensorrt":
         raise ValueError("--custom-op-library is an ONNX Runtime library; TensorRT takes its plugin via "
                          "--backend-config=tensorrt,plugins=... at server start")
@@ -257,10 +292,11 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
     if clashes and not opts.overwrite:
         raise FileExistsError(f"{repo} already holds {', '.join(clashes)}; pass --overwrite or pick another --name")
 
+    library = _native_library(opts)  # before anything is written: native=True may refuse
     repo.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.attncal-", dir=repo.parent))
     try:
-        enc_cfg = encoder_config(names["encoder"], exp, opts, _pad_token_id(out_dir))
+        enc_cfg = encoder_config(names["encoder"], exp, opts, _pad_token_id(out_dir), library)
         enc_dir = _write_model(tmp, enc_cfg)
         # Provenance for `discover`/`bench_triton`; Triton ignores extra files in a model directory.
         (enc_dir / "attncal.json").write_text(json.dumps({**exp["meta"], "triton": {
@@ -271,7 +307,7 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
         elif opts.backend == "onnxruntime":
             _copy_onnx(exp, enc_dir / "1")
         else:
-            _copy_onnx(exp, enc_dir)  # the user builds 1/model.plan from it
+            _copy_onnx(exp, enc_dir, "onnx")  # standard ONNX: the user builds 1/model.plan from it
             L, B = exp["meta"].get("max_seq_length"), opts.max_batch
             shape = lambda b: ",".join(f"{n}:{b}x{L}" for n in exp["inputs"])  # noqa: E731
             (enc_dir / "README.txt").write_text(_TENSORRT_README.format(

@@ -1,19 +1,35 @@
-// The calibration math on the host: one (batch, head, row) at a time, float32
-// accumulation, the same formulation as the CUDA kernel (calibration_cuda.cu).
+// The calibration math on the host, at memory speed: the spec is
+// attncal.calibration.oracle.reference; the CUDA kernel (calibration_cuda.cu)
+// uses the same formulation.
 //
-// Per calibrated row (the spec is attncal.calibration.oracle.reference):
+// Per calibrated row:
 //   z = probs masked to the valid keys; content = the valid span minus the
 //   isolated first/last tokens, split into baskets of `basket_size`;
 //   A_k = basket mass; f_k = 1 / (A_k * t) (0 for an empty basket), t = baskets
 //   + isolated tokens.  The content mass of the calibrated row is therefore
-//   n_nonempty / t, so the budget rescale and the normalisation reduce to two
-//   scalars and the output is z * (lambda * f_k * scale / total + 1 - lambda)
-//   on content keys, lambda * share / total + (1 - lambda) * z on isolated keys,
-//   and 0 on masked keys.  Rows the spec leaves alone are not touched.
+//   n_nonempty / t, so the budget rescale and the normalisation reduce to
+//   scalars, and the output is z * g_k on content keys with one constant
+//   g_k = (f_k * scale) / total * lambda + 1 - lambda per basket,
+//   lambda * (share / total) + (1 - lambda) * z on isolated keys, and 0 on
+//   masked keys.  Rows the spec leaves alone are not touched.
+//
+// Why it is shaped like this:
+// * Each row is two streaming passes over its keys, both per basket: one sum
+//   and one scale by a constant (no per-element branch or division), so the
+//   compiler vectorises them.  The per-row scalars are computed in double and
+//   divide by `total` rather than multiplying by its reciprocal: a subnormal
+//   fixed weight makes `total` subnormal and 1/total overflow.
+// * float16 is computed in float32 (a per-thread row buffer).
+// * The work is split into units of whole rows; a row is always computed the
+//   same way by one thread, so results do not depend on the thread count.
+// * In place (out == probs), only calibrated rows are read and written; out of
+//   place, untouched rows are copied in the same pass, row range by row range,
+//   never as a separate copy of the whole tensor.
 #ifndef ATTNCAL_CALIBRATION_CPU_H_
 #define ATTNCAL_CALIBRATION_CPU_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -22,6 +38,49 @@
 
 namespace attncal {
 
+// ---------------------------------------------------------------- float16
+// IEEE binary16 <-> binary32 by bit manipulation (round to nearest even,
+// NaN/Inf/subnormals preserved), branch-free so that row loops vectorise.
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  // Normal numbers: move the exponent/mantissa into place and rebias by a multiply.
+  const float normal = bits_to_float((two_w >> 4) + (0xE0u << 23)) * bits_to_float(0x07800000u);  // * 2^-112
+  // Subnormals: build 0.5 + m * 2^-24 and subtract 0.5.
+  const float subnormal = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t mag = two_w < (1u << 27) ? float_to_bits(subnormal) : float_to_bits(normal);
+  return bits_to_float(sign | mag);
+}
+
+inline uint16_t float_to_half(float f) {
+  // Scaling up then down rounds the mantissa to 10 bits (nearest even) in the FPU.
+  float base = (std::fabs(f) * bits_to_float(0x77800000u)) * bits_to_float(0x08800000u);  // * 2^112 * 2^-110
+  const uint32_t w = float_to_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = float_to_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// ---------------------------------------------------------------- geometry
 // Valid span of one mask row: [start, end], and whether it has masked holes.
 struct Span {
   int64_t start = -1;
@@ -43,10 +102,10 @@ inline Span span_of(const int64_t* mask_row, int64_t K) {
   return s;
 }
 
-// Row geometry and the scalars every key of the row needs.
+// Row geometry shared by every calibrated row of one batch item.
 struct RowPlan {
   int64_t c0 = 0, C = 0, n = 0;
-  float t = 1.f;
+  double t = 1.0;
 };
 
 // False when the spec leaves the rows of this item untouched.
@@ -58,94 +117,238 @@ inline bool plan_rows(const Span& s, const AttncalParams& p, RowPlan* plan) {
   plan->C = length - n_iso;
   if (plan->C <= 0 || (p.skip_short && plan->C < p.basket_size)) return false;
   plan->n = (plan->C + p.basket_size - 1) / p.basket_size;
-  plan->t = static_cast<float>(plan->n + n_iso);
+  plan->t = static_cast<double>(plan->n + n_iso);
   return true;
 }
 
-// Calibrates one row; `load`/`store` convert between the I/O type and float.
-template <typename T, typename Load, typename Store>
-void calibrate_row(const T* in, T* out, const int64_t* mask_row, int64_t K, const Span& s, const RowPlan& rp,
-                   const AttncalParams& p, std::vector<float>& baskets, Load load, Store store) {
-  const int64_t S = p.basket_size;
-  auto z = [&](int64_t k) -> float {
-    if (k < s.start || k > s.end || (s.holes && mask_row[k] == 0)) return 0.f;
-    return load(in[k]);
-  };
-  baskets.assign(static_cast<size_t>(rp.n), 0.f);
-  int64_t n_nonempty = 0;
-  for (int64_t b = 0; b < rp.n; ++b) {
-    const int64_t lo = rp.c0 + b * S, hi = std::min(lo + S, rp.c0 + rp.C);
-    float acc = 0.f;
-    for (int64_t k = lo; k < hi; ++k) acc += z(k);
-    baskets[b] = acc;
-    n_nonempty += acc != 0.f;
+// One batch item: its geometry, which query rows are calibrated, and (only
+// when the mask has holes inside the valid span) a 0/1 float mask of length K.
+struct ItemPlan {
+  Span s;
+  RowPlan rp;
+  bool active = false;
+  int64_t q_lo = 0, q_hi = -1;  // calibrated query rows, inclusive
+  const float* keep = nullptr;  // holes only
+};
+
+// Per-thread scratch: basket masses and multipliers, and a float row for fp16.
+struct Scratch {
+  std::vector<float> baskets, coef, row;
+};
+
+inline Scratch& thread_scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+// ---------------------------------------------------------------- row math
+// Sum of n floats in 8 independent lanes (vectorised; the order is fixed).
+inline float sum_lanes(const float* x, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += x[i + j];
   }
-  const float inv_t = 1.f / rp.t;
-  auto share_of = [&](int mode, float weight, int64_t pos) -> float {
+  float tail = 0.f;
+  for (; i < n; ++i) tail += x[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+inline float sum_masked_lanes(const float* x, const float* m, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * m[i + j];
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) tail += x[i] * m[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+// Calibrates one float row x into y (y may alias x).
+inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
+                              Scratch& sc) {
+  const Span& s = it.s;
+  const RowPlan& rp = it.rp;
+  const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
+  const float* m = it.keep;
+  if (static_cast<int64_t>(sc.baskets.size()) < n) {
+    sc.baskets.resize(static_cast<size_t>(n));
+    sc.coef.resize(static_cast<size_t>(n));
+  }
+  float* A = sc.baskets.data();
+  float* g = sc.coef.data();
+  // Pass 1: basket masses (reads only).
+  int64_t nonempty = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
+    const float a = m ? sum_masked_lanes(x + lo, m + lo, len) : sum_lanes(x + lo, len);
+    A[b] = a;
+    nonempty += a != 0.f;
+  }
+  // Row scalars, in double.
+  const double t = rp.t, inv_t = 1.0 / t;
+  const double x_first = x[s.start], x_last = x[s.end];
+  auto share_of = [&](int mode, float weight, double z) -> double {
     if (mode == ATTNCAL_MODE_EQUAL) return inv_t;
-    if (mode == ATTNCAL_MODE_ORIGINAL) return z(pos);
-    return weight;
+    if (mode == ATTNCAL_MODE_ORIGINAL) return z;
+    return static_cast<double>(weight);
   };
-  const float first_share = p.isolate_first ? share_of(p.first_mode, p.first_weight, s.start) : 0.f;
-  const float last_share = p.isolate_last ? share_of(p.last_mode, p.last_weight, s.end) : 0.f;
+  const double fs = p.isolate_first ? share_of(p.first_mode, p.first_weight, x_first) : 0.0;
+  const double ls = p.isolate_last ? share_of(p.last_mode, p.last_weight, x_last) : 0.0;
   const bool non_equal = (p.isolate_first && p.first_mode != ATTNCAL_MODE_EQUAL) ||
                          (p.isolate_last && p.last_mode != ATTNCAL_MODE_EQUAL);
-  float content_mass = static_cast<float>(n_nonempty) * inv_t;
-  float scale = 1.f;
-  if (non_equal && content_mass != 0.f) {
-    const float budget = std::max(0.f, 1.f - (first_share + last_share));
+  double content_mass = static_cast<double>(nonempty) * inv_t;
+  double scale = 1.0;
+  if (non_equal && content_mass != 0.0) {
+    const double budget = std::max(0.0, 1.0 - (fs + ls));
     scale = budget / content_mass;
     content_mass = budget;
   }
-  const float total = content_mass + first_share + last_share;
-  const float inv_total = total != 0.f ? 1.f / total : 1.f;
-  const float lam = p.strength, keep = 1.f - p.strength;
-  const float content_coef = lam * scale * inv_total;  // times f_k
-  for (int64_t k = 0; k < K; ++k) {
-    float v;
-    if (k < s.start || k > s.end || (s.holes && mask_row[k] == 0)) {
-      v = 0.f;
-    } else if (p.isolate_first && k == s.start) {
-      v = lam * first_share * inv_total + keep * load(in[k]);
-    } else if (p.isolate_last && k == s.end) {
-      v = lam * last_share * inv_total + keep * load(in[k]);
-    } else {
-      const float a = baskets[(k - rp.c0) / S];
-      const float g = a != 0.f ? content_coef / (a * rp.t) + keep : keep;
-      v = load(in[k]) * g;
-    }
-    out[k] = store(v);
+  double total = content_mass + fs + ls;
+  if (total == 0.0) total = 1.0;  // a zero total skips normalisation
+  const double lam = p.strength, keep = 1.0 - lam;
+  for (int64_t b = 0; b < n; ++b) {
+    g[b] = A[b] != 0.f ? static_cast<float>((scale / (static_cast<double>(A[b]) * t)) / total * lam + keep)
+                       : static_cast<float>(keep);
   }
+  // Pass 2: one scale by a constant per basket; zeros outside the valid span.
+  std::fill(y, y + s.start, 0.f);
+  std::fill(y + s.end + 1, y + K, 0.f);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
+    const float gb = g[b];
+    const float* xb = x + lo;
+    float* yb = y + lo;
+    if (m) {
+      const float* mb = m + lo;
+      for (int64_t k = 0; k < len; ++k) yb[k] = xb[k] * mb[k] * gb;
+    } else {
+      for (int64_t k = 0; k < len; ++k) yb[k] = xb[k] * gb;
+    }
+  }
+  if (p.isolate_first) y[s.start] = static_cast<float>(lam * (fs / total) + keep * x_first);
+  if (p.isolate_last) y[s.end] = static_cast<float>(lam * (ls / total) + keep * x_last);
 }
 
-// Calibrates probs[B,H,Q,K] into out (which may alias probs); untouched rows
-// are copied bit for bit when out != probs.
-template <typename T, typename Load, typename Store>
-void calibrate(const T* probs, T* out, const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K,
-               const AttncalParams& p, Load load, Store store) {
-  if (out != probs && B * H * Q * K > 0) std::memcpy(out, probs, sizeof(T) * static_cast<size_t>(B * H * Q * K));
-  std::vector<float> baskets;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t* mrow = mask + b * K;
-    const Span s = span_of(mrow, K);
-    RowPlan rp;
-    if (!plan_rows(s, p, &rp)) continue;
-    int64_t q_lo, q_hi;
-    if (p.all_rows) {
-      q_lo = s.start;
-      q_hi = s.end;
-    } else {
-      // Q == 1 (row placement): the single row is the pooling row itself.
-      q_lo = q_hi = (Q == 1) ? 0 : (p.pool_last ? s.end : s.start);
+inline void calibrate_row(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
+                          Scratch& sc) {
+  calibrate_row_f32(x, y, K, it, p, sc);
+}
+
+// float16 (as raw uint16 bits): widen the row, calibrate in float, narrow.
+inline void calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
+                          Scratch& sc) {
+  if (static_cast<int64_t>(sc.row.size()) < K) sc.row.resize(static_cast<size_t>(K));
+  float* r = sc.row.data();
+  for (int64_t k = 0; k < K; ++k) r[k] = half_to_float(x[k]);
+  calibrate_row_f32(r, r, K, it, p, sc);
+  for (int64_t k = 0; k < K; ++k) y[k] = float_to_half(r[k]);
+}
+
+// ---------------------------------------------------------------- batch driver
+// A unit of work: query rows [q0, q1) of heads [h0, h1) of batch item b.
+struct Unit {
+  int64_t b, h0, h1, q0, q1;
+};
+
+// Whole-call plan: per-item geometry and the work units.  Built once per
+// call by the calling thread; the units then run in any order on any thread.
+class Plan {
+ public:
+  static constexpr int64_t kUnitElems = 32768;  // ~128 KiB of float32 per unit
+
+  Plan(const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K, const AttncalParams& p, bool in_place)
+      : B_(B), H_(H), Q_(Q), K_(K), items_(static_cast<size_t>(B)) {
+    if (B * H * Q * K == 0) return;
+    bool any_holes = false;
+    for (int64_t b = 0; b < B; ++b) {
+      ItemPlan& it = items_[b];
+      it.s = span_of(mask + b * K, K);
+      it.active = plan_rows(it.s, p, &it.rp);
+      if (!it.active) continue;
+      if (p.all_rows) {
+        it.q_lo = it.s.start;
+        it.q_hi = std::min(it.s.end, Q - 1);
+      } else {
+        // Q == 1 (row placement): the single row is the pooling row itself.
+        it.q_lo = it.q_hi = (Q == 1) ? 0 : (p.pool_last ? it.s.end : it.s.start);
+        if (it.q_lo >= Q) it.q_hi = it.q_lo - 1;
+      }
+      it.active = it.q_lo <= it.q_hi;
+      any_holes = any_holes || (it.active && it.s.holes);
     }
-    q_hi = std::min(q_hi, Q - 1);
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t q = q_lo; q <= q_hi; ++q) {
-        const int64_t off = ((b * H + h) * Q + q) * K;
-        calibrate_row(probs + off, out + off, mrow, K, s, rp, p, baskets, load, store);
+    if (any_holes) {
+      keep_.assign(static_cast<size_t>(B * K), 0.f);
+      for (int64_t b = 0; b < B; ++b) {
+        if (!items_[b].active || !items_[b].s.holes) continue;
+        for (int64_t k = 0; k < K; ++k) keep_[b * K + k] = mask[b * K + k] != 0 ? 1.f : 0.f;
+        items_[b].keep = keep_.data() + b * K;
+      }
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      const ItemPlan& it = items_[b];
+      int64_t r0 = 0, r1 = Q;  // out of place: every row is written (copied or calibrated)
+      if (in_place) {
+        if (!it.active) continue;
+        r0 = it.q_lo;
+        r1 = it.q_hi + 1;
+      }
+      const int64_t per_head = (r1 - r0) * K;
+      if (per_head >= kUnitElems) {
+        const int64_t rows = std::max<int64_t>(1, kUnitElems / K);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t q = r0; q < r1; q += rows) units_.push_back({b, h, h + 1, q, std::min(q + rows, r1)});
+      } else {
+        const int64_t heads = std::max<int64_t>(1, kUnitElems / std::max<int64_t>(1, per_head));
+        for (int64_t h = 0; h < H; h += heads) units_.push_back({b, h, std::min(h + heads, H), r0, r1});
       }
     }
   }
+
+  size_t size() const { return units_.size(); }
+
+  // Runs unit i: calibrates its calibrated rows, copies the others when out != in.
+  template <typename T>
+  void run(size_t i, const T* in, T* out, const AttncalParams& p) const {
+    const Unit& u = units_[i];
+    const ItemPlan& it = items_[u.b];
+    const int64_t c0 = it.active ? std::max(u.q0, it.q_lo) : u.q1;
+    const int64_t c1 = it.active ? std::min(u.q1, it.q_hi + 1) : u.q1;
+    const size_t row_bytes = sizeof(T) * static_cast<size_t>(K_);
+    Scratch& sc = thread_scratch();
+    for (int64_t h = u.h0; h < u.h1; ++h) {
+      const int64_t base = (u.b * H_ + h) * Q_;
+      if (out != in) {  // untouched row ranges before and after the calibrated ones
+        const int64_t pre_end = std::min(u.q1, std::max(u.q0, c0));
+        if (pre_end > u.q0)
+          std::memcpy(out + (base + u.q0) * K_, in + (base + u.q0) * K_, row_bytes * (pre_end - u.q0));
+        const int64_t post_begin = std::max(u.q0, std::max(c0, c1));
+        if (u.q1 > post_begin)
+          std::memcpy(out + (base + post_begin) * K_, in + (base + post_begin) * K_, row_bytes * (u.q1 - post_begin));
+      }
+      for (int64_t q = c0; q < c1; ++q) {
+        const int64_t off = (base + q) * K_;
+        calibrate_row(in + off, out + off, K_, it, p, sc);
+      }
+    }
+  }
+
+ private:
+  int64_t B_, H_, Q_, K_;
+  std::vector<ItemPlan> items_;
+  std::vector<float> keep_;
+  std::vector<Unit> units_;
+};
+
+// Calibrates probs[B,H,Q,K] into out (which may alias probs), serially.  T is
+// float or uint16_t (float16 bits).  The ORT kernel runs the same Plan units
+// on the intra-op thread pool.
+template <typename T>
+void calibrate(const T* probs, T* out, const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K,
+               const AttncalParams& p) {
+  const Plan plan(mask, B, H, Q, K, p, out == probs);
+  for (size_t i = 0; i < plan.size(); ++i) plan.run(i, probs, out, p);
 }
 
 }  // namespace attncal

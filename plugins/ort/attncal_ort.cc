@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attncal_ort_common.h"
@@ -24,6 +25,30 @@
 namespace attncal_ort {
 
 std::atomic<uint64_t> g_computes[2];
+std::atomic<uint64_t> g_inplace[2];
+
+OrtStatusPtr ORT_API_CALL InferSameAsProbs(const OrtCustomOp*, OrtShapeInferContext* ctx);
+
+// Output 0 may reuse input 0 (probs): the op rewrites rows of the attention
+// probabilities, so in place saves a [B,H,Q,K] buffer and, for the pooled
+// op, all but B*H rows of traffic.  ORT frees the arrays with ReleaseMayInplace.
+size_t ORT_API_CALL MayInplace(int** input_index, int** output_index) {
+  *input_index = new int[1]{0};
+  *output_index = new int[1]{0};
+  return 1;
+}
+
+void ORT_API_CALL ReleaseMayInplace(int* input_index, int* output_index) {
+  delete[] input_index;
+  delete[] output_index;
+}
+
+// Shape inference and the in-place map, for every op of the library.
+void AllowInplace(Ort::Custom::OrtLiteCustomOp* op) {
+  op->InferOutputShapeFn = &InferSameAsProbs;
+  op->GetMayInplace = &MayInplace;
+  op->ReleaseMayInplace = &ReleaseMayInplace;
+}
 
 Attributes ReadAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all_rows) {
   Attributes a;
@@ -88,6 +113,23 @@ Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int
   return Ort::Status{nullptr};
 }
 
+// Output 0 has probs' type and shape (symbolic dims included).  Known output
+// shapes are what lets ORT's planner reuse the probs buffer: GetMayInplace
+// needs equal sizes.  Written against the C API because the C++ helper
+// (ShapeInferContext::SetOutputShape) drops symbolic dims in ORT 1.32.  A rank
+// other than 4 is left to Compute, which reports it.
+OrtStatusPtr ORT_API_CALL InferSameAsProbs(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  size_t n = 0, rank = 0;
+  if (OrtStatusPtr st = api.ShapeInferContext_GetInputCount(ctx, &n)) return st;
+  if (n < 1) return nullptr;
+  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
+  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &info)) return st;
+  if (OrtStatusPtr st = api.GetDimensionsCount(info, &rank)) return st;
+  if (rank != 4) return nullptr;
+  return api.ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+}
+
 Ort::Status AttributeError(const Attributes& a, const char* op) {
   return Ort::Status((std::string("attncal ") + op + ": " + a.error).c_str(), ORT_INVALID_ARGUMENT);
 }
@@ -100,32 +142,51 @@ using attncal_ort::Attributes;
 using Ort::Custom::OrtLiteCustomOp;
 using Ort::Custom::Tensor;
 
-inline float load_f(float v) { return v; }
-inline float load_h(Ort::Float16_t v) { return v.ToFloat(); }
-inline float store_f(float v) { return v; }
-inline Ort::Float16_t store_h(float v) { return Ort::Float16_t(v); }
+// The kernel's work units run on ORT's intra-op thread pool (ParallelFor).
+template <typename T>
+struct ParallelJob {
+  const attncal::Plan* plan;
+  const T* in;
+  T* out;
+  const AttncalParams* params;
+  static void Run(void* self, size_t i) {
+    auto* job = static_cast<ParallelJob*>(self);
+    job->plan->run(i, job->in, job->out, *job->params);
+  }
+};
 
 template <typename T, bool AllRows>
 struct CpuCalibration {
+  // float16 is handled as its raw bits; the kernel widens each row to float.
+  using Raw = typename std::conditional<std::is_same<T, float>::value, float, uint16_t>::type;
   Attributes attrs;
 
   CpuCalibration(const OrtApi* api, const OrtKernelInfo* info)
       : attrs(attncal_ort::ReadAttributes(api, info, AllRows)) {}
 
-  Ort::Status Compute(const Tensor<T>& probs, const Tensor<int64_t>& mask, Tensor<T>& out) {
+  Ort::Status Compute(OrtKernelContext* context, const Tensor<T>& probs, const Tensor<int64_t>& mask,
+                      Tensor<T>& out) {
     const char* op = AllRows ? "AllRowsCalibration" : "PooledRowCalibration";
     if (!attrs.error.empty()) return attncal_ort::AttributeError(attrs, op);
     const std::vector<int64_t> shape = probs.Shape();
     Ort::Status st = attncal_ort::CheckShapes(shape, mask.Shape());
     if (!st.IsOK()) return st;
-    T* dst = out.Allocate(shape);
+    // With GetMayInplace ORT may hand back the input's buffer as the output.
+    const Raw* src = reinterpret_cast<const Raw*>(probs.Data());
+    Raw* dst = reinterpret_cast<Raw*>(out.Allocate(shape));
     attncal_ort::g_computes[0].fetch_add(1);
-    if constexpr (std::is_same<T, float>::value) {
-      attncal::calibrate(probs.Data(), dst, mask.Data(), shape[0], shape[1], shape[2], shape[3], attrs.params, load_f,
-                         store_f);
-    } else {
-      attncal::calibrate(probs.Data(), dst, mask.Data(), shape[0], shape[1], shape[2], shape[3], attrs.params, load_h,
-                         store_h);
+    if (static_cast<const void*>(dst) == static_cast<const void*>(src)) attncal_ort::g_inplace[0].fetch_add(1);
+    const attncal::Plan plan(mask.Data(), shape[0], shape[1], shape[2], shape[3], attrs.params, dst == src);
+    if (plan.size() == 0) return Ort::Status{nullptr};
+    ParallelJob<Raw> job{&plan, src, dst, &attrs.params};
+    if (plan.size() == 1) {
+      ParallelJob<Raw>::Run(&job, 0);
+      return Ort::Status{nullptr};
+    }
+    try {
+      Ort::KernelContext(context).ParallelFor(&ParallelJob<Raw>::Run, plan.size(), 0, &job);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status((std::string("attncal ") + op + ": " + e.what()).c_str(), ORT_FAIL);
     }
     return Ort::Status{nullptr};
   }
@@ -148,6 +209,7 @@ std::vector<std::unique_ptr<OrtLiteCustomOp>>& AllOps() {
     v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibration<Ort::Float16_t, true>>("AllRowsCalibration", cpu,
                                                                                          kVersion, kVersion));
     attncal_ort::AppendCudaOps(v, kVersion);
+    for (auto& op : v) attncal_ort::AllowInplace(op.get());
     return v;
   }();
   return ops;
@@ -190,6 +252,11 @@ ATTNCAL_ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* 
 // library's kernel rather than the inlined function body.
 ATTNCAL_ORT_EXPORT uint64_t attncal_debug_compute_count(int provider) {
   return (provider == 0 || provider == 1) ? attncal_ort::g_computes[provider].load() : 0;
+}
+
+// How many of those runs computed in place (ORT reused the probs buffer).
+ATTNCAL_ORT_EXPORT uint64_t attncal_debug_inplace_count(int provider) {
+  return (provider == 0 || provider == 1) ? attncal_ort::g_inplace[provider].load() : 0;
 }
 
 ATTNCAL_ORT_EXPORT int attncal_has_cuda(void) { return attncal_ort::kHasCuda ? 1 : 0; }

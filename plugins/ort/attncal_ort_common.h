@@ -24,6 +24,8 @@ Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int
 Ort::Status AttributeError(const Attributes& a, const char* op);
 
 extern std::atomic<uint64_t> g_computes[2];  // [0] CPU, [1] CUDA
+extern std::atomic<uint64_t> g_inplace[2];   // computes where ORT gave out == probs
+void AllowInplace(Ort::Custom::OrtLiteCustomOp* op);
 extern const bool kHasCuda;
 
 // Adds the CUDAExecutionProvider kernels (no-op in a CPU-only build).

@@ -34,6 +34,7 @@ struct CudaCalibration {
     T* dst = out.Allocate(shape);
     void* stream = Ort::KernelContext(context).GetGPUComputeStream();
     g_computes[1].fetch_add(1);
+    if (static_cast<const void*>(dst) == static_cast<const void*>(probs.Data())) g_inplace[1].fetch_add(1);
     const int dtype = std::is_same<T, float>::value ? ATTNCAL_DTYPE_FLOAT32 : ATTNCAL_DTYPE_FLOAT16;
     const int rc = attncal_cuda_calibrate(dtype, probs.Data(), dst, mask.Data(), shape[0], shape[1], shape[2],
                                           shape[3], &attrs.params, nullptr, stream);

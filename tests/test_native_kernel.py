@@ -1,0 +1,233 @@
+"""The native CPU kernel (plugins/kernels/calibration_cpu.h through the ORT
+library): >= 20,000 random cases per dtype against the float64 oracle, thread
+count independence, in place vs out of place, and the subnormal fixed weight.
+Many cases share one session run (a batch of items with their own masks)."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from attncal.calibration import CalibrationConfig, reference
+from attncal.graphs.contract import DOMAIN, VERSION, op_spec, resolved_from_attrs
+from attncal.graphs.single_op import single_op_model
+from attncal.runtime import oplib
+from conftest import random_probs
+from test_calibration_math import random_config
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    try:
+        return oplib.build_library()
+    except oplib.BuildError as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="module")
+def counters(library):
+    lib = ctypes.CDLL(str(library))
+    out = {}
+    for name in ("attncal_debug_compute_count", "attncal_debug_inplace_count"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_int]
+        out[name.split("_")[2]] = (lambda f=fn: f(0))
+    return out  # {"compute": ..., "inplace": ...}
+
+
+def session(model: onnx.ModelProto, library: Path, threads: int = 1) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def softmax_then_op(spec, float16: bool) -> onnx.ModelProto:
+    """logits -> Softmax -> op -> Relu: the op's input and output are intermediates (as in an
+    exported encoder), so ORT may run it in place (GetMayInplace); ORT never hands a graph
+    output the buffer of an intermediate.  Relu keeps probabilities bit for bit."""
+    dtype = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
+    nodes = [helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+             helper.make_node(spec.op_type, ["probs", "attention_mask"], ["cal"], domain=DOMAIN, **spec.attrs),
+             helper.make_node("Relu", ["cal"], ["calibrated"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("logits", dtype, ["B", "H", "Q", "K"]),
+                                       helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "K"])],
+                          [helper.make_tensor_value_info("calibrated", dtype, ["B", "H", "Q", "K"])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, VERSION)])
+    m.ir_version = 10
+    return m
+
+
+def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
+    """[B,Q=K] bool: the rows the spec calibrates (the valid span counts holes, as the oracle does)."""
+    B, K = mask.shape
+    out = torch.zeros(B, K, dtype=torch.bool)
+    for b in range(B):
+        idx = mask[b].nonzero().flatten()
+        if rc.strength == 0 or len(idx) == 0:
+            continue
+        start, end = int(idx[0]), int(idx[-1])
+        C = end - start + 1 - rc.n_isolated
+        if C <= 0 or (rc.skip_short and C < rc.basket_size):
+            continue
+        if rc.all_rows:
+            out[b, start:end + 1] = True
+        else:
+            out[b, end if rc.pool_last else start] = True
+    return out
+
+
+def mixed_mask(rng: random.Random, B: int, K: int) -> torch.Tensor:
+    """Each item its own length and padding side (left or right); sometimes holes inside the span."""
+    mask = torch.zeros(B, K, dtype=torch.long)
+    for b in range(B):
+        n = rng.randint(0, K)
+        if rng.random() < 0.5:
+            mask[b, K - n:] = 1
+        else:
+            mask[b, :n] = 1
+        if n > 4 and rng.random() < 0.1:
+            idx = mask[b].nonzero().flatten()
+            mask[b, int(idx[rng.randrange(1, n - 1)])] = 0
+    return mask
+
+
+@pytest.mark.parametrize("float16,tol", [(False, 1e-6), (True, 2e-3)], ids=["fp32", "fp16"])
+def test_kernel_matches_oracle_on_20000_cases(library, counters, float16, tol):
+    """A case is one batch item (its own mask, padding side and length) under one attribute set,
+    all of its heads and calibrated rows compared with the oracle."""
+    rng = random.Random(1201 + float16)
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.float16 if float16 else torch.float32
+    cases, worst, runs, before = 0, 0.0, 0, counters["compute"]()
+    seen = {"q1": 0, "left": 0, "right": 0, "partial": 0, "all_rows": 0, "pooled": 0}
+    while cases < 20000:
+        S = rng.choice([1, 2, 3, 4, 5, 8, 16])
+        rc = random_config(rng, S).resolve()
+        spec = op_spec(rc, layer=rng.randint(0, 30))
+        rc = resolved_from_attrs(spec.op_type, spec.attrs)
+        sess = session(single_op_model(spec, float16=float16), library)
+        for _ in range(2):
+            K = rng.randint(1, 16 if rc.all_rows else 48)
+            B = rng.randint(16, 40)
+            mask = mixed_mask(rng, B, K)
+            probs = random_probs(gen, mask, 1 if rc.all_rows else rng.randint(1, 2), dtype,
+                                 temp=rng.choice([0.5, 2.0, 6.0]))
+            if not rc.all_rows and rng.random() < 0.3:  # Q == 1: the single row is the pooling row
+                probs = probs[:, :, rng.randrange(K): , :][:, :, :1, :].contiguous()
+                seen["q1"] += B
+            if rng.random() < 0.2:
+                probs[..., rng.randrange(K):][..., : 2 * S] = 0  # empty baskets
+            (out,) = sess.run(None, {"probs": probs.numpy(), "attention_mask": mask.numpy()})
+            ref = reference(probs.double(), mask, rc).numpy()
+            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2, 3))
+            assert err.max() <= tol, (float(err.max()), spec, K, int(err.argmax()))
+            if probs.shape[2] == K:  # rows the spec leaves alone are bit-identical
+                untouched = (~calibrated_rows(mask, rc))[:, None, :].expand(out.shape[:3]).numpy()
+                assert np.array_equal(out[untouched].view(np.uint8), probs.numpy()[untouched].view(np.uint8))
+            lengths = mask.sum(1)
+            seen["left"] += int((mask[:, -1] == 1).sum())
+            seen["right"] += int(((mask[:, 0] == 1) & (mask[:, -1] == 0)).sum())
+            seen["partial"] += int(((lengths - rc.n_isolated) % S != 0).sum())
+            seen["all_rows" if rc.all_rows else "pooled"] += B
+            worst, cases, runs = max(worst, float(err.max())), cases + B, runs + 1
+    assert counters["compute"]() - before == runs, "every run must execute the native kernel"
+    print(f"\n{'fp16' if float16 else 'fp32'}: {cases} cases in {runs} runs, max abs err {worst:.3g}, {seen}")
+    assert min(seen.values()) > 1000, seen
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_threads_and_in_place_are_bit_identical(library, counters, float16, pooling):
+    """1, 2 and 4 intra-op threads, in place (after a Softmax) and out of place (graph input),
+    give the same bits; the in-place model really runs in place."""
+    spec = op_spec(CalibrationConfig(pooling=pooling, basket_size=16, variant="cls-soft").resolve(), 0)
+    gen = torch.Generator().manual_seed(3)
+    B, H, K = 5, 3, 200
+    mask = mixed_mask(random.Random(5), B, K)
+    mask[0] = 1
+    logits = torch.randn(B, H, K, K, generator=gen) * 3
+    logits = logits.masked_fill(mask[:, None, None, :] == 0, float("-inf"))
+    dtype = np.float16 if float16 else np.float32
+    feeds = {"logits": logits.numpy().astype(dtype), "attention_mask": mask.numpy()}
+    results = []
+    for threads in (1, 2, 4):
+        inplace_before = counters["inplace"]()
+        (a,) = session(softmax_then_op(spec, float16), library, threads).run(None, feeds)
+        assert counters["inplace"]() == inplace_before + 1, "ORT did not reuse the probs buffer"
+        probs = np.nan_to_num(torch.softmax(torch.from_numpy(feeds["logits"]).float(), -1).numpy()).astype(dtype)
+        (b,) = session(single_op_model(spec, float16=float16), library, threads).run(
+            None, {"probs": probs, "attention_mask": feeds["attention_mask"]})
+        results += [a, b]
+        ref = reference(torch.from_numpy(probs).double(), mask, resolved_from_attrs(spec.op_type, spec.attrs))
+        assert np.abs(b.astype(np.float64) - ref.numpy()).max() <= (2e-3 if float16 else 1e-6)
+    for r in results[2::2]:
+        assert np.array_equal(r.view(np.uint8), results[0].view(np.uint8))  # in place, any thread count
+    for r in results[3::2]:
+        assert np.array_equal(r.view(np.uint8), results[1].view(np.uint8))  # out of place, any thread count
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
+def test_subnormal_fixed_weight_is_divided_not_inverted(library, float16):
+    """An all-zero row with a subnormal cls-hard weight: total = w, and 1/total overflows float32;
+    the kernel divides by total, so the pooling token gets exactly 1 (what the oracle gives)."""
+    w = 1e-40  # float32 subnormal
+    cfg = CalibrationConfig(variant="cls-hard", strength=1.0, basket_size=1, pooling="cls", self_weight=w,
+                            skip_short=False)
+    spec = op_spec(cfg.resolve(), 0)
+    assert 0 < np.float32(spec.attrs["first_weight"]) < np.finfo(np.float32).tiny
+    dtype = np.float16 if float16 else np.float32
+    probs = np.zeros((1, 2, 3, 3), dtype)
+    mask = np.ones((1, 3), np.int64)
+    (out,) = session(single_op_model(spec, float16=float16), library).run(
+        None, {"probs": probs, "attention_mask": mask})
+    ref = reference(torch.from_numpy(probs).double(), torch.from_numpy(mask),
+                    resolved_from_attrs(spec.op_type, spec.attrs)).numpy()
+    assert np.all(np.isfinite(out))
+    assert np.all(out[0, :, 0, 0] == 1.0), out[0, :, 0]
+    assert np.array_equal(out.astype(np.float64), ref)
+
+
+def test_exported_encoder_runs_the_kernel_in_place_once_annotated(library, counters, tmp_path, monkeypatch):
+    """In an exported encoder the op follows the layer's Softmax.  With the probs shapes labelled
+    (oplib.annotate_inplace_shapes) every native call runs in place, with the same bits as out of
+    place; the embeddings match the function body."""
+    from attncal.export.exporter import ExportOptions, export
+    from attncal.runtime import Encoder
+    from attncal.synthetic import save_synthetic_model, synthetic_text
+
+    model = save_synthetic_model("bert", tmp_path / "m", seed=2, max_positions=256)
+    cfg = CalibrationConfig(pooling="mean", basket_size=8, strength=0.8)
+    meta = export(str(model), tmp_path / "e", ExportOptions(config=cfg, exporter="torchscript", check=False),
+                  quiet=True)
+    n_layers = len(meta["calibrated_layers"])
+    texts = [synthetic_text(n, seed=i) for i, n in enumerate([20, 60, 130, 200])]
+    monkeypatch.setenv(oplib.NATIVE_ENV, "0")  # the function body, whatever the Encoder's default
+    enc = Encoder(tmp_path / "e", providers=["CPUExecutionProvider"])
+    plain = enc.encode(texts, batch_size=4)
+    feeds = {k: v for k, v in enc.tokenize(texts).items() if k in enc.input_names}
+    c0 = counters["compute"]()
+    native = Encoder(tmp_path / "e", providers=["CPUExecutionProvider"], custom_op_library=library).encode(
+        texts, batch_size=4)
+    assert counters["compute"]() - c0 == n_layers > 0
+    assert float(np.abs(native - plain).max()) <= 1e-6
+
+    graph = onnx.load(str(tmp_path / "e/onnx/model.onnx"))
+    outs = {}
+    for annotate in (False, True):
+        if annotate:
+            assert oplib.annotate_inplace_shapes(graph) == n_layers
+        c0, i0 = counters["compute"](), counters["inplace"]()
+        outs[annotate] = session(graph, library, threads=2).run(None, feeds)
+        assert counters["compute"]() - c0 == n_layers
+        assert counters["inplace"]() - i0 == (n_layers if annotate else 0)
+    for a, b in zip(outs[False], outs[True]):
+        assert np.array_equal(a, b)

@@ -1,0 +1,79 @@
+"""oplib.resolve_library: the on-by-default policy for the native ORT library
+(enabled flag, $ATTNCAL_NATIVE, fallback notice once per process).  No build
+needed: the library location is pointed at temporary files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from attncal.runtime import oplib
+
+
+@pytest.fixture()
+def built(tmp_path, monkeypatch) -> Path:
+    lib = tmp_path / oplib.ORT_LIBRARY
+    lib.write_bytes(b"not really a library")
+    monkeypatch.delenv("ATTNCAL_ORT_LIBRARY", raising=False)
+    monkeypatch.delenv(oplib.NATIVE_ENV, raising=False)
+    monkeypatch.setenv("ATTNCAL_PLUGIN_BUILD_DIR", str(tmp_path))
+    return lib
+
+
+@pytest.fixture()
+def not_built(tmp_path, monkeypatch) -> Path:
+    monkeypatch.delenv("ATTNCAL_ORT_LIBRARY", raising=False)
+    monkeypatch.delenv(oplib.NATIVE_ENV, raising=False)
+    monkeypatch.setenv("ATTNCAL_PLUGIN_BUILD_DIR", str(tmp_path / "empty"))
+    monkeypatch.setattr(oplib, "_fallback_said", False)
+    return tmp_path / "empty" / oplib.ORT_LIBRARY
+
+
+def test_default_uses_built_library(built):
+    assert oplib.NATIVE_ENV == "ATTNCAL_NATIVE"
+    assert oplib.resolve_library() == built
+    assert oplib.resolve_library(True) == built
+    assert oplib.resolve_library(False) is None
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false", "OFF", " False "])
+def test_env_turns_it_off(built, monkeypatch, value):
+    monkeypatch.setenv(oplib.NATIVE_ENV, value)
+    assert oplib.resolve_library() is None
+    assert oplib.resolve_library(True) == built  # an explicit request wins over the env
+
+
+@pytest.mark.parametrize("value", ["1", "on", ""])
+def test_env_other_values_keep_it_on(built, monkeypatch, value):
+    monkeypatch.setenv(oplib.NATIVE_ENV, value)
+    assert oplib.resolve_library() == built
+
+
+def test_not_built_falls_back_and_says_so_once(not_built, capsys):
+    assert oplib.resolve_library() is None
+    assert oplib.resolve_library() is None
+    err = capsys.readouterr().err
+    assert err.count(oplib.FALLBACK_MESSAGE) == 1, err
+    assert "make plugins" in err and "function body" in err
+
+
+def test_not_built_disabled_is_silent(not_built, capsys, monkeypatch):
+    assert oplib.resolve_library(False) is None
+    monkeypatch.setenv(oplib.NATIVE_ENV, "0")
+    assert oplib.resolve_library() is None
+    assert capsys.readouterr().err == ""
+
+
+def test_not_built_but_required_raises_with_path(not_built):
+    with pytest.raises(FileNotFoundError, match=str(not_built)):
+        oplib.resolve_library(True)
+
+
+def test_explicit_library_env(tmp_path, monkeypatch, not_built):
+    lib = tmp_path / "custom.so"
+    monkeypatch.setenv("ATTNCAL_ORT_LIBRARY", str(lib))
+    with pytest.raises(FileNotFoundError, match="custom.so"):
+        oplib.resolve_library(True)
+    lib.write_bytes(b"x")
+    assert oplib.resolve_library() == lib

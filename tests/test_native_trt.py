@@ -1,0 +1,81 @@
+"""The TensorRT plugin (plugins/tensorrt/) compiled against both public TensorRT header
+sets (10.5.0, the version in Triton 24.10, and 11.1) from <repo>/../shared/third_party/tensorrt,
+linked with the CUDA launcher (nvcc) or, without nvcc, a test-only launcher stub, and its
+host test (tests/cpp/trt_plugin_host_test.cpp) run: creators, field parsing, output types and
+shapes, format combinations, serialisation round trip, clone and a clean enqueue error without
+a GPU.  No libnvinfer: the test binary provides getPluginRegistry.  The headers are read in
+place, never copied into the repository."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from attncal.runtime import oplib
+
+ROOT = Path(__file__).resolve().parents[1]
+TRT_ROOT = Path(os.environ.get("ATTNCAL_TENSORRT_HEADERS", ROOT.parent / "shared" / "third_party" / "tensorrt"))
+VERSIONS = ("10.5.0", "11.1")
+CPP = ROOT / "tests" / "cpp"
+KERNELS = ROOT / "plugins" / "kernels"
+
+
+def _cuda_home(nvcc: str) -> Path | None:
+    """The toolkit root holding include/cuda_runtime_api.h (nvcc may be a wrapper script)."""
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), Path(nvcc).resolve().parents[1],
+             "/usr/local/cuda"]
+    try:  # a wrapper: ask nvcc itself where it lives
+        out = subprocess.run([nvcc, "--dryrun", "--version"], capture_output=True, text=True, timeout=30).stderr
+        cands += [line.split("=", 1)[1].strip().rstrip("/").rsplit("/bin", 1)[0]
+                  for line in out.splitlines() if "_NVVM_BRANCH_=" not in line and "TOP=" in line]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for c in cands:
+        if c and (Path(c) / "include" / "cuda_runtime_api.h").is_file():
+            return Path(c)
+    return None
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory) -> tuple[list[str], list[str]]:
+    """(objects/sources, extra compile+link flags) providing the attncal_cuda_* launcher."""
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler (g++)")
+    out = tmp_path_factory.mktemp("trt")
+    nvcc = oplib.find_nvcc()
+    if nvcc is None:
+        return [str(CPP / "no_cuda" / "launcher_stub.cpp")], ["-I", str(CPP / "no_cuda")]
+    cuda = _cuda_home(nvcc)
+    if cuda is None:
+        pytest.fail(f"nvcc at {nvcc} but no cuda_runtime_api.h found (set CUDA_HOME)")
+    obj = out / "calibration_cuda.o"
+    subprocess.run([nvcc, "-std=c++17", "-O2", "-c", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_80,code=sm_80",
+                    "-I", str(KERNELS), str(KERNELS / "calibration_cuda.cu"), "-o", str(obj)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    lib_dirs = [d for d in (cuda / "lib64", cuda / "lib", cuda / "targets/x86_64-linux/lib") if d.is_dir()]
+    return [str(obj)], ["-I", str(cuda / "include"), *[f"-L{d}" for d in lib_dirs], "-lcudart_static", "-ldl",
+                        "-lrt", "-lpthread"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_trt_plugin_host(version, launcher, tmp_path):
+    headers = TRT_ROOT / version / "include"
+    if not TRT_ROOT.is_dir():
+        pytest.skip(f"TensorRT headers not found at {TRT_ROOT} (expected ../shared/third_party/tensorrt)")
+    assert (headers / "NvInferRuntime.h").is_file(), f"{headers} lacks NvInferRuntime.h"
+    objs, flags = launcher
+    exe = tmp_path / f"trt_host_{version}"
+    cmd = ["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-deprecated-declarations", "-I", str(headers),
+           "-I", str(KERNELS), str(CPP / "trt_plugin_host_test.cpp"), str(ROOT / "plugins/tensorrt/attncal_trt_plugin.cpp"),
+           *objs, "-o", str(exe), *flags]
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, f"compile failed:\n{' '.join(cmd)}\n{build.stderr[-4000:]}"
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"TensorRT headers {version.split('.')[0]}." in run.stdout
+    assert "OK:" in run.stdout and "clean error" in run.stdout
