@@ -44,7 +44,7 @@ def base_exports(tiny_models, tmp_path_factory):
             out[arch, pooling] = root / f"{arch}-{pooling}"
             export(tiny_models[arch], out[arch, pooling],
                    ExportOptions(config=CalibrationConfig(pooling=pooling), calibrate=False, exporter="torchscript",
-                                 check=False), quiet=True)
+                                 check=False, optimized=False), quiet=True)
     return out
 
 

@@ -115,11 +115,16 @@ def test_row_placement_export_matches_softmax_placement_and_torch(arch, exporter
     meta = export(path, tmp_path / "row", ExportOptions(config=cfg, placement="row", **opts), quiet=True)
     assert meta["placement"] == "row"
     model = onnx.load(str(tmp_path / "row" / "onnx" / "model.onnx"))
-    fused_here = arch == "xlm-roberta"
-    onnx.checker.check_model(model, full_check=not fused_here)
-    assert (fused(tmp_path / "row")["Attention"] == 4) == fused_here
-    assert not any(n.domain == "com.microsoft" for n in model.graph.node) or fused_here
-    row = Encoder(tmp_path / "row").encode(TEXTS)
+    onnx.checker.check_model(model, full_check=True)  # the portable graph: standard ONNX + function body
+    assert not any(n.domain == "com.microsoft" for n in model.graph.node)
+    optimized = tmp_path / "row" / "onnx" / "model_optimized.onnx"
+    assert optimized.exists() == (arch in ("bert", "xlm-roberta"))  # beside ORT-fused attention
+    if optimized.exists():
+        m = onnx.load(str(optimized))
+        assert sum(n.op_type == "Attention" and n.domain == "com.microsoft" for n in m.graph.node) == 4
+        opt = Encoder(tmp_path / "row", graph="optimized").encode(TEXTS)
+        assert np.abs(opt - TorchEncoder(path).encode(TEXTS, cfg)).max() <= 1e-5
+    row = Encoder(tmp_path / "row", graph="portable").encode(TEXTS)
     soft = Encoder(tmp_path / "softmax").encode(TEXTS)
     ref = TorchEncoder(path).encode(TEXTS, cfg)
     assert np.abs(row - soft).max() <= 1e-5

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..calibration.config import CalibrationConfig
 
-ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib")
+ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
+           "ort-opt-cal", "ort-cal-lib")
 DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib")
 
 
@@ -103,9 +104,10 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
         from ..calibration.encode import TorchEncoder
 
         torch.set_num_threads(ws.threads)
-        enc = TorchEncoder(ws.model)
-        config = None if name == "torch" else ws.config
-        impl = "naive" if name == "torch-naive" else "efficient"
+        sdpa = name.endswith("sdpa")  # torch-sdpa / torch-cal-sdpa: SDPA attention, split calibration
+        enc = TorchEncoder(ws.model, attn_implementation="sdpa" if sdpa else "eager")
+        config = None if name in ("torch", "torch-sdpa") else ws.config
+        impl = {"torch-naive": "naive", "torch-cal-sdpa": "split"}.get(name, "efficient")
         names = set(enc.tokenizer.model_input_names)
 
         def run_torch(feeds: dict[str, np.ndarray]):

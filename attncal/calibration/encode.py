@@ -48,7 +48,10 @@ class TorchEncoder:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_length: int | None = None,
+        attn_implementation: str = "sdpa",
     ) -> None:
+        """`attn_implementation` is the model's attention ("sdpa" or "eager"); calibration keeps it
+        (split attention on SDPA, calibrated probabilities on eager)."""
         from dataclasses import replace
 
         from transformers import AutoModel, AutoTokenizer
@@ -58,7 +61,9 @@ class TorchEncoder:
             self.info = replace(self.info, max_seq_length=max_length)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
         self.tokenizer.padding_side = self.info.padding_side
-        self.model = AutoModel.from_pretrained(str(self.info.path), attn_implementation="eager", dtype=dtype)
+        if attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
+        self.model = AutoModel.from_pretrained(str(self.info.path), attn_implementation=attn_implementation, dtype=dtype)
         self.model.to(device).eval()
         self.device = device
 
@@ -79,7 +84,7 @@ class TorchEncoder:
 
     @torch.no_grad()
     def forward(
-        self, batch: dict[str, torch.Tensor], config: CalibrationConfig | None = None, implementation: str = "efficient"
+        self, batch: dict[str, torch.Tensor], config: CalibrationConfig | None = None, implementation: str = "auto"
     ) -> torch.Tensor:
         """Pooled (and, per the model's config, normalised) embeddings of one tokenized batch."""
         pooling = self.pooling_for(config)

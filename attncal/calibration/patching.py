@@ -1,10 +1,19 @@
 """Calibrating a transformers model in PyTorch: the reference every export is checked against.
 
 transformers 5 dispatches attention through `AttentionInterface`.  attncal
-registers one more implementation, `attncal_eager`, which is the models' own
-eager attention (matmul, mask add, softmax, dropout, matmul, in the same order
-and dtypes, so uncalibrated layers stay bit-identical) with the calibration
-applied to the post-softmax probabilities of the selected layers.
+registers two more implementations:
+
+* `attncal_eager`: the models' own eager attention (matmul, mask add, softmax,
+  dropout, matmul, in the same order and dtypes, so uncalibrated layers stay
+  bit-identical) with the calibration applied to the post-softmax probabilities
+  of the selected layers (`implementation="efficient"` or `"naive"`).
+* `attncal_sdpa`: `torch.nn.functional.scaled_dot_product_attention` plus the
+  split-attention identity (`attncal.calibration.split`), so the probabilities
+  are never materialised and the model keeps its fused SDPA/flash kernels
+  (`implementation="split"`; uncalibrated layers run transformers' own SDPA).
+
+`implementation="auto"` (the default) keeps a model on its attention family:
+split for SDPA/flash models, efficient for eager ones.
 
 A forward pre-hook on the base model captures the 2-D token mask, from which
 the batch geometry is computed once per forward and shared by every
@@ -24,8 +33,11 @@ from torch import nn
 from .config import CalibrationConfig, ResolvedCalibration
 from .efficient import BatchGeometry, apply, compute_geometry
 from .naive import naive_apply
+from .split import SPLIT_MODES, SplitMode, allowed_from_mask, split_calibrated_attention
 
 IMPL_NAME = "attncal_eager"
+SDPA_IMPL_NAME = "attncal_sdpa"
+IMPLEMENTATIONS = ("auto", "efficient", "naive", "split")
 
 # base model class -> (attention module class, softmax upcast to float32 like the model's eager code)
 _ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -49,6 +61,7 @@ class _ForwardState:
     token_mask: torch.Tensor | None = None
     geometry: BatchGeometry | None = None
     calls: int = 0  # calibrated layer invocations, for tests and diagnostics
+    split_mode: SplitMode = "loop"
 
     def geometry_for(self, batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, BatchGeometry]:
         if self.token_mask is None:
@@ -113,6 +126,43 @@ def attncal_attention_forward(
     return out.transpose(1, 2).contiguous(), weights
 
 
+def attncal_sdpa_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA attention; calibrated layers add the split-attention terms (no probabilities)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    state: _ModuleState | None = getattr(module, "_attncal_state", None)
+    if state is None or not state.calibrated or state.shared.rc.strength == 0.0:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    key = _repeat_kv(key, n_rep)
+    value = _repeat_kv(value, n_rep)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    full = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        is_causal=causal,
+    )
+    shared = state.shared
+    _, geom = shared.geometry_for(query.shape[0], key.shape[2], query.device)
+    allowed = allowed_from_mask(attention_mask, causal, query.shape[2], key.shape[2], query.device)
+    out = split_calibrated_attention(query, key, value, full, allowed, shared.rc, geom, scaling, mode=shared.split_mode)
+    shared.calls += 1
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _efficient(probs, mask, rc, geom):
     return apply(probs, mask, rc, geometry=geom)
 
@@ -131,10 +181,12 @@ def _register() -> None:
     if _registered:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
     AttentionInterface.register(IMPL_NAME, attncal_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL_NAME, eager_mask)
+    AttentionInterface.register(SDPA_IMPL_NAME, attncal_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_IMPL_NAME, sdpa_mask)
     _registered = True
 
 
@@ -168,11 +220,22 @@ class CalibrationPatch:
     """A calibration applied to a model; undo it with `remove()` or by leaving the `with` block."""
 
     def __init__(
-        self, model: nn.Module, config: CalibrationConfig, pooling: str | None = None, implementation: str = "efficient"
+        self,
+        model: nn.Module,
+        config: CalibrationConfig,
+        pooling: str | None = None,
+        implementation: str = "auto",
+        split_mode: SplitMode = "loop",
     ) -> None:
         base = base_model_of(model)
-        if implementation not in _IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {', '.join(_IMPLEMENTATIONS)}, got {implementation!r}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+        if split_mode not in SPLIT_MODES:
+            raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
+        orig_impl = base.config._attn_implementation
+        if implementation == "auto":
+            implementation = "efficient" if orig_impl in (None, "eager", IMPL_NAME) else "split"
+        self.implementation = implementation
         if config.pooling == "auto" and pooling is None:
             raise ValueError(
                 "invalid calibration config: pooling: 'auto' needs the model's sentence-transformers "
@@ -185,13 +248,15 @@ class CalibrationPatch:
         self.base = base
         mods = attention_modules(model)
         self.layers = self.config.layer_indices(len(mods))
-        self._shared = _ForwardState(rc=self.config.resolve(), impl=_IMPLEMENTATIONS[implementation])
+        impl_fn = _IMPLEMENTATIONS.get(implementation, _efficient)
+        self._shared = _ForwardState(rc=self.config.resolve(), impl=impl_fn, split_mode=split_mode)
         self._modules = mods
-        self._orig_impl = base.config._attn_implementation
+        self._orig_impl = orig_impl
         self._active = False
         _register()
         _, upcast = _ARCHITECTURES[type(base).__name__]
-        if self._orig_impl not in (None, "eager", IMPL_NAME):
+        target = SDPA_IMPL_NAME if implementation == "split" else IMPL_NAME
+        if target == IMPL_NAME and self._orig_impl not in (None, "eager", IMPL_NAME):
             warnings.warn(
                 f"attncal: {type(base).__name__} was using {self._orig_impl!r} attention; switched to eager "
                 "attention for calibration (restored when the patch is removed)",
@@ -203,7 +268,7 @@ class CalibrationPatch:
             mod._attncal_state = _ModuleState(  # type: ignore[attr-defined]
                 layer=i, upcast_softmax=upcast, calibrated=i in self.layers, shared=self._shared
             )
-        base.config._attn_implementation = IMPL_NAME
+        base.config._attn_implementation = target
         params = list(inspect.signature(base.forward).parameters)
         self._mask_pos = params.index("attention_mask") if "attention_mask" in params else None
         self._hook = base.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
@@ -241,12 +306,20 @@ class CalibrationPatch:
 
 
 def calibrate(
-    model: nn.Module, config: CalibrationConfig, *, pooling: str | None = None, implementation: str = "efficient"
+    model: nn.Module,
+    config: CalibrationConfig,
+    *,
+    pooling: str | None = None,
+    implementation: str = "auto",
+    split_mode: SplitMode = "loop",
 ) -> CalibrationPatch:
     """Calibrate `model` with `config`.
 
     Use as a context manager (`with calibrate(model, cfg): model(**batch)`) or
     keep the returned patch for a persistent change and call `.remove()` later.
-    `implementation="naive"` selects the full-tensor variant, for benchmarks only.
+    `implementation`: "auto" (split for SDPA/flash models, efficient for eager
+    ones), "efficient" (eager attention, calibrated probabilities), "split"
+    (SDPA, no probabilities), or "naive" (full-tensor variant, benchmarks only).
+    `split_mode` ("loop" or "batched") picks how the split basket terms are run.
     """
-    return CalibrationPatch(model, config, pooling=pooling, implementation=implementation)
+    return CalibrationPatch(model, config, pooling=pooling, implementation=implementation, split_mode=split_mode)

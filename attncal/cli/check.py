@@ -13,7 +13,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--texts", default=None, help="a UTF-8 file with one text per line (default: built-in set)")
     p.add_argument("--reference", default=None, help="the source model (default: the path in attncal.json)")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--custom-op-library", default=None, help="run with the native attncal op library")
+    p.add_argument("--custom-op-library", default=None, help="run with this native attncal op library")
+    p.add_argument("--no-native", dest="native", action="store_const", const=False, default=None,
+                   help="use the ONNX function body even when the native library is built ($ATTNCAL_NATIVE=0)")
+    p.add_argument("--graph", choices=("all", "portable", "optimized"), default="all",
+                   help="which graph of the export to check (default: every graph it has)")
 
 
 def read_texts(path: str) -> list[str]:
@@ -35,10 +39,20 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from ..runtime.encoder import load_metadata
+
     texts = read_texts(args.texts) if args.texts else None
-    report = check_parity(args.out, texts, args.reference, batch_size=args.batch_size,
-                          custom_op_library=args.custom_op_library)
-    print(report.table())
-    verdict = "OK" if report.ok else "FAILED"
-    print(f"{verdict} ({report.precision}): {report.summary()}")
-    return 0 if report.ok else 1
+    meta = load_metadata(args.out)
+    graphs = ["portable", "optimized"] if args.graph == "all" else [args.graph]
+    if args.graph == "all" and "onnx/model_optimized.onnx" not in (meta.get("graphs") or {}):
+        graphs = ["portable"]
+    ok = True
+    for graph in graphs:
+        report = check_parity(args.out, texts, args.reference, batch_size=args.batch_size,
+                              custom_op_library=args.custom_op_library, graph=graph, native=args.native)
+        print(f"{report.graph}:")
+        print(report.table())
+        verdict = "OK" if report.ok else "FAILED"
+        print(f"{verdict} ({report.precision}): {report.summary()}")
+        ok &= report.ok
+    return 0 if ok else 1

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-
 from . import CLIError, add_calibration_args, config_from_args
 
 
@@ -20,10 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
-    p.add_argument("--placement", choices=("softmax", "row"), default="softmax",
-                   help="softmax: op after each calibrated Softmax (default); row: the pooling row is recomputed "
-                        "beside the attention (cls/last pooling); with --exporter torchscript on BERT/XLM-R the "
-                        "graph is ORT-optimized first and keeps every fused attention node")
+    p.add_argument("--placement", choices=("auto", "softmax", "row", "split"), default="auto",
+                   help="where calibration goes (default auto: row for cls/last pooling, split for mean). "
+                        "softmax: op after each calibrated Softmax; row: the pooling row is recomputed beside the "
+                        "attention; split: calibration as attention over baskets, no probabilities, no custom op")
+    p.add_argument("--no-optimized", dest="optimized", action="store_false",
+                   help="do not write onnx/model_optimized.onnx (the ORT-optimized graph, BERT family only)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--skip-check", action="store_true", help="do not run the parity check at export")
 
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         check=not args.skip_check,
         placement=args.placement,
+        optimized=args.optimized,
     )
     try:
         meta = export(args.model, args.out, opts)
@@ -50,10 +51,12 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), code=1) from None
     print(f"exported {meta['model_type']} -> {args.out}")
     if meta["calibrated"]:
-        print(f"calibrated layers {meta['calibrated_layers']} with {meta['op_type']} "
-              f"{json.dumps(meta['op_attributes'])}")
+        print(f"calibrated layers {meta['calibrated_layers']}: {meta['placement_reason']}")
     else:
         print("uncalibrated")
-    if meta["parity"]:
-        print(f"parity vs PyTorch: max abs {meta['parity']['max_abs']:.3g}, min cosine {meta['parity']['min_cos']:.8f}")
+    for graph_file, g in meta["graphs"].items():
+        line = f"  {graph_file}: placement {g['placement'] or 'none'}, fused attention nodes {g['fused_attention']}"
+        if g.get("parity"):
+            line += f", parity vs PyTorch max abs {g['parity']['max_abs']:.3g}"
+        print(line)
     return 0

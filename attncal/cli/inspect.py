@@ -1,8 +1,9 @@
-"""List the calibrated layers of an exported model and the attributes of their calibration nodes."""
+"""List the graphs of an export, their calibration placement, and the calibrated layers' attributes."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ..modelinfo import ModelNotFoundError
@@ -12,40 +13,69 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="an attncal export directory or an .onnx file")
 
 
-def run(args: argparse.Namespace) -> int:
+def _describe_graph(model_file: Path, placement: str | None) -> None:
     import onnx
 
     from ..graphs.contract import ALL_ROWS_OP, DOMAIN
 
-    path = Path(args.out)
-    model_file = path / "onnx" / "model.onnx" if path.is_dir() else path
-    if not model_file.is_file():
-        raise ModelNotFoundError(f"{model_file} not found")
     model = onnx.load(str(model_file), load_external_data=False)
     nodes = [n for n in model.graph.node if n.domain == DOMAIN]
     softmaxes = sum(1 for n in model.graph.node if n.op_type == "Softmax")
+    fused = sum(1 for n in model.graph.node if n.domain == "com.microsoft"
+                and n.op_type in ("Attention", "MultiHeadAttention"))
+    split_nodes = sum(1 for n in model.graph.node if n.name.startswith("attncal_split_"))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     functions = [f.name for f in model.functions if f.domain == DOMAIN]
+    if placement is None:
+        placement = "softmax" if nodes else ("split" if split_nodes else None)
+        if nodes and fused:
+            placement = "row"
     print(f"model      {model_file}")
-    print(f"opset      {opset}; attention Softmax nodes: {softmaxes}; function bodies: {functions or 'none'}")
-    if not nodes:
-        print("calibration: none (uncalibrated export)")
-        return 0
-    fused = sum(1 for n in model.graph.node if n.op_type == "Attention" and n.domain == "com.microsoft")
-    placement = "row (beside fused attention)" if fused else "softmax"
-    meta_file = path / "attncal.json" if path.is_dir() else None
-    if meta_file is not None and meta_file.exists():
-        import json
-
-        if json.loads(meta_file.read_text()).get("placement") == "row" and not fused:
-            placement = "row (pooling row recomputed beside the unfused attention)"
-    print(f"calibration: {len(nodes)} node(s), placement {placement}; fused Attention nodes: {fused}")
+    print(f"opset      {opset}; attention Softmax nodes: {softmaxes}; fused attention nodes: {fused}; "
+          f"function bodies: {functions or 'none'}")
+    if placement is None:
+        print("calibration: none (uncalibrated graph)")
+        return
+    print(f"calibration: placement {placement}; attncal op nodes: {len(nodes)}"
+          + ("; no attncal op (plain attention ops only)" if not nodes else ""))
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         layer = attrs.pop("layer", "?")
         text = ", ".join(f"{k}={round(v, 6) if isinstance(v, float) else v}" for k, v in attrs.items())
         print(f"  layer {layer:>3}  {n.op_type:<22} {text}")
     if any(n.op_type == ALL_ROWS_OP for n in nodes):
-        print("note: mean pooling calibrates every valid query row (AllRowsCalibration); it runs after the "
-              "attention Softmax and needs the full probabilities")
+        print("note: mean pooling calibrates every valid query row (AllRowsCalibration) after the attention "
+              "Softmax, which needs the full probabilities; --placement split avoids them")
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.out)
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} not found")
+    if not path.is_dir():
+        if path.suffix != ".onnx":
+            raise ValueError(f"{path} is neither an attncal export directory nor an .onnx file")
+        _describe_graph(path, None)
+        return 0
+    meta_file = path / "attncal.json"
+    meta = {}
+    if meta_file.is_file():
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{meta_file}: not valid JSON ({exc})") from None
+    graphs = meta.get("graphs") or {"onnx/model.onnx": {"placement": meta.get("placement")}}
+    if meta.get("calibrated"):
+        print(f"export     {path}: layers {meta.get('calibrated_layers')}, pooling {meta.get('pooling')}, "
+              f"requested placement {meta.get('placement')}")
+        if meta.get("placement_reason"):
+            print(f"reason     {meta['placement_reason']}")
+    for graph_file, info in graphs.items():
+        model_file = path / graph_file
+        if not model_file.is_file():
+            raise ModelNotFoundError(f"{model_file} not found")
+        print()
+        _describe_graph(model_file, info.get("placement") if meta.get("calibrated") else None)
+        if info.get("parity"):
+            print(f"parity     max |Δ| vs PyTorch {info['parity']['max_abs']:.3g} at export")
     return 0

@@ -18,7 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -26,11 +26,13 @@ from ..calibration.config import CalibrationConfig
 from ..modelinfo import ModelInfo, load_model_info
 
 EXPORTERS = ("dynamo", "torchscript")
-PLACEMENTS = ("softmax", "row")
+PLACEMENTS = ("auto", "softmax", "row", "split")
 DEFAULT_OPSET = 18
 TWO_GIB = 2 * 1024**3
 ONNX_SUBDIR = "onnx"
 ONNX_FILE = "model.onnx"
+OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized graph
+OPTIMIZABLE_TYPES = ("bert", "xlm-roberta")  # model types onnxruntime.transformers.optimizer fuses
 EXTERNAL_DATA_FILE = "model.onnx_data"
 METADATA_FILE = "attncal.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
@@ -55,7 +57,8 @@ class ExportOptions:
     exporter: str = "dynamo"
     overwrite: bool = False
     check: bool = True
-    placement: str = "softmax"  # or "row": ORT-optimized graph with fused attention kept
+    placement: str = "auto"  # auto | softmax | row | split (attncal.graphs.placements)
+    optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -175,13 +178,9 @@ def save_onnx(model, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def fused_row_placement(info: ModelInfo, opts: ExportOptions) -> bool:
-    """Row placement beside ORT-fused attention: BERT-family models exported with TorchScript.
-
-    Other row placements (Qwen3, ModernBERT, dynamo exports) calibrate the unfused graph, which
-    stays standard ONNX.
-    """
-    return opts.placement == "row" and opts.exporter == "torchscript" and info.model_type in ("bert", "xlm-roberta")
+def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
+    """ONNX Runtime's transformer optimizer fuses BERT-family attention (from a TorchScript export)."""
+    return opts.optimized and not opts.fp16 and info.model_type in OPTIMIZABLE_TYPES
 
 
 def _ort_optimize(path: Path, info: ModelInfo):
@@ -193,12 +192,28 @@ def _ort_optimize(path: Path, info: ModelInfo):
                           hidden_size=int(cfg["hidden_size"])).model
 
 
-def _row_result(config: CalibrationConfig, layers: list[int]):
-    from ..graphs.contract import op_spec
-    from ..graphs.rewrite import RewriteResult
+def _optimized_graph(info: ModelInfo, opts: ExportOptions, ts_raw: Path, config: CalibrationConfig | None,
+                     placement: str | None, num_layers: int, work: Path):
+    """The ORT-optimized graph: optimize then place (row, split: fusions kept), or place then optimize."""
+    import onnx_ir as ir
 
-    spec = op_spec(config.resolve(), 0)
-    return RewriteResult(layers=layers, op_type=spec.op_type, attrs={k: v for k, v in spec.attrs.items() if k != "layer"})
+    from ..graphs import placements
+
+    if config is None:
+        return ir.from_proto(_ort_optimize(ts_raw, info)), None
+    module = placements.get(placement)
+    if module.OPTIMIZE_FIRST:
+        model = ir.from_proto(_ort_optimize(ts_raw, info))
+        fused_before = sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type == "Attention")
+        result = module.place(model, config, num_layers)
+        if result.fused_attention < fused_before:
+            raise ExportError(f"{placement} placement lost fused attention ({fused_before} -> {result.fused_attention})")
+        return model, result
+    model = ir.load(ts_raw)
+    result = module.place(model, config, num_layers)
+    placed = work / "placed.onnx"
+    save_onnx(model, placed)
+    return ir.from_proto(_ort_optimize(placed, info)), result
 
 
 def library_versions() -> dict[str, str]:
@@ -234,8 +249,10 @@ def export(
         raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
     if opts.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
-    if opts.placement == "row" and opts.fp16:
-        raise ValueError("--placement row is float32 only; drop --fp16 or use --placement softmax")
+    if opts.placement in ("row", "split", "auto") and opts.fp16 and opts.calibrate:
+        if opts.placement != "auto":
+            raise ValueError(f"--placement {opts.placement} is float32 only; drop --fp16 or use --placement softmax")
+        opts = replace(opts, placement="softmax")  # fp16: the softmax placement's function body computes in fp32
     if opts.max_length is not None and opts.max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {opts.max_length}")
     info = load_model_info(model)
@@ -261,35 +278,42 @@ def export(
             raise ExportError(f"torch.onnx ({opts.exporter}) failed to export {info.model_type}: "
                               f"{type(exc).__name__}: {first[:300]}") from exc
         ir_model = ir.load(raw_path)
-        result = None
-        if config is not None and opts.placement == "row":
-            from ..graphs.row_placement import RowPlacementError, insert_row_calibration
+        result = plan = None
+        if config is not None:
+            from ..graphs import placements
 
-            if config.resolve().all_rows:
-                raise RowPlacementError(
-                    "row placement needs a single pooling row; mean pooling calibrates every row "
-                    "(AllRowsCalibration) and keeps --placement softmax"
-                )
-            if fused_row_placement(info, opts):
-                _log("[2/4] optimizing with onnxruntime.transformers.optimizer, then row placement beside the "
-                     f"fused attention of layers {layers}", quiet)
-                ir_model = ir.from_proto(_ort_optimize(raw_path, info))
-                insert_row_calibration(ir_model, config, info.num_layers)
-            else:
-                from ..graphs.row_placement import insert_row_calibration_unfused
-
-                _log(f"[2/4] row placement in layers {layers} (attention stays unfused)", quiet)
-                insert_row_calibration_unfused(ir_model, config, info.num_layers)
-            result = _row_result(config, layers)
-        elif config is not None:
-            _log(f"[2/4] inserting calibration in layers {layers}", quiet)
-            result = insert_calibration(ir_model, config, info.num_layers)
+            plan = placements.plan(opts.placement, config.resolve())
+            _log(f"[2/4] {plan.portable} placement in layers {layers} ({plan.reason})", quiet)
+            result = placements.get(plan.portable).place(ir_model, config, info.num_layers)
         else:
             _log("[2/4] no calibration requested", quiet)
         save_onnx(ir_model, onnx_path)
         del ir_model
-        shutil.rmtree(raw_path.parent)
-        onnx.checker.check_model(str(onnx_path), full_check=not (config is not None and fused_row_placement(info, opts)))
+        onnx.checker.check_model(str(onnx_path), full_check=True)
+        graphs = {f"{ONNX_SUBDIR}/{ONNX_FILE}": {
+            "placement": plan.portable if plan else None, "runtime": "any ONNX runtime (standard ONNX"
+            + (", model-local function)" if result is not None and result.op_type else ")"),
+            "fused_attention": result.fused_attention if result else 0}}
+        if optimized_graph_applies(info, opts):
+            ts_raw = raw_path
+            if opts.exporter != "torchscript":
+                ts_raw = tmp / ".raw-ts" / ONNX_FILE
+                torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
+            _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
+                 + (f" with {plan.optimized} placement" if plan else ""), quiet)
+            opt_model, opt_result = _optimized_graph(info, opts, ts_raw, config, plan.optimized if plan else None,
+                                                     info.num_layers, ts_raw.parent)
+            from ..graphs.placement_base import count_fused_attention
+
+            n_fused = count_fused_attention(opt_model)
+            save_onnx(opt_model, tmp / ONNX_SUBDIR / OPTIMIZED_FILE)
+            del opt_model
+            onnx.checker.check_model(str(tmp / ONNX_SUBDIR / OPTIMIZED_FILE), full_check=False)
+            graphs[f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"] = {
+                "placement": plan.optimized if plan else None, "runtime": "ONNX Runtime (com.microsoft contrib ops)",
+                "fused_attention": n_fused}
+            shutil.rmtree(ts_raw.parent, ignore_errors=True)
+        shutil.rmtree(raw_path.parent, ignore_errors=True)
         meta = {
             "format": 1,
             "calibrated": config is not None,
@@ -309,6 +333,8 @@ def export(
             "opset": opts.opset,
             "exporter": opts.exporter,
             "placement": opts.placement if config is not None else None,
+            "placement_reason": plan.reason if plan else None,
+            "graphs": graphs,
             "fp16": opts.fp16,
             "versions": library_versions(),
             "parity": None,
@@ -318,11 +344,14 @@ def export(
             _log("[3/4] checking parity against the PyTorch reference", quiet)
             from ..runtime.parity import check_parity
 
-            report = (check_fn or check_parity)(tmp, quiet=quiet)
-            meta["parity"] = report.to_dict()
-            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
-            if not report.ok:
-                raise ParityError(f"parity check failed: {report.summary()}")
+            for graph_file in graphs:
+                report = (check_fn or check_parity)(tmp, quiet=quiet, graph=graph_file)
+                graphs[graph_file]["parity"] = report.to_dict()
+                if graph_file.endswith(ONNX_FILE):
+                    meta["parity"] = report.to_dict()
+                (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+                if not report.ok:
+                    raise ParityError(f"parity check of {graph_file} failed: {report.summary()}")
         else:
             _log("[3/4] parity check skipped (--skip-check)", quiet)
         commit_dir(tmp, out)

@@ -37,33 +37,29 @@ import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig
 from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
+from .builder import Ops as _Ops
+from .placement_base import PlacementResult, count_fused_attention, has_fused_attention
 from .function_body import make_function
 from .rewrite import model_opset
+
+
+NAME = "row"
+OPTIMIZE_FIRST = True
 
 
 class RowPlacementError(ValueError):
     """Row placement does not apply to this graph or config."""
 
 
-class _Ops:
-    """Creates nodes into a list, to be inserted after the fused node."""
-
-    def __init__(self, graph: ir.Graph, prefix: str) -> None:
-        self.graph, self.prefix, self.nodes, self.n = graph, prefix, [], 0
-
-    def __call__(self, op_type: str, *inputs: ir.Value | None, domain: str = "", num_outputs: int = 1, **attrs):
-        self.n += 1
-        node = ir.node(op_type, list(inputs), attrs or None, domain=domain, num_outputs=num_outputs,
-                       name=f"{self.prefix}/{op_type}_{self.n}")
-        for i, out in enumerate(node.outputs):
-            out.name = f"{self.prefix}/{op_type}_{self.n}_out{i}"
-        self.nodes.append(node)
-        return node.outputs[0] if num_outputs == 1 else node.outputs
-
-    def const(self, name: str, array: np.ndarray) -> ir.Value:
-        v = ir.Value(name=f"{self.prefix}/{name}", const_value=ir.tensor(array))
-        self.graph.register_initializer(v)
-        return v
+def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> PlacementResult:
+    """Row placement on whichever graph this is: beside fused Attention nodes, or on the plain graph."""
+    if has_fused_attention(model):
+        layers = insert_row_calibration(model, config, num_layers)
+    else:
+        layers = insert_row_calibration_unfused(model, config, num_layers)
+    spec = op_spec(config.resolve(), 0)
+    attrs = {k: v for k, v in spec.attrs.items() if k != "layer"}
+    return PlacementResult(layers, spec.op_type, attrs, count_fused_attention(model))
 
 
 def fused_attention_nodes(graph: ir.Graph) -> list[ir.Node]:

@@ -9,8 +9,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..export.exporter import METADATA_FILE, ONNX_FILE, ONNX_SUBDIR
+from ..export.exporter import METADATA_FILE, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE
 from ..modelinfo import ModelNotFoundError
+
+GRAPHS = ("auto", "portable", "optimized")
+_ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 
 
 def load_metadata(out_dir: str | os.PathLike) -> dict:
@@ -31,12 +34,43 @@ def default_providers() -> list[str]:
     return [p for p in preferred if p in available]
 
 
+def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]) -> str:
+    """Which graph of an export to run: `onnx/model.onnx` (portable) or `onnx/model_optimized.onnx`.
+
+    `auto` takes the ORT-optimized graph when the export has one and the first provider runs
+    ONNX Runtime's contrib ops natively (CPU, CUDA); TensorRT gets the portable graph."""
+    if graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
+    optimized = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
+    has_opt = (out_dir / optimized).is_file()
+    if graph == "optimized":
+        if not has_opt:
+            raise ModelNotFoundError(f"{out_dir / optimized} is missing (export without --no-optimized, on a "
+                                     "BERT-family model)")
+        return optimized
+    if graph == "auto" and has_opt and providers and providers[0] in _ORT_NATIVE_PROVIDERS:
+        return optimized
+    return f"{ONNX_SUBDIR}/{ONNX_FILE}"
+
+
+def graph_has_custom_op(meta: dict, graph_file: str) -> bool:
+    """Whether a graph of the export contains ai.attncal ops (softmax and row placements do; split does not)."""
+    graphs = meta.get("graphs")
+    if isinstance(graphs, dict) and graph_file in graphs:
+        return graphs[graph_file].get("placement") in ("softmax", "row")
+    return bool(meta.get("op_type"))
+
+
 class Encoder:
     """Tokenizes like the source model, batches by length and runs the ONNX session.
 
     `providers` defaults to TensorRT/CUDA when the installed onnxruntime offers
-    them, else CPU.  `custom_op_library` registers the attncal native kernels
-    (see plugins/), which then replace the function body.
+    them, else CPU.  `graph="auto"` runs the export's ORT-optimized graph
+    (`onnx/model_optimized.onnx`, fused attention) when it has one and the provider
+    is CPU or CUDA, else the portable `onnx/model.onnx`.  When the graph contains
+    attncal ops, the native kernel library (plugins/) is registered if it is built
+    (`native=None`, the default; `$ATTNCAL_NATIVE=0` or `native=False` turns it off,
+    `native=True` requires it); `custom_op_library` names a library explicitly.
     """
 
     def __init__(
@@ -45,15 +79,21 @@ class Encoder:
         providers: Sequence[str] | None = None,
         *,
         custom_op_library: str | os.PathLike | None = None,
+        native: bool | None = None,
+        graph: str = "auto",
         intra_op_threads: int | None = None,
         session_options=None,
     ) -> None:
+        import threading
+
         import onnxruntime as ort
         from transformers import AutoTokenizer
 
         self.path = Path(out_dir)
         self.meta = load_metadata(self.path)
-        model_file = self.path / ONNX_SUBDIR / ONNX_FILE
+        providers = list(providers or default_providers())
+        self.graph_file = select_graph(self.path, self.meta, graph, providers)
+        model_file = self.path / self.graph_file
         if not model_file.exists():
             raise ModelNotFoundError(f"{model_file} is missing")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
@@ -62,12 +102,20 @@ class Encoder:
         so = session_options or ort.SessionOptions()
         if intra_op_threads is not None:
             so.intra_op_num_threads = intra_op_threads
+        lib: Path | None = None
         if custom_op_library is not None:
             lib = Path(custom_op_library)
             if not lib.exists():
                 raise FileNotFoundError(f"custom-op library {lib} not found")
+        elif graph_has_custom_op(self.meta, self.graph_file):
+            from . import oplib
+
+            lib = oplib.resolve_library(native)
+        if lib is not None:
             so.register_custom_ops_library(str(lib))
-        self.session = ort.InferenceSession(str(model_file), so, providers=list(providers or default_providers()))
+        self.custom_op_library = lib
+        self.session = ort.InferenceSession(str(model_file), so, providers=providers)
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     @property
@@ -80,12 +128,19 @@ class Encoder:
         return int(_json.loads((self.path / "config.json").read_text())["hidden_size"])
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
-        batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
-                               return_tensors="np")
+        with self._tokenizer_lock:
+            batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+                                   return_tensors="np")
         return {n: batch[n].astype(np.int64) for n in self.input_names}
 
     def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Raw session call: (last_hidden_state, sentence_embedding)."""
+        if self.graph_file.endswith(OPTIMIZED_FILE) and "attention_mask" in feeds:
+            m = feeds["attention_mask"] != 0
+            # ORT's fused attention takes key lengths: a token after a pad would be silently dropped.
+            if m.shape[1] > 1 and bool((~m[:, :-1] & m[:, 1:]).any()):
+                raise ValueError(f"{self.graph_file} needs right padding (its fused attention takes key lengths); "
+                                 "this batch has tokens after padding. Use graph='portable' for left padding")
         hidden, emb = self.session.run(["last_hidden_state", "sentence_embedding"], feeds)
         return hidden, emb
 
@@ -106,7 +161,9 @@ class Encoder:
         texts = list(texts)
         order = np.arange(len(texts))
         if sort_by_length and texts:
-            lengths = [len(ids) for ids in self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]]
+            with self._tokenizer_lock:
+                ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]
+            lengths = [len(x) for x in ids]
             order = np.argsort(lengths, kind="stable")[::-1]
         out = np.zeros((len(texts), self.dimension), dtype=np.float32)
         for i in tqdm(range(0, len(texts), batch_size), desc="encode (onnx)", disable=not show_progress, unit="batch"):

@@ -47,6 +47,7 @@ class Bucket:
 
 @dataclass
 class ParityReport:
+    graph: str
     precision: str
     max_abs: float
     min_cos: float
@@ -103,7 +104,11 @@ def check_parity(
     quiet: bool = True,
     providers: Sequence[str] | None = ("CPUExecutionProvider",),
     custom_op_library: str | os.PathLike | None = None,
+    graph: str = "auto",
+    native: bool | None = None,
 ) -> ParityReport:
+    """Embeddings of the export's `graph` ("auto", "portable", "optimized" or a file such as
+    "onnx/model_optimized.onnx") against the PyTorch reference."""
     from ..calibration.encode import TorchEncoder
 
     meta = load_metadata(out_dir)
@@ -118,9 +123,10 @@ def check_parity(
         raise FileNotFoundError(
             f"reference model {source} not found; pass --reference with the source model directory"
         )
-    enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library)
+    graph = {"onnx/model.onnx": "portable", "onnx/model_optimized.onnx": "optimized"}.get(graph, graph)
+    enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native)
     got = enc.encode(texts, batch_size=batch_size, sort_by_length=False, show_progress=not quiet)
-    ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"))
+    ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"), attn_implementation="eager")
     if config is None and ref_enc.info.pooling != meta["pooling"]:
         config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
     expected = ref_enc.encode(texts, config, batch_size=batch_size, show_progress=not quiet)
@@ -135,6 +141,7 @@ def check_parity(
         buckets.append(Bucket(name, len(sel), float(diff[sel].max()), float(cos[sel].min())))
     fp16 = bool(meta.get("fp16"))
     return ParityReport(
+        graph=enc.graph_file,
         precision="fp16" if fp16 else "fp32",
         max_abs=float(diff.max()),
         min_cos=float(cos.min()),

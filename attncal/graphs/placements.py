@@ -1,0 +1,66 @@
+"""The calibration placements and how `auto` chooses between them.
+
+Each placement is one module with the same entry point, `place(model, config, num_layers)`
+(see `placement_base`); the exporter looks one up here and calls it, for the portable graph and,
+where ONNX Runtime's transformer optimizer applies, for the optimized graph.
+
+`auto` (the default) follows what `attncal bench` measured on this project's machine (README,
+"Placement"):
+* cls / last pooling -> `row`: one row is recomputed beside the attention; every fused attention
+  node is kept and calibration costs 0-2 % over the uncalibrated optimized graph.
+* mean pooling -> `split`: every row is calibrated, so the probabilities would otherwise be
+  materialised; the split identity keeps fused attention (memory of the uncalibrated optimized
+  graph) at the price of one more attention pass over the keys per calibrated layer.
+  A mean-pooling config with an `original` isolated token cannot be split on fused attention and
+  uses `softmax`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+from ..calibration.config import ResolvedCalibration
+from . import row_placement, softmax_placement, split_placement
+
+PLACEMENTS: dict[str, ModuleType] = {m.NAME: m for m in (softmax_placement, row_placement, split_placement)}
+CHOICES = ("auto",) + tuple(PLACEMENTS)
+
+
+@dataclass(frozen=True)
+class Plan:
+    portable: str  # placement of onnx/model.onnx (standard ONNX)
+    optimized: str  # placement of onnx/model_optimized.onnx (ORT-optimized), when that graph is written
+    reason: str
+
+
+def get(name: str) -> ModuleType:
+    if name not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(CHOICES)}, got {name!r}")
+    return PLACEMENTS[name]
+
+
+def plan(requested: str, rc: ResolvedCalibration) -> Plan:
+    """Which placement each graph gets for `requested` (auto or an explicit name) and config `rc`."""
+    if requested not in CHOICES:
+        raise ValueError(f"placement must be one of {', '.join(CHOICES)}, got {requested!r}")
+    if requested != "auto":
+        if requested == "row" and rc.all_rows:
+            raise row_placement.RowPlacementError(
+                "row placement needs a single pooling row; mean pooling calibrates every row: use "
+                "--placement split (or auto)"
+            )
+        if requested == "split":
+            split_placement.check_supported(rc)
+        return Plan(requested, requested, f"requested: --placement {requested}")
+    if not rc.all_rows:
+        return Plan("row", "row", f"auto: {rc.pooling} pooling calibrates one row; row placement recomputes it "
+                                  "beside the attention and keeps every fused attention node")
+    try:
+        split_placement.check_supported(rc)
+    except split_placement.SplitPlacementError:
+        return Plan("softmax", "softmax", "auto: mean pooling with an 'original' isolated token needs the "
+                                          "probabilities of every row; softmax placement")
+    return Plan("split", "split", "auto: mean pooling calibrates every row; split placement computes it as "
+                                  "attention over baskets, so fused attention is kept and the probabilities "
+                                  "are never materialised")

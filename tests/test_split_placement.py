@@ -1,0 +1,139 @@
+"""Split placement (calibration as attention over baskets) in exported graphs, and `auto` placement.
+
+Parity: split vs softmax placement vs the eager PyTorch reference, for every architecture and pooling,
+on the portable graph (standard ONNX) and, for BERT-family models, on the ORT-optimized graph, whose
+fused attention nodes must all survive.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from attncal import CalibrationConfig
+from attncal.calibration import TorchEncoder
+from attncal.cli import main
+from attncal.export.exporter import ExportOptions, export
+from attncal.graphs.placements import plan
+from attncal.graphs.split_placement import SplitPlacementError
+from attncal.modelinfo import default_model_path
+from attncal.runtime import Encoder
+from attncal.synthetic import save_synthetic_model, synthetic_text
+
+# Mixed lengths: under one basket (16 tokens) to the max length (256); 16 does not divide most of them,
+# so partial last baskets are exercised.
+TEXTS = [synthetic_text(n, seed=n) for n in (4, 30, 70, 140, 400, 9, 55)]
+BASKET = 16
+
+
+def fused_count(path: Path) -> int:
+    m = onnx.load(str(path), load_external_data=False)
+    return sum(1 for n in m.graph.node if n.domain == "com.microsoft" and n.op_type in ("Attention", "MultiHeadAttention"))
+
+
+@pytest.fixture(scope="module")
+def pooled_models(tmp_path_factory):
+    """A random-weight model per (architecture, pooling)."""
+    root = tmp_path_factory.mktemp("split-models")
+    cases = {("bert", "mean"), ("bert", "cls"), ("xlm-roberta", "mean"), ("qwen3", "mean"), ("qwen3", "last"),
+             ("modernbert", "mean"), ("modernbert", "cls")}
+    return {c: save_synthetic_model(c[0], root / f"{c[0]}-{c[1]}", seed=2, pooling=c[1], max_positions=256)
+            for c in cases}
+
+
+@pytest.mark.parametrize("arch,pooling,exporter,variant", [
+    ("bert", "mean", "dynamo", "uniform"),
+    ("bert", "cls", "torchscript", "cls-soft"),
+    ("xlm-roberta", "mean", "torchscript", "cls-hard"),
+    ("qwen3", "last", "torchscript", "cls-soft"),
+    ("qwen3", "mean", "dynamo", "uniform"),
+    ("modernbert", "mean", "torchscript", "uniform"),
+    ("modernbert", "cls", "torchscript", "cls-hard"),
+])
+def test_split_export_matches_softmax_placement_and_torch(arch, pooling, exporter, variant, pooled_models, tmp_path):
+    """GQA + rotary + left padding (Qwen3), sliding windows (ModernBERT), both exporters, every variant."""
+    src = pooled_models[arch, pooling]
+    cfg = CalibrationConfig(pooling=pooling, basket_size=BASKET, strength=0.8, variant=variant)
+    opts = dict(exporter=exporter, check=False)
+    split_meta = export(src, tmp_path / "split", ExportOptions(config=cfg, placement="split", **opts), quiet=True)
+    export(src, tmp_path / "softmax", ExportOptions(config=cfg, placement="softmax", optimized=False, **opts),
+           quiet=True)
+    portable = tmp_path / "split" / "onnx" / "model.onnx"
+    model = onnx.load(str(portable))
+    onnx.checker.check_model(model, full_check=True)
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, "the portable split graph is standard ONNX only"
+    assert not model.functions
+    ref = TorchEncoder(src, attn_implementation="eager").encode(TEXTS, cfg)
+    soft = Encoder(tmp_path / "softmax").encode(TEXTS)
+    got = Encoder(tmp_path / "split", graph="portable").encode(TEXTS)
+    assert np.abs(got - ref).max() <= 1e-5
+    assert np.abs(got - soft).max() <= 1e-5
+    uncal = TorchEncoder(src, attn_implementation="eager").encode(TEXTS)
+    assert np.abs(got - uncal).max() > 1e-5, "calibration must move long texts"
+    graphs = split_meta["graphs"]
+    optimizable = arch in ("bert", "xlm-roberta")
+    assert ("onnx/model_optimized.onnx" in graphs) == optimizable
+    if optimizable:
+        opt = Encoder(tmp_path / "split")
+        assert opt.graph_file == "onnx/model_optimized.onnx"
+        assert np.abs(opt.encode(TEXTS) - ref).max() <= 1e-5
+        assert graphs["onnx/model_optimized.onnx"]["fused_attention"] == 4
+        assert fused_count(tmp_path / "split" / "onnx" / "model_optimized.onnx") == 4
+
+
+def test_optimized_split_keeps_every_fused_attention_on_minilm(tmp_path):
+    """Real weights, mean and cls pooling: the calibrated optimized graph has the uncalibrated one's fusions."""
+    path = default_model_path()
+    texts = [" ".join(["Split placement keeps fused attention on every layer."] * n) for n in (1, 12, 40, 70)]
+    export(path, tmp_path / "uncal", ExportOptions(config=CalibrationConfig(), calibrate=False, exporter="torchscript",
+                                                   check=False), quiet=True)
+    n_uncal = fused_count(tmp_path / "uncal" / "onnx" / "model_optimized.onnx")
+    assert n_uncal == 6
+    for pooling in ("mean", "cls"):
+        cfg = CalibrationConfig(pooling=pooling, strength=0.8)
+        out = tmp_path / f"split-{pooling}"
+        export(path, out, ExportOptions(config=cfg, placement="split", exporter="torchscript", check=False), quiet=True)
+        assert fused_count(out / "onnx" / "model_optimized.onnx") == n_uncal
+        ref = TorchEncoder(path, attn_implementation="eager").encode(texts, cfg)
+        for graph in ("portable", "optimized"):
+            assert np.abs(Encoder(out, graph=graph).encode(texts) - ref).max() <= 1e-5, (pooling, graph)
+
+
+def test_auto_placement_is_recorded_and_shown(pooled_models, tmp_path, capsys):
+    meta = export(pooled_models["bert", "mean"], tmp_path / "mean", ExportOptions(
+        config=CalibrationConfig(basket_size=BASKET), exporter="torchscript"), quiet=True)
+    assert meta["placement"] == "auto"
+    assert {g["placement"] for g in meta["graphs"].values()} == {"split"}
+    assert all(g["parity"]["ok"] for g in meta["graphs"].values()), "parity is checked for both graphs"
+    assert "mean pooling" in meta["placement_reason"]
+    meta = export(pooled_models["bert", "cls"], tmp_path / "cls", ExportOptions(
+        config=CalibrationConfig(basket_size=BASKET), exporter="torchscript", optimized=False, check=False), quiet=True)
+    assert list(meta["graphs"]) == ["onnx/model.onnx"] and meta["graphs"]["onnx/model.onnx"]["placement"] == "row"
+    assert json.loads((tmp_path / "cls" / "attncal.json").read_text())["placement_reason"].startswith("auto: cls")
+    assert main(["inspect", str(tmp_path / "mean")]) == 0
+    shown = capsys.readouterr().out
+    assert "reason     auto: mean pooling" in shown and "model_optimized.onnx" in shown
+    assert "placement split" in shown
+
+
+def test_split_refusals_and_right_padding_guard(pooled_models, tmp_path):
+    rc = CalibrationConfig(pooling="mean", isolate_first=True, first_weight="original").resolve()
+    with pytest.raises(SplitPlacementError, match="original attention in every row"):
+        plan("split", rc)
+    assert plan("auto", rc).optimized == "softmax"  # auto falls back instead of refusing
+    with pytest.raises(ValueError, match="mean pooling calibrates every row"):
+        plan("row", CalibrationConfig(pooling="mean").resolve())
+    out = tmp_path / "e"
+    export(pooled_models["bert", "mean"], out, ExportOptions(config=CalibrationConfig(basket_size=BASKET),
+                                                             exporter="torchscript", check=False), quiet=True)
+    enc = Encoder(out)
+    enc.tokenizer.padding_side = "left"
+    with pytest.raises(ValueError, match="needs right padding"):
+        enc.encode(TEXTS[:3])
+    assert Encoder(out, graph="portable").graph_file == "onnx/model.onnx"
+    with pytest.raises(ValueError, match="graph must be one of"):
+        Encoder(out, graph="fastest")
