@@ -197,26 +197,28 @@ def test_subnormal_fixed_weight_is_divided_not_inverted(library, float16):
 
 
 def test_exported_encoder_runs_the_kernel_in_place_once_annotated(library, counters, tmp_path, monkeypatch):
-    """In an exported encoder the op follows the layer's Softmax.  With the probs shapes labelled
-    (oplib.annotate_inplace_shapes) every native call runs in place, with the same bits as out of
-    place; the embeddings match the function body."""
+    """In a softmax-placed encoder the op follows the layer's Softmax (placement is explicit: `auto`
+    gives mean pooling the split placement, which has no op; the portable graph, as the optimized
+    one carries no op either).  With the probs shapes labelled (oplib.annotate_inplace_shapes)
+    every native call runs in place, with the same bits as out of place; the embeddings match
+    the function body."""
     from attncal.export.exporter import ExportOptions, export
     from attncal.runtime import Encoder
     from attncal.synthetic import save_synthetic_model, synthetic_text
 
     model = save_synthetic_model("bert", tmp_path / "m", seed=2, max_positions=256)
     cfg = CalibrationConfig(pooling="mean", basket_size=8, strength=0.8)
-    meta = export(str(model), tmp_path / "e", ExportOptions(config=cfg, exporter="torchscript", check=False),
-                  quiet=True)
+    opts = ExportOptions(config=cfg, exporter="torchscript", placement="softmax", check=False)
+    meta = export(str(model), tmp_path / "e", opts, quiet=True)
     n_layers = len(meta["calibrated_layers"])
     texts = [synthetic_text(n, seed=i) for i, n in enumerate([20, 60, 130, 200])]
     monkeypatch.setenv(oplib.NATIVE_ENV, "0")  # the function body, whatever the Encoder's default
-    enc = Encoder(tmp_path / "e", providers=["CPUExecutionProvider"])
+    enc = Encoder(tmp_path / "e", graph="portable", providers=["CPUExecutionProvider"])
     plain = enc.encode(texts, batch_size=4)
     feeds = {k: v for k, v in enc.tokenize(texts).items() if k in enc.input_names}
     c0 = counters["compute"]()
-    native = Encoder(tmp_path / "e", providers=["CPUExecutionProvider"], custom_op_library=library).encode(
-        texts, batch_size=4)
+    native = Encoder(tmp_path / "e", graph="portable", providers=["CPUExecutionProvider"],
+                     custom_op_library=library).encode(texts, batch_size=4)
     assert counters["compute"]() - c0 == n_layers > 0
     assert float(np.abs(native - plain).max()) <= 1e-6
 
@@ -231,3 +233,58 @@ def test_exported_encoder_runs_the_kernel_in_place_once_annotated(library, count
         assert counters["inplace"]() - i0 == (n_layers if annotate else 0)
     for a, b in zip(outs[False], outs[True]):
         assert np.array_equal(a, b)
+
+
+def row_placement_tail(spec) -> onnx.ModelProto:
+    """The shape of what row placement builds around the pooled op (graphs/row_placement.py):
+    the [B,H,1,K] scores come out of an Expand whose target shape is computed at run time, so
+    their dims are unknown *and unnamed*; then Softmax -> op -> MatMul(V) -> Shape -> Expand of
+    the row index to that shape (what feeds ScatterElements in the real graph)."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Shape", ["scores"], ["scores_shape"]),
+             helper.make_node("Expand", ["scores", "scores_shape"], ["scores_x"]),  # dims: rank 4, all anonymous
+             helper.make_node("Softmax", ["scores_x"], ["probs"], axis=-1),
+             helper.make_node(spec.op_type, ["probs", "attention_mask"], ["cal"], domain=DOMAIN, **spec.attrs),
+             helper.make_node("MatMul", ["cal", "v"], ["ctx"]),
+             helper.make_node("Shape", ["ctx"], ["ctx_shape"]),
+             helper.make_node("Expand", ["row", "ctx_shape"], ["row_x"])]
+    g = helper.make_graph(nodes, "tail", [
+        helper.make_tensor_value_info("scores", f, ["B", 4, 1, "K"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "K"]),
+        helper.make_tensor_value_info("v", f, ["B", 4, "K", 8]),
+        helper.make_tensor_value_info("row", TensorProto.INT64, ["B", 1, 1, 1])],
+        [helper.make_tensor_value_info("ctx", f, None),
+         helper.make_tensor_value_info("row_x", TensorProto.INT64, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, VERSION)])
+    m.ir_version = 10
+    return m
+
+
+def test_unnamed_unknown_dims_stay_unknown_after_the_op(library, counters):
+    """Regression: output shape inference copied an anonymous unknown dim back as the known value
+    -1, ORT folded Shape(ctx) to the constant [-1,4,-1,8] and the Expand failed with "invalid
+    expand shape" (a row-placed cls encoder with the library registered).  The graph must run at
+    every optimisation level and give op(probs) @ V."""
+    spec = op_spec(CalibrationConfig(pooling="cls", basket_size=4, strength=0.8).resolve(), 2)
+    assert spec.op_type == "PooledRowCalibration"
+    gen = torch.Generator().manual_seed(11)
+    B, K = 3, 13
+    mask = torch.ones(B, K, dtype=torch.int64)
+    mask[1, 9:] = 0
+    scores = (torch.randn(B, 4, 1, K, generator=gen) * 2).masked_fill(mask[:, None, None, :] == 0, -1e4)
+    feeds = {"scores": scores.numpy(), "attention_mask": mask.numpy(),
+             "v": torch.randn(B, 4, K, 8, generator=gen).numpy(), "row": np.array([0, 1, 2]).reshape(B, 1, 1, 1)}
+    probs = torch.softmax(scores, -1).numpy()
+    (cal,) = session(single_op_model(spec), library).run(None, {"probs": probs, "attention_mask": mask.numpy()})
+    assert np.abs(cal - probs).max() > 1e-3  # the op really rewrites the row
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        so.register_custom_ops_library(str(library))
+        s = ort.InferenceSession(row_placement_tail(spec).SerializeToString(), so, providers=["CPUExecutionProvider"])
+        c0 = counters["compute"]()
+        ctx, row_x = s.run(None, feeds)
+        assert counters["compute"]() - c0 == 1
+        assert row_x.shape == (B, 4, 1, 8) and np.array_equal(row_x[:, :, 0, 0], np.repeat([[0], [1], [2]], 4, 1))
+        np.testing.assert_allclose(ctx, cal @ feeds["v"], rtol=1e-5, atol=1e-6)

@@ -118,6 +118,16 @@ Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int
 // needs equal sizes.  Written against the C API because the C++ helper
 // (ShapeInferContext::SetOutputShape) drops symbolic dims in ORT 1.32.  A rank
 // other than 4 is left to Compute, which reports it.
+//
+// An unknown dim without a name (common inside exported graphs, e.g. the
+// [B,H,1,K] scores that row placement builds with Expand/GatherElements)
+// reaches us as -1 with an empty symbolic name, and SetOutputTypeShape would
+// write it back as the *known* value -1: downstream inference then folds
+// Shape() to a constant [-1,...] and a later Expand fails with "invalid expand
+// shape".  The C API cannot express an anonymous unknown dim, so in that case
+// the output is left without a shape (ORT infers it at run time).  Nothing is
+// lost: the planner only reuses a buffer when every dim is a known value or a
+// named symbol on both sides, which an anonymous dim never is.
 OrtStatusPtr ORT_API_CALL InferSameAsProbs(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   const OrtApi& api = Ort::GetApi();
   size_t n = 0, rank = 0;
@@ -127,6 +137,13 @@ OrtStatusPtr ORT_API_CALL InferSameAsProbs(const OrtCustomOp*, OrtShapeInferCont
   if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &info)) return st;
   if (OrtStatusPtr st = api.GetDimensionsCount(info, &rank)) return st;
   if (rank != 4) return nullptr;
+  int64_t dims[4] = {0, 0, 0, 0};
+  const char* names[4] = {nullptr, nullptr, nullptr, nullptr};
+  if (OrtStatusPtr st = api.GetDimensions(info, dims, rank)) return st;
+  if (OrtStatusPtr st = api.GetSymbolicDimensions(info, names, rank)) return st;
+  for (size_t i = 0; i < rank; ++i) {
+    if (dims[i] < 0 && (names[i] == nullptr || names[i][0] == '\0')) return nullptr;
+  }
   return api.ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
 }
 
