@@ -20,7 +20,25 @@ import numpy as np
 from ..calibration.config import CalibrationConfig
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
-           "ort-opt-cal", "ort-cal-lib")
+           "ort-opt-cal", "ort-cal-lib", "ort-split", "ort-row")
+
+# engine -> (export directory, graph of that export, calibrated?, native library policy)
+#   ort / ort-opt:   the uncalibrated export's portable / ORT-optimized graph
+#   ort-cal(-lib):   softmax placement on the portable graph, function body (or the native library)
+#   ort-opt-cal:     the ORT-optimized graph with the bench's placement (auto: row for cls/last, split for mean)
+#   ort-split/-row:  split / row placement on the portable graph (standard ONNX)
+_ORT_ENGINES = {
+    "ort": ("uncal", "portable", False),
+    "ort-opt": ("uncal", "optimized", False),
+    "ort-cal": ("cal", "portable", False),
+    "ort-cal-lib": ("cal", "portable", True),
+    "ort-opt-cal": ("opt-cal", "optimized", None),
+    "ort-split": ("split", "portable", None),
+    "ort-row": ("row", "portable", None),
+}
+_EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the workspace's placement)
+    "uncal": None, "cal": "softmax", "opt-cal": "bench", "split": "split", "row": "row",
+}
 DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib")
 
 
@@ -36,18 +54,20 @@ class Workspace:
     config: CalibrationConfig
     exports: Path
     threads: int
+    placement: str = "auto"  # of ort-opt-cal
 
     def export_dir(self, name: str) -> Path:
         return self.exports / name
 
     def to_json(self) -> str:
         return json.dumps({"model": str(self.model), "config": self.config.to_dict(), "exports": str(self.exports),
-                           "threads": self.threads})
+                           "threads": self.threads, "placement": self.placement})
 
     @classmethod
     def from_json(cls, text: str) -> "Workspace":
         d = json.loads(text)
-        return cls(Path(d["model"]), CalibrationConfig.from_dict(d["config"]), Path(d["exports"]), d["threads"])
+        return cls(Path(d["model"]), CalibrationConfig.from_dict(d["config"]), Path(d["exports"]), d["threads"],
+                   d.get("placement", "auto"))
 
 
 def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict[str, str]:
@@ -55,25 +75,28 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
     from ..export.exporter import ExportOptions, export
 
     notes: dict[str, str] = {}
-    need = {
-        "uncal": any(e in engines for e in ("ort", "ort-opt", "ort-opt-cal")),
-        "cal": any(e in engines for e in ("ort-cal", "ort-cal-lib")),
-    }
-    for name, cal in (("uncal", False), ("cal", True)):
-        if need[name] and not (ws.export_dir(name) / "attncal.json").exists():
-            # TorchScript export: ONNX Runtime's transformer optimizer fuses its attention pattern.
-            export(ws.model, ws.export_dir(name),
-                   ExportOptions(config=ws.config, calibrate=cal, exporter="torchscript", check=False, overwrite=True),
-                   quiet=quiet)
-    if ("ort-opt" in engines or "ort-opt-cal" in engines) and not (ws.export_dir("opt") / "attncal.json").exists():
-        optimize_export(ws.export_dir("uncal"), ws.export_dir("opt"))
-    if "ort-opt-cal" in engines and not (ws.export_dir("opt-cal") / "attncal.json").exists():
-        from ..graphs.row_placement import RowPlacementError, calibrate_optimized
-
+    needed = {_ORT_ENGINES[e][0] for e in engines if e in _ORT_ENGINES}
+    for name in sorted(needed):
+        if (ws.export_dir(name) / "attncal.json").exists():
+            continue
+        placement = _EXPORTS[name]
+        if placement == "bench":
+            placement = ws.placement
+        # TorchScript export: ONNX Runtime's transformer optimizer fuses its attention pattern.
+        opts = ExportOptions(config=ws.config, calibrate=placement is not None, exporter="torchscript", check=False,
+                             overwrite=True, placement=placement or "auto",
+                             optimized=name in ("uncal", "opt-cal"))
         try:
-            calibrate_optimized(ws.export_dir("opt"), ws.export_dir("opt-cal"), ws.config)
-        except RowPlacementError as exc:
-            notes["ort-opt-cal"] = str(exc)
+            export(ws.model, ws.export_dir(name), opts, quiet=quiet)
+        except ValueError as exc:  # e.g. row placement with mean pooling
+            for e in engines:
+                if _ORT_ENGINES.get(e, ("",))[0] == name:
+                    notes[e] = str(exc)
+    for e in engines:
+        if e in _ORT_ENGINES and e not in notes:
+            name, graph, _ = _ORT_ENGINES[e]
+            if graph == "optimized" and not (ws.export_dir(name) / "onnx" / "model_optimized.onnx").exists():
+                notes[e] = "no ORT-optimized graph for this model type (BERT family only)"
     return notes
 
 
@@ -90,6 +113,8 @@ def optimize_export(src: Path, dest: Path) -> None:
     opt = optimize_model(str(src / "onnx" / "model.onnx"), model_type="bert",
                          num_heads=int(cfg["num_attention_heads"]), hidden_size=int(cfg["hidden_size"]))
     onnx.save(opt.model, str(tmp / "onnx" / "model.onnx"))
+    (tmp / "onnx" / "model_optimized.onnx").unlink(missing_ok=True)  # model.onnx is now the optimized graph
+    meta.pop("graphs", None)
     meta["optimized"] = "onnxruntime.transformers.optimizer (model_type=bert)"
     (tmp / "attncal.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(dest, ignore_errors=True)
@@ -117,20 +142,16 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
         return run_torch
     from ..runtime.encoder import Encoder
 
-    lib = None
-    if name == "ort-cal-lib":
-        try:
-            from ..runtime import oplib  # type: ignore[attr-defined]
-        except ImportError:
-            raise EngineUnavailable("the native op library support is not installed") from None
-        lib = oplib.default_library_path()
-        if lib is None:
+    export_name, graph, native = _ORT_ENGINES[name]
+    if native:
+        from ..runtime import oplib
+
+        if oplib.default_library_path() is None:
             raise EngineUnavailable("the native op library is not built (make plugins)")
-    export_name = {"ort": "uncal", "ort-cal": "cal", "ort-cal-lib": "cal", "ort-opt": "opt", "ort-opt-cal": "opt-cal"}[name]
     path = ws.export_dir(export_name)
     if not (path / "attncal.json").exists():
         raise EngineUnavailable(f"no export for {name} at {path}")
-    enc = Encoder(path, providers=["CPUExecutionProvider"], custom_op_library=lib, intra_op_threads=ws.threads)
+    enc = Encoder(path, providers=["CPUExecutionProvider"], native=native, graph=graph, intra_op_threads=ws.threads)
 
     def run_ort(feeds: dict[str, np.ndarray]):
         return enc.run({k: v for k, v in feeds.items() if k in enc.input_names})

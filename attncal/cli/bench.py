@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory probes")
     p.add_argument("--out", default="results", help="output directory (default %(default)s)")
+    p.add_argument("--placement", choices=("auto", "softmax", "row", "split"), default="auto",
+                   help="placement of the ort-opt-cal engine's optimized graph (default %(default)s)")
     p.add_argument("--workdir", default=None, help="where exports are built and cached (default: OUT/../.bench-cache)")
     add_calibration_args(p)
 
@@ -116,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
     config.layer_indices(info.num_layers)
     import hashlib
 
-    key = f"{info.model_type}-" + hashlib.sha256(f"{model}|{config.to_json()}".encode()).hexdigest()[:12]
-    ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads)
+    key = f"{info.model_type}-" + hashlib.sha256(
+        f"{model}|{config.to_json()}|{args.placement}".encode()).hexdigest()[:12]
+    ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads, placement=args.placement)
     notes = build_exports(ws, engines)
     rows, skipped = run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
                               memory=not args.no_memory)

@@ -178,6 +178,21 @@ def save_onnx(model, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def annotate_for_inplace(path: Path) -> int:
+    """Label the calibration op's input shapes in the saved graph so ORT can run the native op in place."""
+    import onnx
+
+    from ..graphs.inplace_shapes import annotate_inplace_shapes
+
+    model = onnx.load(str(path), load_external_data=False)
+    n = annotate_inplace_shapes(model)
+    if n:
+        tmp = path.with_name(path.name + ".annotating")
+        onnx.save(model, str(tmp))
+        os.replace(tmp, path)
+    return n
+
+
 def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
     """ONNX Runtime's transformer optimizer fuses BERT-family attention (from a TorchScript export)."""
     return opts.optimized and not opts.fp16 and info.model_type in OPTIMIZABLE_TYPES
@@ -289,6 +304,7 @@ def export(
             _log("[2/4] no calibration requested", quiet)
         save_onnx(ir_model, onnx_path)
         del ir_model
+        annotate_for_inplace(onnx_path)
         onnx.checker.check_model(str(onnx_path), full_check=True)
         graphs = {f"{ONNX_SUBDIR}/{ONNX_FILE}": {
             "placement": plan.portable if plan else None, "runtime": "any ONNX runtime (standard ONNX"
@@ -308,6 +324,7 @@ def export(
             n_fused = count_fused_attention(opt_model)
             save_onnx(opt_model, tmp / ONNX_SUBDIR / OPTIMIZED_FILE)
             del opt_model
+            annotate_for_inplace(tmp / ONNX_SUBDIR / OPTIMIZED_FILE)
             onnx.checker.check_model(str(tmp / ONNX_SUBDIR / OPTIMIZED_FILE), full_check=False)
             graphs[f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"] = {
                 "placement": plan.optimized if plan else None, "runtime": "ONNX Runtime (com.microsoft contrib ops)",

@@ -187,6 +187,8 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
     save_onnx(model, tmp / ONNX_SUBDIR / ONNX_FILE)
+    (tmp / ONNX_SUBDIR / "model_optimized.onnx").unlink(missing_ok=True)  # model.onnx is the calibrated graph now
+    meta.pop("graphs", None)
     onnx.checker.check_model(str(tmp / ONNX_SUBDIR / ONNX_FILE))
     meta.update(calibrated=True, config=config.to_dict(), calibrated_layers=layers, op_type=POOLED_OP,
                 placement="row", parity=None)

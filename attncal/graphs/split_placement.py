@@ -107,7 +107,6 @@ class _Geometry:
         t = ops("Add", self.nf, c("niso_f", f32(n_iso)))
         self.t_safe = ops("Max", t, c("one_f", f32(1.0)))
         self.seq_m1 = ops("Sub", self.seq, c("one_s", i64(1)))
-        self.arange_S = c("arange_S", np.arange(S, dtype=i64))
         self.S = S
 
 
@@ -312,6 +311,9 @@ def insert_split_calibration_fused(model: ir.Model, config: CalibrationConfig, n
     for layer, att in enumerate(atts):
         if layer in selected:
             _layer(graph, att, layer, rc, geometry, mask)
+    for name, value in list(graph.initializers.items()):  # the replaced nodes' packed QKV weights
+        if not list(value.uses()) and not any(value is o for o in graph.outputs):
+            del graph.initializers[name]
     if MS_DOMAIN not in model.opset_imports:
         model.opset_imports[MS_DOMAIN] = 1
     return selected

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal, Sequence
 
+from ..graphs.inplace_shapes import annotate_inplace_shapes  # noqa: F401  (re-exported)
+
 ORT_LIBRARY = "libattncal_ort.so"
 CUDA_LIBRARY = "libattncal_cuda.so"
 TRT_LIBRARY = "libattncal_trt_plugin.so"
@@ -205,48 +207,3 @@ def compile_cuda_kernel(out: str | os.PathLike, archs: Sequence[int] = (80, 90),
         raise BuildError(f"nvcc failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     os.replace(tmp, out)
     return out
-
-
-def annotate_inplace_shapes(model) -> int:
-    """Give each calibration op's `probs` input symbolic dims [B, H, S, S] of its own, in place
-    on the ModelProto; returns how many ops were annotated.
-
-    Why: ONNX Runtime runs the native op in place (no [B,H,S,S] output buffer, and for the
-    pooled op only B*H rows of traffic) only when its planner can prove input and output have
-    the same size, i.e. when both shapes are known or carry the same dim_params.  Exports
-    whose attention shapes come from runtime Reshapes have unknown dims there; the library's
-    shape inference copies the input's dims to the output, so labelling the input is enough.
-    Softmax placement only (Q == K); a [B,H,1,K] row-placement input is left alone."""
-    import onnx
-
-    from ..graphs.contract import DOMAIN
-
-    graph = model.graph
-    producers = {o: n for n in graph.node for o in n.output}
-    targets = [n.input[0] for n in graph.node if n.domain == DOMAIN and n.input and n.input[0] in producers
-               and producers[n.input[0]].op_type == "Softmax"]  # only this pattern is [B,H,S,S]
-    if not targets:
-        return 0
-    # Element types come from ONNX shape inference (its unknown dims are not used).
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except (ValueError, onnx.shape_inference.InferenceError):  # > 2 GiB or an unusual graph: leave it
-        return 0
-    types = {v.name: v.type.tensor_type for v in inferred.graph.value_info}
-    known = {v.name: v for v in graph.value_info}
-    count = 0
-    for i, name in enumerate(dict.fromkeys(targets)):
-        tt = types.get(name)
-        if tt is None or not tt.elem_type:
-            continue
-        if name in known and any(d.HasField("dim_value") or d.dim_param
-                                 for d in known[name].type.tensor_type.shape.dim):
-            continue  # already informative: leave it
-        vi = onnx.helper.make_tensor_value_info(name, tt.elem_type, [f"attncal_b{i}", f"attncal_h{i}",
-                                                                      f"attncal_s{i}", f"attncal_s{i}"])
-        if name in known:
-            known[name].CopyFrom(vi)
-        else:
-            graph.value_info.append(vi)
-        count += 1
-    return count
