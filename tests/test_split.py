@@ -188,3 +188,16 @@ def test_split_modes_agree_and_lambda_zero_is_plain_sdpa():
     assert torch.equal(zero, plain)
     with pytest.raises(ValueError, match="split_mode"):
         calibrate(model, cfg, split_mode="fast")
+
+
+def test_identity_with_query_rows_in_chunks(monkeypatch):
+    """All-rows calibration runs query rows in chunks (bounded memory); chunk edges change nothing."""
+    import attncal.calibration.split as split
+
+    monkeypatch.setattr(split, "ROW_CHUNK", 5)
+    worst = 0.0
+    for (first, last), left, kind in itertools.product([(False, False), (True, True)], [False, True],
+                                                      ["padding", "causal", "window"]):
+        rc = _rc("mean", 0.7, 4, first, last, MODE_ORIGINAL if first else 0, MODE_FIXED if last else 0)
+        worst = max(worst, _case(rc, [13, 7, 3, 16], 16, left, kind, "loop"))
+    assert worst <= 1e-12

@@ -107,7 +107,8 @@ def test_auto_placement_is_recorded_and_shown(pooled_models, tmp_path, capsys):
     meta = export(pooled_models["bert", "mean"], tmp_path / "mean", ExportOptions(
         config=CalibrationConfig(basket_size=BASKET), exporter="torchscript"), quiet=True)
     assert meta["placement"] == "auto"
-    assert {g["placement"] for g in meta["graphs"].values()} == {"split"}
+    assert meta["graphs"]["onnx/model_optimized.onnx"]["placement"] == "split"
+    assert meta["graphs"]["onnx/model.onnx"]["placement"] == "softmax"
     assert all(g["parity"]["ok"] for g in meta["graphs"].values()), "parity is checked for both graphs"
     assert "mean pooling" in meta["placement_reason"]
     meta = export(pooled_models["bert", "cls"], tmp_path / "cls", ExportOptions(
@@ -117,7 +118,7 @@ def test_auto_placement_is_recorded_and_shown(pooled_models, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "mean")]) == 0
     shown = capsys.readouterr().out
     assert "reason     auto: mean pooling" in shown and "model_optimized.onnx" in shown
-    assert "placement split" in shown
+    assert "placement split" in shown and "placement softmax" in shown
 
 
 def test_split_refusals_and_right_padding_guard(pooled_models, tmp_path):

@@ -46,6 +46,7 @@ from .efficient import BatchGeometry
 SplitMode = Literal["loop", "batched"]
 SPLIT_MODES = ("loop", "batched")
 LSE_CHUNK = 256
+ROW_CHUNK = 512  # query rows calibrated at a time (all-rows calibration)
 
 
 def allowed_from_mask(
@@ -124,17 +125,49 @@ def split_calibrated_attention(
         if al.shape[2] != 1 and not rc.all_rows:  # the pooling row of a per-row mask: [A,h1,1,K]
             al = al.gather(2, row_pos[:, None, :, None].expand(A, al.shape[1], R, K))
 
+    # Query rows in chunks: the extra memory is O(chunk) rows of accumulators, not O(S).
+    chunk = ROW_CHUNK if rc.all_rows else R
+    for lo in range(0, R, chunk):
+        hi = min(R, lo + chunk)
+        al_c = al[:, :, lo:hi] if al is not None and al.shape[2] != 1 else al
+        _calibrate_rows(q[:, :, lo:hi], k, v, al_c, base[:, :, lo:hi], row_valid[:, lo:hi], g, rc, scaling, work,
+                        mode)
+    if rc.all_rows:
+        if not everyone:
+            full[ai] = base
+    else:
+        full[ai, :, r, :] = base[:, :, 0, :]
+    return full
+
+
+def _calibrate_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    al: torch.Tensor | None,
+    base: torch.Tensor,
+    row_valid: torch.Tensor,
+    g: BatchGeometry,
+    rc: ResolvedCalibration,
+    scaling: float,
+    work: torch.dtype,
+    mode: SplitMode,
+) -> None:
+    """Overwrite `base[A,H,R,d]` (plain attention of rows `q`) with the calibrated rows, in place."""
+    A, _, R, _ = q.shape
+    dev = q.device
+    lam = float(rc.strength)
     acc, n_ne = _basket_terms(q, k, v, al, g, rc.basket_size, scaling, work, mode)  # [A,H,R,d], [A,h1,R]
     t = g.t.to(work)[:, None, None]  # [A,1,1]
     shares: list[tuple[torch.Tensor, torch.Tensor]] = []
     lse = None
+    ar = torch.arange(A, device=dev)
     for enabled, wmode, weight, pos in (
         (rc.isolate_first, rc.first_mode, rc.first_weight, g.start),
         (rc.isolate_last, rc.last_mode, rc.last_weight, g.end),
     ):
         if not enabled:
             continue
-        ar = torch.arange(A, device=dev)
         v_i = v[ar, :, pos, :].to(work)  # [A,H,d]
         if wmode == MODE_EQUAL:
             share = (1.0 / t).expand(A, 1, R)
@@ -161,17 +194,14 @@ def split_calibrated_attention(
     safe_total = torch.where(nz, total, 1.0)  # divide by total, never by a reciprocal (subnormal weights)
     lam_row = lam * row_valid[:, None, :].to(work)  # [A,1,R]
     c_basket = torch.where(nz & (n_ne > 0), lam_row * content / (torch.where(n_ne > 0, n_ne, 1.0) * safe_total), 0.0)
-    out = base.to(work) * (1.0 - lam_row)[..., None] + acc * c_basket[..., None]
+    acc.mul_(c_basket[..., None])
     for share, v_i in shares:
-        out = out + (lam_row * share / safe_total)[..., None] * v_i[:, :, None, :]
-    out = out.to(full.dtype)
-    if rc.all_rows:
-        if everyone:
-            return out
-        full[ai] = out
+        acc.addcmul_((lam_row * share / safe_total)[..., None], v_i[:, :, None, :])
+    keep = (1.0 - lam_row)[..., None]
+    if base.dtype == work:
+        base.mul_(keep).add_(acc)
     else:
-        full[ai, :, r, :] = out[:, :, 0, :]
-    return full
+        base.copy_(base.to(work).mul_(keep).add_(acc))
 
 
 def _basket_terms(
@@ -229,6 +259,11 @@ def _basket_terms(
         m = valid[:, None, None, :]
         if alb is not None:
             m = m & alb
+        if alb is None and bool(valid.all()):
+            # Every key of this basket is valid for every row: no mask, so SDPA can take its fused kernel.
+            acc += F.scaled_dot_product_attention(q, kb, vb, scale=scaling).to(work)
+            n_ne += 1.0
+            continue
         ne = m.any(-1)  # [A,h1|1,R|1]
         if not bool(ne.any()):
             continue
@@ -237,7 +272,7 @@ def _basket_terms(
         if bool(ne.all()):
             acc += ob.to(work)
         else:
-            acc += ob.to(work) * ne[..., None].to(work)
+            acc.addcmul_(ob.to(work), ne[..., None].to(work))
         n_ne += ne.to(work)
     return acc, n_ne
 
