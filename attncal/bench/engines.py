@@ -77,7 +77,7 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
     notes: dict[str, str] = {}
     needed = {_ORT_ENGINES[e][0] for e in engines if e in _ORT_ENGINES}
     for name in sorted(needed):
-        if (ws.export_dir(name) / "attncal.json").exists():
+        if _cached_export_ok(ws.export_dir(name), quiet):
             continue
         placement = _EXPORTS[name]
         if placement == "bench":
@@ -100,23 +100,41 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
     return notes
 
 
+def _cached_export_ok(path: Path, quiet: bool) -> bool:
+    """Whether a cached bench export is there and intact; a damaged one is removed and rebuilt."""
+    from ..artifact import ArtifactError, open_export
+
+    if not (path / "attncal.json").exists():
+        return False
+    try:
+        open_export(path)
+        return True
+    except ArtifactError as exc:
+        if not quiet:
+            print(f"attncal: rebuilding the damaged cached export ({exc})", flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+        return False
+
+
 def optimize_export(src: Path, dest: Path) -> None:
     """ONNX Runtime's transformer optimizer (attention and layer-norm fusions) on an uncalibrated export."""
-    import onnx
     from onnxruntime.transformers.optimizer import optimize_model
 
-    meta = json.loads((src / "attncal.json").read_text())
-    cfg = json.loads((src / "config.json").read_text())
+    from ..artifact import (CONFIG_FILE, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_json, read_metadata,
+                            save_onnx_proto, write_metadata)
+
+    meta = read_metadata(src)
+    cfg = read_json(src / CONFIG_FILE, "model config")
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
-    opt = optimize_model(str(src / "onnx" / "model.onnx"), model_type="bert",
+    opt = optimize_model(str(src / ONNX_SUBDIR / ONNX_FILE), model_type="bert",
                          num_heads=int(cfg["num_attention_heads"]), hidden_size=int(cfg["hidden_size"]))
-    onnx.save(opt.model, str(tmp / "onnx" / "model.onnx"))
-    (tmp / "onnx" / "model_optimized.onnx").unlink(missing_ok=True)  # model.onnx is now the optimized graph
+    save_onnx_proto(opt.model, tmp / ONNX_SUBDIR / ONNX_FILE)
+    (tmp / ONNX_SUBDIR / OPTIMIZED_FILE).unlink(missing_ok=True)  # model.onnx is now the optimized graph
     meta.pop("graphs", None)
     meta["optimized"] = "onnxruntime.transformers.optimizer (model_type=bert)"
-    (tmp / "attncal.json").write_text(json.dumps(meta, indent=2))
+    write_metadata(tmp, meta)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
 

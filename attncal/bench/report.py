@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from ..artifact import commit_dir
 from .harness import Row, rows_to_dicts
 
 
@@ -72,9 +72,8 @@ def write_results(out: Path, rows: list[Row], meta: dict, notes: dict[str, str])
         _plot(rows, tmp / "latency.png", "p50_ms", "p50 latency per batch (ms)", "latency")
         if any(r.peak_mib is not None for r in rows):
             _plot(rows, tmp / "memory.png", "peak_mib", "peak working memory (MiB)", "memory")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        tmp.chmod(0o755)
+        commit_dir(tmp, out)  # the old results stay until the new ones are complete
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -63,12 +63,14 @@ def run_triton(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.names.split(",") if n.strip()] if args.names else None
     result = bench_triton(args.triton, names, concurrency=conc)
     table = format_table(result)
+    from ..artifact import write_text_atomic
+
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} exists and is a file")
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".triton.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out / "triton.json")
-    (out / "triton.md").write_text(table + "\n")
+    write_text_atomic(out / "triton.json", json.dumps(result, indent=2))
+    write_text_atomic(out / "triton.md", table + "\n")
     print(table)
     return 0
 
@@ -105,9 +107,20 @@ def run(args: argparse.Namespace) -> int:
                                  max_positions=8192)
         name = "synthetic long (XLM-R, 4 layers, hidden 256, 4 heads, 8194 positions, random weights)"
     else:
-        model = resolve_model_path(args.model)
-        if (model / "attncal.json").exists():
-            model = Path(json.loads((model / "attncal.json").read_text())["source_model"])
+        from ..artifact import ArtifactError, looks_like_export, open_export
+
+        if Path(args.model).is_file():
+            raise ArtifactError(args.model, "is a file; expected a model directory, an attncal export or 'default'")
+        if looks_like_export(args.model):
+            # An export is benched through its source model; validate it whole before any work.
+            exp = open_export(args.model)
+            source = exp.meta.get("source_model")
+            if not source or not Path(source).is_dir():
+                raise ArtifactError(exp.path / "attncal.json", f"its source model {source!r} is not on disk; "
+                                                               "bench the model directory instead")
+            model = Path(source)
+        else:
+            model = resolve_model_path(args.model)
         name = str(model)
     info = load_model_info(model)
     limit = _position_limit(info)

@@ -39,12 +39,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from ..runtime.encoder import load_metadata
+    from ..artifact import OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
 
     texts = read_texts(args.texts) if args.texts else None
-    meta = load_metadata(args.out)
+    # Every graph the check will run is validated first: a damaged export is one line, before any work.
+    wanted = {"all": "all", "portable": PORTABLE_GRAPH, "optimized": OPTIMIZED_GRAPH}[args.graph]
+    meta = open_export(args.out, graphs=wanted).meta
     graphs = ["portable", "optimized"] if args.graph == "all" else [args.graph]
-    if args.graph == "all" and "onnx/model_optimized.onnx" not in (meta.get("graphs") or {}):
+    if args.graph == "all" and OPTIMIZED_GRAPH not in (meta.get("graphs") or {}):
         graphs = ["portable"]
     ok = True
     for graph in graphs:

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from ..modelinfo import ModelNotFoundError
+from ..artifact import ArtifactError, MissingArtifactError, load_onnx_checked, open_export
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="an attncal export directory or an .onnx file")
 
 
-def _describe_graph(model_file: Path, placement: str | None) -> None:
+def _describe_graph(model_file: Path, placement: str | None, model=None) -> None:
     import onnx
 
     from ..graphs.contract import ALL_ROWS_OP, DOMAIN
 
-    model = onnx.load(str(model_file), load_external_data=False)
+    if model is None:
+        model = load_onnx_checked(model_file, interface=False)
     nodes = [n for n in model.graph.node if n.domain == DOMAIN]
     softmaxes = sum(1 for n in model.graph.node if n.op_type == "Softmax")
     fused = sum(1 for n in model.graph.node if n.domain == "com.microsoft"
@@ -51,31 +51,25 @@ def _describe_graph(model_file: Path, placement: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     path = Path(args.out)
     if not path.exists():
-        raise ModelNotFoundError(f"{path} not found")
+        raise MissingArtifactError(path, "not found")
     if not path.is_dir():
         if path.suffix != ".onnx":
-            raise ValueError(f"{path} is neither an attncal export directory nor an .onnx file")
+            raise ArtifactError(path, "is a file, neither an attncal export directory nor an .onnx file")
         _describe_graph(path, None)
         return 0
-    meta_file = path / "attncal.json"
-    meta = {}
-    if meta_file.is_file():
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{meta_file}: not valid JSON ({exc})") from None
-    graphs = meta.get("graphs") or {"onnx/model.onnx": {"placement": meta.get("placement")}}
+    exp = open_export(path, graphs=None)  # attncal.json, model files, onnx/; each graph is checked below
+    meta = exp.meta
+    graphs = {g: (meta.get("graphs") or {}).get(g) or {"placement": meta.get("placement")} for g in exp.graphs}
+    protos = {g: exp.check_graph(g) for g in graphs}  # every graph is checked before anything is printed
     if meta.get("calibrated"):
         print(f"export     {path}: layers {meta.get('calibrated_layers')}, pooling {meta.get('pooling')}, "
               f"requested placement {meta.get('placement')}")
         if meta.get("placement_reason"):
             print(f"reason     {meta['placement_reason']}")
     for graph_file, info in graphs.items():
-        model_file = path / graph_file
-        if not model_file.is_file():
-            raise ModelNotFoundError(f"{model_file} not found")
         print()
-        _describe_graph(model_file, info.get("placement") if meta.get("calibrated") else None)
-        if info.get("parity"):
+        _describe_graph(path / graph_file, info.get("placement") if meta.get("calibrated") else None,
+                        protos[graph_file])
+        if isinstance(info.get("parity"), dict) and isinstance(info["parity"].get("max_abs"), (int, float)):
             print(f"parity     max |Δ| vs PyTorch {info['parity']['max_abs']:.3g} at export")
     return 0

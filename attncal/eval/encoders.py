@@ -25,7 +25,7 @@ import numpy as np
 
 from ..calibration.config import CalibrationConfig
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the description holds the array's sha256, shape and dtype
 
 
 def _file_stamp(path: Path) -> list:
@@ -96,10 +96,10 @@ class OnnxBackend:
         return None if config is None else config.with_pooling(self.meta["pooling"])
 
     def fingerprint(self) -> str:
-        from ..export.exporter import METADATA_FILE, ONNX_FILE, ONNX_SUBDIR
+        from ..artifact import METADATA_FILE
 
         parts = [str(self.path.resolve()), _json_hash(self.path / METADATA_FILE),
-                 _file_stamp(self.path / ONNX_SUBDIR / ONNX_FILE)]
+                 _file_stamp(self.path / self.encoder.graph_file)]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     def encode(self, texts: Sequence[str], config: CalibrationConfig | None, *, desc: str = "encode") -> np.ndarray:
@@ -132,13 +132,52 @@ def content_lengths(backend: Backend, texts: Sequence[str]) -> list[int]:
     return [len(ids) for ids in enc["input_ids"]]
 
 
+def _array_sha256(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+def _atomic_write(path: Path, write: Callable) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class EncodeCache:
-    """Embeddings on disk as <key>.npy with a <key>.json description; writes are atomic."""
+    """Embeddings on disk as <key>.npy with a <key>.json description (sha256, shape, dtype of the
+    array); both writes are atomic.  An entry that is truncated, corrupted or does not match its
+    description is recomputed, rewritten, and listed in `repaired` (the run reports it)."""
 
     def __init__(self, root: str | os.PathLike | None) -> None:
         self.root = Path(root) if root is not None else None
         self.hits = 0
         self.misses = 0
+        self.repaired: list[str] = []
+
+    def _load(self, key: str) -> np.ndarray | None:
+        """The cached array, None when absent; raises ValueError saying why a present entry is damaged."""
+        npy, desc_file = self.root / f"{key}.npy", self.root / f"{key}.json"
+        if not npy.exists():
+            return None
+        try:
+            desc = json.loads(desc_file.read_text(encoding="utf-8"))
+            expect = (desc["sha256"], tuple(desc["shape"]), desc["dtype"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"its description {desc_file.name} is missing or damaged ({type(exc).__name__})")
+        try:
+            arr = np.load(npy, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as exc:
+            raise ValueError(f"{npy.name} cannot be read ({type(exc).__name__}: {str(exc)[:80]})")
+        if (arr.shape, str(arr.dtype)) != expect[1:]:
+            raise ValueError(f"{npy.name} holds {arr.dtype}{list(arr.shape)}, expected {expect[2]}{list(expect[1])}")
+        if _array_sha256(arr) != expect[0]:
+            raise ValueError(f"{npy.name} does not match its sha256 (corrupted)")
+        return arr
 
     @staticmethod
     def key(backend: Backend, config: CalibrationConfig | None, data_fp: str, what: str) -> tuple[str, dict]:
@@ -165,23 +204,20 @@ class EncodeCache:
             self.misses += 1
             return compute()
         key, desc = self.key(backend, config, data_fp, what)
-        npy = self.root / f"{key}.npy"
-        if npy.exists():
-            try:
-                arr = np.load(npy)
-                self.hits += 1
-                return arr
-            except (OSError, ValueError):
-                pass  # a damaged entry is recomputed
+        try:
+            arr = self._load(key)
+        except ValueError as why:  # a damaged entry is recomputed and reported, never fatal
+            self.repaired.append(f"cache entry {self.root / key}.npy ({what}) was damaged and is recomputed: {why}")
+            arr = None
+        if arr is not None:
+            self.hits += 1
+            return arr
         arr = compute()
         self.misses += 1
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".npy", dir=self.root)
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, arr)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, npy)
-        (self.root / f"{key}.json").write_text(json.dumps(desc, indent=1))
+        desc = dict(desc, sha256=_array_sha256(arr), shape=list(arr.shape), dtype=str(arr.dtype))
+        _atomic_write(self.root / f"{key}.npy", lambda fh: np.save(fh, arr))
+        _atomic_write(self.root / f"{key}.json", lambda fh: fh.write(json.dumps(desc, indent=1).encode()))
         return arr
 
 

@@ -153,9 +153,9 @@ def load_tokenizer(model: str | os.PathLike) -> tuple[Any, int | None, str]:
     from .runner import is_export
 
     if is_export(model):
-        from ..export.exporter import METADATA_FILE
+        from ..artifact import read_metadata
 
-        meta = json.loads((Path(model) / METADATA_FILE).read_text(encoding="utf-8"))
+        meta = read_metadata(model)
         return AutoTokenizer.from_pretrained(str(model)), meta.get("max_seq_length"), str(model)
     info = load_model_info(model)
     return AutoTokenizer.from_pretrained(str(info.path)), info.max_seq_length, str(model)
@@ -431,7 +431,7 @@ def _version() -> str | None:
 
 def write_posq(out: str | os.PathLike, posq: PosqSet, overwrite: bool = False) -> Path:
     """passages.jsonl, queries.jsonl and posq.json, written to a temp dir and renamed into place."""
-    from ..export.exporter import commit_dir
+    from ..artifact import commit_dir
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):

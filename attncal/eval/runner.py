@@ -58,9 +58,11 @@ def exact_search(
 
 
 def is_export(path: str | Path) -> bool:
-    from ..export.exporter import METADATA_FILE
+    """An export directory, intact or damaged (attncal.json or onnx/ present): it is then opened as
+    one, so a damaged export is reported as such rather than as a model directory without weights."""
+    from ..artifact import looks_like_export
 
-    return (Path(path) / METADATA_FILE).is_file()
+    return looks_like_export(path)
 
 
 def open_backends(
@@ -74,6 +76,10 @@ def open_backends(
     skip_short), and no uncalibrated row can be reported.
     """
     notes: list[str] = []
+    if Path(model).is_file():
+        from ..artifact import ArtifactError
+
+        raise ArtifactError(model, "is a file; expected a model directory, an attncal export or 'default'")
     if not is_export(model):
         b = TorchBackend(model, batch_size=opts.batch_size, max_length=opts.max_length)
         return b, b, notes
@@ -211,6 +217,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
         if truncation["passages_truncated"]:
             row["untruncated"] = (_scores_dict(data, run, untruncated, None)["scores"] if untruncated else None)
         rows.append(row)
+    notes += cache.repaired
     base = next((r["scores"] for r in rows if r["kind"] == "uncalibrated"), None)
     for r in rows:
         r["delta"] = None if r["kind"] == "uncalibrated" else _delta(r["scores"], base)
@@ -228,7 +235,8 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
                     "hm": "harmonic mean of group nDCG@10", "psi": "1 - min/max of group nDCG@10"},
         "rows": rows,
         "sea_chunker": chunker,
-        "cache": {"dir": None if cache.root is None else str(cache.root), "hits": cache.hits, "misses": cache.misses},
+        "cache": {"dir": None if cache.root is None else str(cache.root), "hits": cache.hits, "misses": cache.misses,
+                  "repaired": list(cache.repaired)},
         "notes": notes,
         "versions": _versions(),
         "seconds": round(time.perf_counter() - t0, 1),
@@ -312,7 +320,7 @@ def _example_passage(data: Dataset) -> str:
 
 def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Backend | None,
            configs: list[CalibrationConfig], labels: list[str], opts: EvalOptions) -> None:
-    from ..export.exporter import commit_dir
+    from ..artifact import commit_dir
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

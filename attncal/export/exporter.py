@@ -22,19 +22,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from ..artifact import (  # noqa: F401  (the layout names are re-exported here for compatibility)
+    EXTERNAL_DATA_FILE,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    ONNX_FILE,
+    ONNX_SUBDIR,
+    OPTIMIZED_FILE,
+    TWO_GIB,
+    commit_dir,
+    loader_files,
+    save_onnx,
+    stamp_onnx,
+    write_metadata,
+)
 from ..calibration.config import CalibrationConfig
 from ..modelinfo import ModelInfo, load_model_info
 
 EXPORTERS = ("dynamo", "torchscript")
 PLACEMENTS = ("auto", "softmax", "row", "split")
 DEFAULT_OPSET = 18
-TWO_GIB = 2 * 1024**3
-ONNX_SUBDIR = "onnx"
-ONNX_FILE = "model.onnx"
-OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized graph
 OPTIMIZABLE_TYPES = ("bert", "xlm-roberta")  # model types onnxruntime.transformers.optimizer fuses
-EXTERNAL_DATA_FILE = "model.onnx_data"
-METADATA_FILE = "attncal.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
 _SKIP_DIRS = {"onnx", "openvino", ".git", "__pycache__"}
 
@@ -73,17 +81,6 @@ def prepare_out_dir(out: Path, overwrite: bool) -> None:
         if any(out.iterdir()) and not overwrite:
             raise FileExistsError(f"output directory {out} is not empty; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-
-
-def commit_dir(tmp: Path, out: Path) -> None:
-    """Move a completed `tmp` directory to `out`, replacing an old `out` only once `tmp` is complete."""
-    trash = None
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / "old")
-    os.replace(tmp, out)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def copy_model_files(info: ModelInfo, dest: Path) -> None:
@@ -160,22 +157,6 @@ def torch_export(
         else:
             raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
     return names
-
-
-def save_onnx(model, path: Path) -> None:
-    """Save an onnx_ir model: one file below 2 GiB, else with `model.onnx_data` beside it."""
-    import onnx_ir as ir
-
-    size = sum(
-        int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".saving")
-    if size >= TWO_GIB - 64 * 1024**2:
-        ir.save(model, tmp, external_data=EXTERNAL_DATA_FILE)
-    else:
-        ir.save(ir.external_data.load_to_model(model), tmp)  # one self-contained file
-    os.replace(tmp, path)
 
 
 def annotate_for_inplace(path: Path) -> int:
@@ -331,8 +312,10 @@ def export(
                 "fused_attention": n_fused}
             shutil.rmtree(ts_raw.parent, ignore_errors=True)
         shutil.rmtree(raw_path.parent, ignore_errors=True)
+        for graph_file in graphs:  # the digest covers the graph as finally written (after annotations)
+            stamp_onnx(tmp / graph_file)
         meta = {
-            "format": 1,
+            "format": FORMAT_VERSION,
             "calibrated": config is not None,
             "config": config.to_dict() if config is not None else None,
             "calibrated_layers": layers,
@@ -353,10 +336,11 @@ def export(
             "placement_reason": plan.reason if plan else None,
             "graphs": graphs,
             "fp16": opts.fp16,
+            "files": loader_files(tmp),
             "versions": library_versions(),
             "parity": None,
         }
-        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+        write_metadata(tmp, meta)
         if opts.check:
             _log("[3/4] checking parity against the PyTorch reference", quiet)
             from ..runtime.parity import check_parity
@@ -366,7 +350,7 @@ def export(
                 graphs[graph_file]["parity"] = report.to_dict()
                 if graph_file.endswith(ONNX_FILE):
                     meta["parity"] = report.to_dict()
-                (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+                write_metadata(tmp, meta)
                 if not report.ok:
                     raise ParityError(f"parity check of {graph_file} failed: {report.summary()}")
         else:

@@ -27,7 +27,6 @@ and keeps the softmax placement; so do graphs the optimizer does not fuse
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -175,10 +174,10 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
     """Row-placement calibration of an optimized export directory `src` into `dest` (atomic)."""
     import onnx
 
-    from ..export.exporter import ONNX_FILE, ONNX_SUBDIR, save_onnx
+    from ..artifact import ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_metadata, save_onnx, write_metadata
 
     src, dest = Path(src), Path(dest)
-    meta = json.loads((src / "attncal.json").read_text())
+    meta = read_metadata(src)
     pooling = meta["pooling"] if config.pooling == "auto" else config.pooling
     config = config.with_pooling(pooling)
     model = ir.load(src / ONNX_SUBDIR / ONNX_FILE)
@@ -187,12 +186,12 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
     save_onnx(model, tmp / ONNX_SUBDIR / ONNX_FILE)
-    (tmp / ONNX_SUBDIR / "model_optimized.onnx").unlink(missing_ok=True)  # model.onnx is the calibrated graph now
+    (tmp / ONNX_SUBDIR / OPTIMIZED_FILE).unlink(missing_ok=True)  # model.onnx is the calibrated graph now
     meta.pop("graphs", None)
     onnx.checker.check_model(str(tmp / ONNX_SUBDIR / ONNX_FILE))
     meta.update(calibrated=True, config=config.to_dict(), calibrated_layers=layers, op_type=POOLED_OP,
                 placement="row", parity=None)
-    (tmp / "attncal.json").write_text(json.dumps(meta, indent=2))
+    write_metadata(tmp, meta)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     return meta

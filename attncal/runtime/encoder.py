@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from ..export.exporter import METADATA_FILE, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE
-from ..modelinfo import ModelNotFoundError
+from ..artifact import (
+    CONFIG_FILE,
+    ONNX_FILE,
+    ONNX_SUBDIR,
+    OPTIMIZED_FILE,
+    ArtifactError,
+    ExportDir,
+    MissingArtifactError,
+    check_model_files,
+    read_json,
+    read_metadata,
+)
 
 GRAPHS = ("auto", "portable", "optimized")
 _ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 
-
-def load_metadata(out_dir: str | os.PathLike) -> dict:
-    path = Path(out_dir) / METADATA_FILE
-    if not path.exists():
-        raise ModelNotFoundError(f"{out_dir} is not an attncal export: {METADATA_FILE} is missing")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON ({exc})") from None
+load_metadata = read_metadata  # the validated attncal.json (ArtifactError when missing or damaged)
 
 
 def default_providers() -> list[str]:
@@ -42,11 +43,13 @@ def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]
     if graph not in GRAPHS:
         raise ValueError(f"graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
     optimized = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
-    has_opt = (out_dir / optimized).is_file()
+    has_opt = (out_dir / optimized).exists()
+    if not has_opt and optimized in (meta.get("graphs") or {}):
+        raise MissingArtifactError(out_dir / optimized, "missing, but attncal.json lists it; re-export the model")
     if graph == "optimized":
         if not has_opt:
-            raise ModelNotFoundError(f"{out_dir / optimized} is missing (export without --no-optimized, on a "
-                                     "BERT-family model)")
+            raise MissingArtifactError(out_dir / optimized, "missing (export without --no-optimized, on a "
+                                                            "BERT-family model)")
         return optimized
     if graph == "auto" and has_opt and providers and providers[0] in _ORT_NATIVE_PROVIDERS:
         return optimized
@@ -90,13 +93,17 @@ class Encoder:
         from transformers import AutoTokenizer
 
         self.path = Path(out_dir)
-        self.meta = load_metadata(self.path)
+        self.meta = read_metadata(self.path)
+        check_model_files(self.path, self.meta)
         providers = list(providers or default_providers())
         self.graph_file = select_graph(self.path, self.meta, graph, providers)
         model_file = self.path / self.graph_file
-        if not model_file.exists():
-            raise ModelNotFoundError(f"{model_file} is missing")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        ExportDir(self.path, self.meta).check_graph(self.graph_file)  # damaged graph -> ArtifactError
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        except Exception as exc:  # a damaged tokenizer file fails deep inside tokenizers/transformers
+            raise ArtifactError(self.path / "tokenizer.json", "the tokenizer cannot be loaded "
+                                f"({type(exc).__name__}: {_first_line(exc)})") from None
         self.tokenizer.padding_side = self.meta.get("padding_side", "right")
         self.max_length = self.meta.get("max_seq_length")
         so = session_options or ort.SessionOptions()
@@ -114,7 +121,12 @@ class Encoder:
         if lib is not None:
             so.register_custom_ops_library(str(lib))
         self.custom_op_library = lib
-        self.session = ort.InferenceSession(str(model_file), so, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(model_file), so, providers=providers)
+        except Exception as exc:
+            if not type(exc).__module__.startswith("onnxruntime"):
+                raise
+            raise ArtifactError(model_file, f"ONNX Runtime cannot load it ({_first_line(exc)})") from None
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self.input_names = [i.name for i in self.session.get_inputs()]
 
@@ -123,9 +135,10 @@ class Encoder:
         dim = self.session.get_outputs()[1].shape[-1]
         if isinstance(dim, int):
             return dim
-        import json as _json
-
-        return int(_json.loads((self.path / "config.json").read_text())["hidden_size"])
+        cfg = read_json(self.path / CONFIG_FILE, "model config")
+        if not isinstance(cfg.get("hidden_size"), int):
+            raise ArtifactError(self.path / CONFIG_FILE, "has no integer 'hidden_size' (the embedding size)")
+        return int(cfg["hidden_size"])
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         with self._tokenizer_lock:
@@ -151,14 +164,15 @@ class Encoder:
         show_progress: bool = False,
         sort_by_length: bool = True,
     ) -> np.ndarray:
-        """`sentence_embedding` of every text, float32 [N, D], in input order."""
-        if isinstance(texts, str):
-            raise TypeError("texts must be a sequence of strings, not a single string")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        """`sentence_embedding` of every text, float32 [N, D], in input order ([0, D] for no text).
+
+        Safe to call from several threads at once: tokenizer calls are serialised, ONNX Runtime
+        sessions run concurrently."""
+        texts = check_texts(texts)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         from tqdm.auto import tqdm
 
-        texts = list(texts)
         order = np.arange(len(texts))
         if sort_by_length and texts:
             with self._tokenizer_lock:
@@ -171,3 +185,26 @@ class Encoder:
             _, emb = self.run(self.tokenize([texts[j] for j in idx]))
             out[idx] = emb
         return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def check_texts(texts) -> list[str]:
+    """`texts` as a list of str, or a TypeError naming what is wrong (None, a bare string or
+    bytes, an item that is not a string)."""
+    if texts is None:
+        raise TypeError("texts must be a list of strings, got None")
+    if isinstance(texts, (str, bytes, bytearray)):
+        raise TypeError(f"texts must be a list of strings, not a single {type(texts).__name__}; wrap it in a list")
+    try:
+        items = list(texts)
+    except TypeError:
+        raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}") from None
+    for i, t in enumerate(items):
+        if not isinstance(t, str):
+            hint = "; decode bytes to str first (UTF-8)" if isinstance(t, (bytes, bytearray)) else ""
+            raise TypeError(f"texts[{i}] is {type(t).__name__}, not str{hint}")
+    return items

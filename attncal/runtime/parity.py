@@ -14,8 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
+from ..artifact import OPTIMIZED_GRAPH, PORTABLE_GRAPH, read_metadata
 from ..calibration.config import CalibrationConfig
-from .encoder import Encoder, load_metadata
+from .encoder import Encoder
 
 FP32_MAX_ABS = 1e-5
 FP16_MAX_ABS = 2e-3
@@ -111,19 +112,19 @@ def check_parity(
     "onnx/model_optimized.onnx") against the PyTorch reference."""
     from ..calibration.encode import TorchEncoder
 
-    meta = load_metadata(out_dir)
+    meta = read_metadata(out_dir)
     texts = list(texts) if texts is not None else builtin_texts()
     if not texts:
         raise ValueError("no texts to check")
     config = CalibrationConfig.from_dict(meta["config"]) if meta.get("calibrated") else None
     if config is not None and config.pooling == "auto":
         config = config.with_pooling(meta["pooling"])
-    source = reference or meta["source_model"]
-    if not Path(str(source)).exists():
+    source = reference or meta.get("source_model")
+    if source is None or not Path(str(source)).exists():
         raise FileNotFoundError(
             f"reference model {source} not found; pass --reference with the source model directory"
         )
-    graph = {"onnx/model.onnx": "portable", "onnx/model_optimized.onnx": "optimized"}.get(graph, graph)
+    graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized"}.get(graph, graph)
     enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native)
     got = enc.encode(texts, batch_size=batch_size, sort_by_length=False, show_progress=not quiet)
     ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"), attn_implementation="eager")

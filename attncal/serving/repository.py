@@ -33,6 +33,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..artifact import (
+    CONFIG_FILE,
+    METADATA_FILE,
+    OPTIMIZED_FILE,
+    ArtifactError,
+    MissingArtifactError,
+    check_dir,
+    load_onnx_checked,
+    open_export,
+    read_json,
+    validate_metadata,
+)
 from . import pbtxt
 from .pbtxt import Enum
 
@@ -42,7 +54,7 @@ TEXT_INPUT = "text"
 EMBEDDING_OUTPUT = "sentence_embedding"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TEMPLATES = Path(__file__).parent / "models"
-OPTIMIZED_ONNX_FILE = "model_optimized.onnx"  # written by `attncal export` beside model.onnx when it optimizes
+OPTIMIZED_ONNX_FILE = OPTIMIZED_FILE  # written by `attncal export` beside model.onnx when it optimizes
 
 
 @dataclass
@@ -73,11 +85,11 @@ def _preferred(max_batch: int) -> list[int]:
     return sizes[-3:] or [max_batch]
 
 
-def _onnx_signature(onnx_file: Path) -> tuple[list[str], int | None, str]:
+def _onnx_signature(onnx_file: Path, model=None) -> tuple[list[str], int | None, str]:
     """(input names, embedding dimension if static, embedding element type) of the exported graph."""
     import onnx
 
-    graph = onnx.load(str(onnx_file), load_external_data=False).graph
+    graph = (model if model is not None else load_onnx_checked(onnx_file)).graph
     inputs = [i.name for i in graph.input]
     out = next((o for o in graph.output if o.name == EMBEDDING_OUTPUT), None)
     if out is None:
@@ -89,22 +101,19 @@ def _onnx_signature(onnx_file: Path) -> tuple[list[str], int | None, str]:
 
 
 def _read_export(out_dir: Path) -> dict:
-    from ..export.exporter import METADATA_FILE, ONNX_FILE, ONNX_SUBDIR
-
-    if not out_dir.is_dir():
-        raise FileNotFoundError(f"export directory {out_dir} not found")
-    meta_file = out_dir / METADATA_FILE
-    onnx_file = out_dir / ONNX_SUBDIR / ONNX_FILE
-    for f in (meta_file, onnx_file):
-        if not f.exists():
-            raise FileNotFoundError(f"{out_dir} is not an attncal export: {f.relative_to(out_dir)} is missing")
-    meta = json.loads(meta_file.read_text())
-    inputs, dim, etype = _onnx_signature(onnx_file)
+    """The validated export (attncal.json, model files and every graph; ArtifactError naming a damaged file)."""
+    exp = open_export(out_dir, graphs=None)
+    protos = {g: exp.check_graph(g) for g in exp.graphs}
+    meta = exp.meta
+    onnx_file = out_dir / exp.graphs[0]
+    inputs, dim, etype = _onnx_signature(onnx_file, protos[exp.graphs[0]])
+    del protos
     if dim is None:
-        cfg = out_dir / "config.json"
-        dim = int(json.loads(cfg.read_text())["hidden_size"]) if cfg.exists() else None
+        hidden = read_json(out_dir / CONFIG_FILE, "model config").get("hidden_size")
+        dim = hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
     if not dim:
-        raise ValueError(f"cannot tell the embedding size of {onnx_file}")
+        raise ArtifactError(onnx_file, "cannot tell the embedding size (no static dimension, no hidden_size "
+                                       "in config.json)")
     optimized = onnx_file.with_name(OPTIMIZED_ONNX_FILE)
     serve = optimized if optimized.is_file() else onnx_file
     return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype}
@@ -127,7 +136,11 @@ def _native_library(opts: RepoOptions) -> tuple[str | None, bool]:
 def _pad_token_id(out_dir: Path) -> int:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(out_dir))
+    except Exception as exc:  # a damaged tokenizer file fails deep inside tokenizers/transformers
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ArtifactError(out_dir / "tokenizer.json", f"the tokenizer cannot be loaded ({first})") from None
     return int(tok.pad_token_id if tok.pad_token_id is not None else 0)
 
 
@@ -242,8 +255,6 @@ def _copy_onnx(exp: dict, dest: Path, key: str = "serve_onnx") -> None:
 
 
 def _copy_tokenizer(out_dir: Path, dest: Path) -> None:
-    from ..export.exporter import METADATA_FILE
-
     dest.mkdir(parents=True)
     for f in out_dir.iterdir():
         if f.is_file() and f.name != METADATA_FILE and not f.name.startswith("."):
@@ -253,9 +264,11 @@ def _copy_tokenizer(out_dir: Path, dest: Path) -> None:
 def discover(repo: str | os.PathLike) -> dict[str, bool]:
     """{client-facing model name: calibrated?} for every attncal export in `repo`."""
     found = {}
-    for meta_file in sorted(Path(repo).glob("*/attncal.json")):
-        meta = json.loads(meta_file.read_text())
+    for meta_file in sorted(Path(repo).glob(f"*/{METADATA_FILE}")):
+        meta = validate_metadata(read_json(meta_file, "attncal metadata"), meta_file)
         tri = meta.get("triton", {})
+        if not isinstance(tri, dict):
+            raise ArtifactError(meta_file, f"key 'triton' must be an object, got {tri!r:.60}")
         name = tri.get("name") if tri.get("with_tokenizer") else meta_file.parent.name
         if name:
             found[name] = bool(meta.get("calibrated"))
@@ -293,10 +306,12 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
         raise FileExistsError(f"{repo} already holds {', '.join(clashes)}; pass --overwrite or pick another --name")
 
     library = _native_library(opts)  # before anything is written: native=True may refuse
+    pad_id = _pad_token_id(out_dir)  # a damaged tokenizer is reported before anything is written
+    created = not repo.exists()
     repo.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.attncal-", dir=repo.parent))
     try:
-        enc_cfg = encoder_config(names["encoder"], exp, opts, _pad_token_id(out_dir), library)
+        enc_cfg = encoder_config(names["encoder"], exp, opts, pad_id, library)
         enc_dir = _write_model(tmp, enc_cfg)
         # Provenance for `discover`/`bench_triton`; Triton ignores extra files in a model directory.
         (enc_dir / "attncal.json").write_text(json.dumps({**exp["meta"], "triton": {
@@ -333,6 +348,77 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
                 if old is not None:
                     os.replace(old, target)
             raise
+    except BaseException:
+        if created and repo.is_dir() and not any(repo.iterdir()):
+            repo.rmdir()  # a repository this call created and could not fill is not left behind
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return names
+
+
+_ATTNCAL_TEMPLATES = {"encoder_model.py", "tokenizer_model.py"}
+
+
+def validate_repository(repo: str | os.PathLike) -> list[str]:
+    """Check a model repository before a server is started on it; returns the model names.
+
+    Every model needs a readable `config.pbtxt` that follows Triton's schema.  Models written by
+    `attncal triton-repo` (recognised by their `attncal.json` or attncal's model.py) are checked
+    like an export: `attncal.json`, the encoder's ONNX graph (parse, interface, digest) and the
+    tokenizer's files.  Raises ArtifactError naming the damaged file."""
+    root = check_dir(repo, "model repository")
+    templates = {(_TEMPLATES / t).read_bytes(): t for t in _ATTNCAL_TEMPLATES}
+    names = []
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        check_dir(model_dir, "model directory")
+        cfg_file = model_dir / "config.pbtxt"
+        if not cfg_file.exists():
+            continue  # not a model (Triton ignores it too)
+        text = read_json_free_text(cfg_file)
+        try:
+            pbtxt.validate(text)
+        except ValueError as exc:
+            raise ArtifactError(cfg_file, str(exc).splitlines()[0]) from None
+        names.append(model_dir.name)
+        model_py = model_dir / "1" / "model.py"
+        role = templates.get(model_py.read_bytes()) if model_py.is_file() else None
+        meta_file = model_dir / METADATA_FILE
+        if meta_file.exists() or role == "encoder_model.py":
+            if not meta_file.exists():
+                raise MissingArtifactError(meta_file, "missing (attncal triton-repo writes it beside the encoder)")
+            meta = validate_metadata(read_json(meta_file, "attncal metadata"), meta_file)
+            onnx_file = model_dir / "1" / "model.onnx"
+            if not onnx_file.exists() and (model_dir / "model.onnx").exists():
+                onnx_file = model_dir / "model.onnx"  # tensorrt: the plan is built from it by the user
+            load_onnx_checked(onnx_file, require_digest=int(meta["format"]) >= 2,
+                              expected_inputs=meta.get("inputs"))
+        if role == "tokenizer_model.py":
+            tok = check_dir(model_dir / "1" / "tokenizer", "tokenizer directory")
+            tok_cfg = read_json(tok / CONFIG_FILE, "model config")
+            if not isinstance(tok_cfg, dict):
+                raise ArtifactError(tok / CONFIG_FILE, "expected a JSON object")
+            # The export's loader files were copied here; its encoder's attncal.json lists them.
+            sibling = root / (model_dir.name[: -len("-tokenizer")] + "-encoder") / METADATA_FILE
+            listed = []
+            if model_dir.name.endswith("-tokenizer") and sibling.is_file():
+                listed = validate_metadata(read_json(sibling, "attncal metadata"), sibling).get("files", [])
+            for f in listed or ["tokenizer.json"]:
+                if not (tok / f).is_file() and (listed or not (tok / "tokenizer_config.json").exists()):
+                    raise MissingArtifactError(tok / f, "missing (the tokenizer model loads it)")
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                if (tok / f).exists():
+                    read_json(tok / f, "tokenizer file")
+    if not names:
+        raise ArtifactError(root, "holds no model (no */config.pbtxt); create one with `attncal triton-repo`")
+    return names
+
+
+def read_json_free_text(path: Path) -> str:
+    """A text file of the repository (config.pbtxt), with failures as ArtifactError naming it."""
+    from ..artifact import read_bytes
+
+    try:
+        return read_bytes(path, "Triton model config").decode("utf-8")
+    except UnicodeDecodeError:
+        raise ArtifactError(path, "not UTF-8 text; the file is corrupted") from None

@@ -115,10 +115,9 @@ class TritonServer:
         return f"{self.client_host}:{self.grpc_port}"
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        if not self.repo.is_dir():
-            raise FileNotFoundError(f"model repository {self.repo} not found")
-        if not any(self.repo.glob("*/config.pbtxt")):
-            raise ValueError(f"{self.repo} holds no model (no */config.pbtxt); create one with `attncal triton-repo`")
+        from .repository import validate_repository
+
+        validate_repository(self.repo)  # a damaged repository fails here, naming the file, before any launch
         common = [f"--model-repository={self.repo}",
                   f"--http-address={self.host}", f"--http-port={self.http_port}",
                   f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",

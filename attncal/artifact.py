@@ -1,0 +1,477 @@
+"""The attncal export directory format: its layout, `attncal.json`, and its ONNX files.
+
+One module owns what an export directory is, so every reader (the runtime, the
+exporter's parity check, serving, bench, eval, the CLI) validates it the same
+way and reports a damaged export the same way: one `ArtifactError` (a
+`ValueError`) whose message starts with the file and says what is wrong with
+it, instead of a protobuf or JSON traceback from deep inside a library.
+
+Layout of OUT (sentence-transformers / optimum style):
+
+    attncal.json                 metadata (this module reads, validates and writes it)
+    config.json, tokenizer.json  the source model's config and tokenizer files, ...
+    onnx/model.onnx              the portable graph (standard ONNX)
+    onnx/model_optimized.onnx    the ORT-optimized graph (BERT family), optional
+    onnx/model.onnx_data         external weights, only above 2 GiB
+
+Format versions: 1 (the first exports) and 2 (adds `files`, the model files a
+loader needs, and an `attncal.digest` in each graph's ONNX metadata).  The
+digest is a sha256 over everything the graph file holds except its doc strings
+(nodes, weights, functions, inputs, outputs, value_info, opsets, header), so a
+flipped byte is caught before anything runs, while a tool that only rewrites
+the model's doc string keeps it valid.  Weights in an external-data file are
+covered by reference (name, offset, length) only.
+
+Layering: this module sits below export, graphs and runtime; it imports nothing
+from them (the calibration config, to validate the stored one, is below it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+ONNX_SUBDIR = "onnx"
+ONNX_FILE = "model.onnx"
+OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized graph
+EXTERNAL_DATA_FILE = "model.onnx_data"
+METADATA_FILE = "attncal.json"
+CONFIG_FILE = "config.json"
+PORTABLE_GRAPH = f"{ONNX_SUBDIR}/{ONNX_FILE}"
+OPTIMIZED_GRAPH = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
+FORMAT_VERSION = 2
+SUPPORTED_FORMATS = (1, 2)
+DIGEST_KEY = "attncal.digest"
+TWO_GIB = 2 * 1024**3
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+REQUIRED_INPUTS = ("input_ids", "attention_mask")
+OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
+# Root files a loader (tokenizer, transformers, sentence-transformers) needs; format 2 lists
+# the ones an export has under `files`, and a missing one is reported.
+LOADER_FILES = frozenset({
+    CONFIG_FILE, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
+    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+})
+
+
+class ArtifactError(ValueError):
+    """An export (or a file of it) is missing, unreadable, corrupted or not an attncal export.
+
+    `path` is the offending file or directory; the message is "PATH: problem"."""
+
+    def __init__(self, path: str | os.PathLike, problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
+
+    def __reduce__(self):  # picklable across process pools
+        return (type(self), (str(self.path), self.problem))
+
+
+class MissingArtifactError(ArtifactError, FileNotFoundError):
+    """A file or directory of the export does not exist (also a FileNotFoundError)."""
+
+
+# -- files and directories ----------------------------------------------------------------------
+
+def check_readable(path: Path, directory: bool) -> None:
+    """Raise ArtifactError if `path` cannot be read (listed and entered, for a directory).
+
+    Both the caller's access rights (`os.access`) and the permission bits are checked: an
+    export nobody may read is broken for every non-root consumer (a Triton server, a service
+    account), so it is refused the same way when root, who bypasses the bits, runs the command.
+    """
+    try:
+        mode = path.stat().st_mode
+    except PermissionError:
+        raise ArtifactError(path, "permission denied (cannot stat it)") from None
+    need = os.R_OK | (os.X_OK if directory else 0)
+    readable_bits = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+    enter_bits = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+    no_bits = not mode & readable_bits or (directory and not mode & enter_bits)
+    if no_bits or not os.access(path, need):
+        what = "directory" if directory else "file"
+        raise ArtifactError(path, f"permission denied: the {what} is not readable "
+                                  f"(mode {stat.filemode(mode)}); fix it with chmod")
+
+
+def check_dir(path: str | os.PathLike, what: str = "export directory") -> Path:
+    """`path` as a readable directory, or ArtifactError naming it."""
+    p = Path(path)
+    if not p.exists():
+        raise MissingArtifactError(p, f"{what} not found")
+    if not p.is_dir():
+        raise ArtifactError(p, f"is a file, not an {what}")
+    check_readable(p, directory=True)
+    return p
+
+
+def read_bytes(path: Path, what: str = "file") -> bytes:
+    """The bytes of a file of the export, with every failure as an ArtifactError naming it."""
+    if not path.exists():
+        raise MissingArtifactError(path, f"missing ({what})")
+    if path.is_dir():
+        raise ArtifactError(path, f"is a directory, expected a {what}")
+    check_readable(path, directory=False)
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ArtifactError(path, f"cannot be read ({exc.strerror or exc})") from None
+
+
+def read_json(path: Path, what: str = "JSON file") -> Any:
+    data = read_bytes(path, what)
+    if not data.strip():
+        raise ArtifactError(path, f"empty {what}")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ArtifactError(path, f"not UTF-8 text (byte {exc.start}); the file is corrupted") from None
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(path, f"not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                                  "the file is truncated or corrupted") from None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write through a temporary name and rename, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.writing-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def commit_dir(tmp: Path, out: Path) -> None:
+    """Move a completed `tmp` directory to `out`, replacing an old `out` only once `tmp` is complete.
+
+    Every command that writes a directory (export, triton-repo, bench --out, eval --out) builds it
+    in a temporary directory beside `out` and commits it here, so a failure leaves no half-written
+    output."""
+    import shutil
+    import tempfile
+
+    trash = None
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, trash / "old")
+    os.replace(tmp, out)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+# -- attncal.json ---------------------------------------------------------------------------------
+
+_NONE = type(None)
+_REQUIRED: dict[str, tuple[type, ...]] = {
+    "format": (int,), "calibrated": (bool,), "pooling": (str,), "calibrated_layers": (list,),
+}
+_REQUIRED_V2: dict[str, tuple[type, ...]] = {
+    "model_type": (str,), "num_layers": (int,), "inputs": (list,), "padding_side": (str,), "files": (list,),
+}
+_OPTIONAL: dict[str, tuple[type, ...]] = {
+    "config": (dict, _NONE), "source_model": (str, _NONE), "model_type": (str,), "num_layers": (int,),
+    "max_seq_length": (int, _NONE), "padding_side": (str,), "inputs": (list,), "outputs": (list,),
+    "opset": (int,), "exporter": (str,), "placement": (str, _NONE), "placement_reason": (str, _NONE),
+    "graphs": (dict,), "op_type": (str, _NONE), "op_attributes": (dict, _NONE), "fp16": (bool,),
+    "parity": (dict, _NONE), "normalize": (bool,), "versions": (dict,), "files": (list,),
+}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    names = {int: "an integer", bool: "true/false", str: "a string", list: "a list", dict: "an object",
+             _NONE: "null"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and bool not in types:
+        return False  # JSON true is not an integer here
+    return isinstance(value, types)
+
+
+def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dict:
+    """Check the keys and types of an `attncal.json`; returns it, or raises ArtifactError naming `path`."""
+    if not isinstance(meta, dict):
+        raise ArtifactError(path, f"expected a JSON object, got {type(meta).__name__}")
+    fmt = meta.get("format")
+    if "format" not in meta:
+        raise ArtifactError(path, "missing key 'format' (the export format version)")
+    if not _is(fmt, (int,)):
+        raise ArtifactError(path, f"key 'format' must be an integer, got {fmt!r}")
+    if fmt not in SUPPORTED_FORMATS:
+        newer = fmt > FORMAT_VERSION
+        raise ArtifactError(path, f"unknown export format version {fmt}; this attncal reads formats "
+                                  f"{', '.join(map(str, SUPPORTED_FORMATS))}"
+                                  + ("; upgrade attncal or re-export" if newer else "; re-export the model"))
+    required = dict(_REQUIRED, **(_REQUIRED_V2 if fmt >= 2 else {}))
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise ArtifactError(path, f"missing key(s) {', '.join(map(repr, missing))} (format {fmt})")
+    for key, types in {**_OPTIONAL, **required}.items():
+        if key in meta and not _is(meta[key], types):
+            raise ArtifactError(path, f"key {key!r} must be {_type_name(types)}, got {meta[key]!r:.80}")
+    if not all(_is(x, (int,)) for x in meta["calibrated_layers"]):
+        raise ArtifactError(path, "key 'calibrated_layers' must be a list of integers")
+    for key in ("inputs", "outputs", "files"):
+        if key in meta and not all(isinstance(x, str) for x in meta[key]):
+            raise ArtifactError(path, f"key {key!r} must be a list of strings")
+    if "inputs" in meta and (set(meta["inputs"]) - set(INPUT_NAMES) or
+                             any(n not in meta["inputs"] for n in REQUIRED_INPUTS)):
+        raise ArtifactError(path, f"key 'inputs' must hold {', '.join(REQUIRED_INPUTS)} (and optionally "
+                                  f"token_type_ids), got {meta['inputs']}")
+    if meta.get("padding_side", "right") not in ("left", "right"):
+        raise ArtifactError(path, f"key 'padding_side' must be 'left' or 'right', got {meta['padding_side']!r}")
+    if meta["calibrated"]:
+        if not isinstance(meta.get("config"), dict):
+            raise ArtifactError(path, "a calibrated export needs key 'config' (the calibration config object)")
+        from .calibration.config import CalibrationConfig
+
+        try:
+            CalibrationConfig.from_dict(meta["config"])
+        except (TypeError, ValueError) as exc:
+            raise ArtifactError(path, f"key 'config': {exc}") from None
+    for rel, info in (meta.get("graphs") or {}).items():
+        if rel not in (PORTABLE_GRAPH, OPTIMIZED_GRAPH):
+            raise ArtifactError(path, f"key 'graphs' names {rel!r}; expected {PORTABLE_GRAPH} or {OPTIMIZED_GRAPH}")
+        if not isinstance(info, dict):
+            raise ArtifactError(path, f"key 'graphs' entry {rel!r} must be an object, got {info!r:.60}")
+    for rel in meta.get("files", ()):
+        if rel not in LOADER_FILES:
+            raise ArtifactError(path, f"key 'files' names {rel!r}, which is not a model loader file")
+    return meta
+
+
+def read_metadata(out_dir: str | os.PathLike) -> dict:
+    """The validated `attncal.json` of export `out_dir`."""
+    out = check_dir(out_dir)
+    path = out / METADATA_FILE
+    if not path.exists():
+        raise MissingArtifactError(path, "missing: this is not an attncal export "
+                                         "(create one with `attncal export MODEL -o OUT`)")
+    return validate_metadata(read_json(path, "attncal metadata"), path)
+
+
+def write_metadata(out_dir: str | os.PathLike, meta: dict) -> Path:
+    """Validate and write `attncal.json` (atomically); `format` defaults to FORMAT_VERSION."""
+    meta.setdefault("format", FORMAT_VERSION)
+    path = Path(out_dir) / METADATA_FILE
+    validate_metadata(meta, path)
+    write_text_atomic(path, json.dumps(meta, indent=2))
+    return path
+
+
+def loader_files(out_dir: str | os.PathLike) -> list[str]:
+    """The loader files present at the root of a directory (what format 2 records under `files`)."""
+    return sorted(f.name for f in Path(out_dir).iterdir() if f.is_file() and f.name in LOADER_FILES)
+
+
+def check_model_files(out_dir: str | os.PathLike, meta: dict) -> None:
+    """config.json (a JSON object), the loader files `attncal.json` lists, and the onnx/ directory."""
+    out = Path(out_dir)
+    cfg = read_json(out / CONFIG_FILE, "model config")
+    if not isinstance(cfg, dict):
+        raise ArtifactError(out / CONFIG_FILE, f"expected a JSON object, got {type(cfg).__name__}")
+    for rel in meta.get("files", ()):
+        f = out / rel
+        if not f.is_file():
+            raise MissingArtifactError(f, "missing (the tokenizer/model loader needs it; attncal.json lists it)")
+        check_readable(f, directory=False)
+    check_dir(out / ONNX_SUBDIR, "ONNX graph directory of the export")
+
+
+def graph_files(meta: dict) -> list[str]:
+    """The export's graphs, relative to OUT, portable first."""
+    graphs = meta.get("graphs")
+    return sorted(graphs, key=lambda g: g != PORTABLE_GRAPH) if graphs else [PORTABLE_GRAPH]
+
+
+# -- ONNX files -------------------------------------------------------------------------------------
+
+def graph_digest(model) -> str:
+    """sha256 over everything a graph file says except its doc strings and this digest: header,
+    opsets, inputs, outputs, weights, nodes, value_info, functions and other metadata."""
+    h = hashlib.sha256()
+
+    def add(b: bytes) -> None:
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+
+    g = model.graph
+    for text in (str(model.ir_version), model.producer_name, model.producer_version, model.domain,
+                 str(model.model_version), g.name):
+        add(text.encode("utf-8", "surrogatepass"))
+    props = [p for p in model.metadata_props if p.key != DIGEST_KEY]
+    seqs = [model.opset_import, props, model.functions, model.training_info, g.input, g.output, g.initializer,
+            g.sparse_initializer, g.node, g.value_info, g.quantization_annotation]
+    for seq in seqs:
+        for item in seq:
+            add(item.SerializeToString(deterministic=True))
+        h.update(b"|")
+    return "sha256:" + h.hexdigest()
+
+
+def _set_digest(model) -> None:
+    digest = graph_digest(model)
+    for p in model.metadata_props:
+        if p.key == DIGEST_KEY:
+            p.value = digest
+            return
+    model.metadata_props.add(key=DIGEST_KEY, value=digest)
+
+
+def stored_digest(model) -> str | None:
+    return next((p.value for p in model.metadata_props if p.key == DIGEST_KEY), None)
+
+
+def stamp_onnx(path: str | os.PathLike) -> str:
+    """(Re)write the `attncal.digest` of a saved graph (atomically); returns the digest."""
+    import onnx
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    _set_digest(model)
+    tmp = path.with_name(path.name + ".stamping")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, path)
+    return stored_digest(model)
+
+
+def save_onnx_proto(model, path: str | os.PathLike) -> None:
+    """Save an onnx.ModelProto (below 2 GiB) with its digest, atomically."""
+    import onnx
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _set_digest(model)
+    tmp = path.with_name(path.name + ".saving")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, path)
+
+
+def save_onnx(model, path: str | os.PathLike) -> None:
+    """Save an onnx_ir model with its digest: one file below 2 GiB, else with `model.onnx_data` beside it."""
+    import onnx_ir as ir
+
+    path = Path(path)
+    size = sum(
+        int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".saving")
+    if size >= TWO_GIB - 64 * 1024**2:
+        ir.save(model, tmp, external_data=EXTERNAL_DATA_FILE)
+    else:
+        ir.save(ir.external_data.load_to_model(model), tmp)  # one self-contained file
+    stamp_onnx(tmp)
+    os.replace(tmp, path)
+
+
+def load_onnx_checked(
+    path: str | os.PathLike,
+    *,
+    interface: bool = True,
+    require_digest: bool = False,
+    expected_inputs: Iterable[str] | None = None,
+):
+    """Parse an ONNX file (without external weights) or raise ArtifactError naming it.
+
+    Catches a missing, unreadable, empty, truncated or corrupted file; with `interface`,
+    a graph that is not an attncal encoder (inputs input_ids/attention_mask[/token_type_ids],
+    outputs last_hidden_state and sentence_embedding); and a graph whose content does not
+    match its `attncal.digest` (required to be present with `require_digest`, format 2)."""
+    import onnx
+
+    path = Path(path)
+    data = read_bytes(path, "ONNX graph")
+    if not data:
+        raise ArtifactError(path, "empty file (0 bytes); re-export the model")
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as exc:  # protobuf DecodeError, onnx's parse errors: all mean a damaged file
+        raise ArtifactError(path, f"not a readable ONNX model: truncated or corrupted "
+                                  f"({type(exc).__name__}, {len(data)} bytes); re-export the model") from None
+    del data
+    if not model.HasField("graph") or not len(model.graph.node):
+        raise ArtifactError(path, "holds no graph (truncated or corrupted); re-export the model")
+    if interface:
+        inputs = [i.name for i in model.graph.input]
+        outputs = [o.name for o in model.graph.output]
+        if any(n not in outputs for n in OUTPUT_NAMES) or set(inputs) - set(INPUT_NAMES) or \
+                any(n not in inputs for n in REQUIRED_INPUTS):
+            raise ArtifactError(path, f"not an attncal export graph: inputs {inputs}, outputs {outputs} "
+                                      f"(expected inputs {', '.join(REQUIRED_INPUTS)}[, token_type_ids] and "
+                                      f"outputs {', '.join(OUTPUT_NAMES)})")
+        if expected_inputs is not None and sorted(inputs) != sorted(expected_inputs):
+            raise ArtifactError(path, f"graph inputs {inputs} differ from attncal.json's {list(expected_inputs)}")
+    digest = stored_digest(model)
+    if digest is None:
+        if require_digest:
+            raise ArtifactError(path, f"has no {DIGEST_KEY} (truncated, or not written by attncal export)")
+    elif graph_digest(model) != digest:
+        raise ArtifactError(path, "content does not match its attncal digest: the file is corrupted or was "
+                                  "modified after export; re-export the model")
+    return model
+
+
+# -- a whole export -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExportDir:
+    """A validated export directory."""
+
+    path: Path
+    meta: dict
+
+    @property
+    def graphs(self) -> list[str]:
+        return graph_files(self.meta)
+
+    @property
+    def requires_digest(self) -> bool:
+        return int(self.meta["format"]) >= 2
+
+    def check_graph(self, rel: str, interface: bool = True):
+        """Parse and verify one graph of the export; returns the ModelProto (weights not copied out)."""
+        return load_onnx_checked(self.path / rel, interface=interface, require_digest=self.requires_digest,
+                                 expected_inputs=self.meta.get("inputs"))
+
+
+def open_export(out_dir: str | os.PathLike, *, graphs: Iterable[str] | str | None = "all") -> ExportDir:
+    """Validate export `out_dir`: attncal.json, model files, onnx/ and the graphs named by `graphs`
+    ("all": every graph attncal.json lists, None: none). Raises ArtifactError naming what is wrong."""
+    meta = read_metadata(out_dir)
+    exp = ExportDir(Path(out_dir), meta)
+    check_model_files(exp.path, meta)
+    for rel in (exp.graphs if graphs == "all" else [graphs] if isinstance(graphs, str) else graphs or []):
+        exp.check_graph(rel)
+    return exp
+
+
+def looks_like_export(path: str | os.PathLike) -> bool:
+    """Whether `path` is meant to be an export (attncal.json or an onnx/ directory), damaged or not."""
+    p = Path(path)
+    try:
+        if not p.is_dir():
+            return False
+        if not os.access(p, os.R_OK | os.X_OK) or not p.stat().st_mode & 0o444:
+            return True  # unreadable: let open_export say so
+        return (p / METADATA_FILE).exists() or (p / ONNX_SUBDIR).is_dir()
+    except OSError:
+        return False
+
+
+__all__ = [
+    "ArtifactError", "MissingArtifactError", "commit_dir", "ExportDir", "open_export", "read_metadata", "write_metadata",
+    "validate_metadata", "check_model_files", "load_onnx_checked", "save_onnx", "save_onnx_proto", "stamp_onnx",
+    "graph_digest", "graph_files", "looks_like_export", "loader_files", "check_dir", "read_json",
+    "ONNX_SUBDIR", "ONNX_FILE", "OPTIMIZED_FILE", "EXTERNAL_DATA_FILE", "METADATA_FILE", "CONFIG_FILE",
+    "PORTABLE_GRAPH", "OPTIMIZED_GRAPH", "FORMAT_VERSION", "SUPPORTED_FORMATS",
+]

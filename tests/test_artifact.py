@@ -1,0 +1,171 @@
+"""The export format's one home (`attncal.artifact`): layout, attncal.json, digests, layering, public API.
+
+`tiny_export` builds the session's one tiny export (a random-weight BERT, calibrated, portable graph
+only) and caches it under pytest's base temp directory, so every module that imports it shares it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attncal import artifact
+from attncal.artifact import ArtifactError, MissingArtifactError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_export(tmp_path_factory) -> Path:
+    """The session's tiny export (built once; later calls reuse it). Treat it as read-only: copy it to damage it."""
+    base = tmp_path_factory.getbasetemp() / "attncal-tiny-export"
+    out = base / "export"
+    if not (out / artifact.METADATA_FILE).exists():
+        from attncal import CalibrationConfig, ExportOptions, export
+        from attncal.synthetic import save_synthetic_model
+
+        model = save_synthetic_model("bert", base / "model", seed=7, layers=2, max_positions=128, max_seq_length=64)
+        export(str(model), out, ExportOptions(config=CalibrationConfig(basket_size=4, strength=1.0),
+                                              exporter="torchscript", check=False, optimized=False), quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    return tiny_export(tmp_path_factory)
+
+
+def test_new_exports_are_format_2_with_files_and_digests(good):
+    meta = artifact.read_metadata(good)
+    assert meta["format"] == artifact.FORMAT_VERSION == 2
+    assert {"config.json", "tokenizer.json"} <= set(meta["files"])
+    model = artifact.load_onnx_checked(good / artifact.PORTABLE_GRAPH, require_digest=True)
+    assert artifact.stored_digest(model) == artifact.graph_digest(model)
+    assert artifact.open_export(good).graphs == [artifact.PORTABLE_GRAPH]
+
+
+def test_format_1_is_still_read(good, tmp_path):
+    """An export written before format 2 (no `files`, no digest in the graph) loads and encodes."""
+    import onnx
+
+    from attncal import Encoder
+
+    old = tmp_path / "old"
+    shutil.copytree(good, old)
+    meta = json.loads((old / "attncal.json").read_text())
+    meta["format"] = 1
+    del meta["files"]
+    (old / "attncal.json").write_text(json.dumps(meta))
+    model = onnx.load(str(old / "onnx/model.onnx"))
+    del model.metadata_props[:]
+    onnx.save(model, str(old / "onnx/model.onnx"))
+    a = Encoder(old).encode(["format one still works"])
+    b = Encoder(good).encode(["format one still works"])
+    assert np.array_equal(a, b)
+    # ...but a format-2 export must carry its digest
+    meta["format"] = 2
+    meta["files"] = ["config.json"]
+    (old / "attncal.json").write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match="has no attncal.digest"):
+        Encoder(old)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(format=3), "unknown export format version 3; this attncal reads formats 1, 2; upgrade"),
+    (lambda m: m.update(format="2"), "key 'format' must be an integer"),
+    (lambda m: m.pop("format"), "missing key 'format'"),
+    (lambda m: m.pop("pooling"), "missing key(s) 'pooling'"),
+    (lambda m: m.update(calibrated="yes"), "key 'calibrated' must be true/false"),
+    (lambda m: m.update(calibrated_layers=[1, "x"]), "list of integers"),
+    (lambda m: m.update(config={"strength": 7}), "key 'config': "),
+    (lambda m: m.update(inputs=["input_ids"]), "key 'inputs' must hold"),
+    (lambda m: m.update(graphs={"../evil.onnx": {}}), "key 'graphs' names"),
+    (lambda m: m.update(padding_side="middle"), "padding_side"),
+])
+def test_metadata_validation_names_the_problem(good, edit, message):
+    meta = json.loads((good / "attncal.json").read_text())
+    edit(meta)
+    with pytest.raises(ArtifactError) as info:
+        artifact.validate_metadata(meta, good / "attncal.json")
+    assert str(info.value).startswith(f"{good / 'attncal.json'}: ") and message in str(info.value)
+
+
+def test_write_metadata_is_atomic_and_validated(good, tmp_path):
+    meta = artifact.read_metadata(good)
+    artifact.write_metadata(tmp_path, dict(meta))
+    assert artifact.read_metadata(tmp_path) == meta
+    with pytest.raises(ArtifactError):
+        artifact.write_metadata(tmp_path, dict(meta, calibrated="no"))
+    assert artifact.read_metadata(tmp_path) == meta  # the old file is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attncal.json"]
+
+
+def test_missing_files_are_file_not_found_and_artifact_errors(tmp_path):
+    with pytest.raises(MissingArtifactError) as info:
+        artifact.read_metadata(tmp_path)
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, ValueError)
+    assert "not an attncal export" in str(info.value)
+
+
+def test_digest_ignores_doc_strings_only(good, tmp_path):
+    import onnx
+
+    model = onnx.load(str(good / "onnx/model.onnx"))
+    digest = artifact.graph_digest(model)
+    model.doc_string = "rewritten by a tool"
+    assert artifact.graph_digest(model) == digest
+    model.graph.node[0].name += "x"
+    assert artifact.graph_digest(model) != digest
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the attncal modules a source file imports (relative imports resolved)."""
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            out.add(name)
+            out.update(f"{name}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {n for n in out if n.startswith("attncal")}
+
+
+def test_layering_artifact_below_export_graphs_runtime():
+    """artifact imports none of export/graphs/runtime, and graphs/runtime no longer import the exporter."""
+    lower = ("attncal.export", "attncal.graphs", "attncal.runtime", "attncal.serving", "attncal.eval",
+             "attncal.bench", "attncal.cli")
+    assert not {n for n in _imports(ROOT / "attncal/artifact.py") if n.startswith(lower)}
+    for sub in ("graphs", "runtime"):
+        for f in (ROOT / "attncal" / sub).glob("*.py"):
+            bad = {n for n in _imports(f) if n.startswith("attncal.export")}
+            assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+    code = "import sys, attncal.artifact; print(sorted(m for m in sys.modules if m.startswith('attncal.')))"
+    mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "attncal.export" not in mods and "attncal.runtime" not in mods
+
+
+def test_public_api_short_and_deep_paths(good):
+    code = ("import sys, attncal\n"
+            "light = not any(m in sys.modules for m in ('onnxruntime', 'attncal.runtime', 'attncal.corpus'))\n"
+            "from attncal import export, Encoder, check, CalibrationConfig, ExportOptions, ArtifactError\n"
+            "from attncal.export.exporter import export as deep_export, save_onnx, ONNX_FILE, METADATA_FILE\n"
+            "from attncal.runtime import Encoder as DeepEncoder, check_parity\n"
+            "import attncal.export.exporter as ex\n"
+            "assert callable(export) and Encoder is DeepEncoder and check is check_parity and ex.export is deep_export\n"
+            "assert save_onnx.__module__ == 'attncal.artifact' and ONNX_FILE == 'model.onnx'\n"
+            "try:\n    from attncal import encode_corpus\nexcept ImportError:\n    encode_corpus = None\n"
+            "print(light, encode_corpus is not None)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    light, has_corpus = res.stdout.split()
+    assert light == "True"
+    assert has_corpus == str((ROOT / "attncal/corpus/__init__.py").exists())
