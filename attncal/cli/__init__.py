@@ -12,13 +12,14 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from ..artifact import ArtifactError
 from ..calibration.config import CalibrationConfig
 from ..calibration.patching import UnsupportedArchitectureError
 from ..modelinfo import ModelNotFoundError, UnsupportedModelError
 
 EXIT_USAGE = 2
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError, UnsupportedModelError,
-               UnsupportedArchitectureError)
+USER_ERRORS = (ArtifactError, ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError,
+               UnsupportedModelError, UnsupportedArchitectureError)
 
 
 class CLIError(Exception):
@@ -70,7 +71,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def _commands() -> list[tuple[str, str, Callable]]:
-    from . import bench, check, demo, eval, export, inspect, serve, triton_repo
+    from . import bench, check, demo, encode, eval, export, inspect, serve, triton_repo
 
     return [
         ("export", "export an encoder to ONNX with the calibration op", export),
@@ -80,6 +81,7 @@ def _commands() -> list[tuple[str, str, Callable]]:
         ("eval", "measure position bias and retrieval effect of calibration configs", eval),
         ("triton-repo", "generate a Triton model repository from an export", triton_repo),
         ("serve", "serve a model repository with Triton Inference Server", serve),
+        ("encode", "re-index a corpus with an export: streaming, sharded, resumable (local, triton, ray)", encode),
         ("demo", "export the embedded default model calibrated and not, check and compare them", demo),
     ]
 

@@ -1,0 +1,53 @@
+"""Re-index a corpus with an attncal export: streaming JSONL/CSV/Parquet in, Parquet shards + manifest out."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import CLIError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", metavar="OUT_OR_MODEL",
+                   help="an attncal export directory (a model or `default` is refused: run `attncal export` first)")
+    p.add_argument("--input", "-i", required=True, action="append",
+                   help="a .jsonl/.csv/.parquet file, a directory of them, or a glob (repeatable)")
+    p.add_argument("--output", "-o", required=True, help="output directory for shards and manifest.json")
+    p.add_argument("--text-field", default="text", help="field holding the passage (default %(default)s)")
+    p.add_argument("--id-field", default="id", help="field holding the id, written as a string (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="texts per model call (default %(default)s)")
+    p.add_argument("--max-length", type=int, default=None, help="truncate to N tokens (default: the export's)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="local: worker processes; triton: concurrent requests; ray: Encoder actors (default 1)")
+    p.add_argument("--engine", choices=("local", "triton", "ray"), default="local")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run after its last complete shard")
+    p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
+                   help="bad rows: stop before writing anything, or skip them into skipped.jsonl (default fail)")
+    p.add_argument("--shard-size", type=int, default=100_000, help="rows per Parquet shard (default %(default)s)")
+    p.add_argument("--window", type=int, default=4096,
+                   help="rows sorted by length together; bounds memory (default %(default)s)")
+    p.add_argument("--url", default="localhost:8001", help="triton: gRPC address (default %(default)s)")
+    p.add_argument("--model", default=None, help="triton: served model name (the ensemble from attncal triton-repo)")
+    p.add_argument("--ray-address", default=None, help="ray: an existing cluster (default: a local Ray instance)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..corpus import encode_corpus
+    from ..corpus.ray_engine import RayEngineError
+    from ..corpus.triton import TritonEngineError
+
+    if args.engine != "triton" and args.model is not None:
+        raise CLIError("--model names a served model and needs --engine triton")
+    if args.engine != "ray" and args.ray_address is not None:
+        raise CLIError("--ray-address needs --engine ray")
+    try:
+        result = encode_corpus(args.out, args.input, args.output, text_field=args.text_field, id_field=args.id_field,
+                               batch_size=args.batch_size, max_length=args.max_length, workers=args.workers,
+                               engine=args.engine, resume=args.resume, on_error=args.on_error, url=args.url,
+                               model_name=args.model, ray_address=args.ray_address, shard_size=args.shard_size,
+                               window=args.window, show_progress=not args.quiet)
+    except (TritonEngineError, RayEngineError) as exc:
+        raise CLIError(str(exc), code=1) from None
+    print(result.summary())
+    return 0

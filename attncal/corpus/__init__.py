@@ -1,0 +1,11 @@
+"""Re-index a corpus with a calibrated export: streaming input, Parquet shards, resume, three engines.
+
+`encode_corpus` is the Python API of `attncal encode`; see docs/readme/reindexing.md.
+"""
+
+from .api import ENGINES, EncodeResult, encode_corpus, scan
+from .inputs import BadRow, CorpusInputError, resolve_inputs
+from .shards import MANIFEST, SKIP_FILE, load_manifest, read_embeddings
+
+__all__ = ["ENGINES", "BadRow", "CorpusInputError", "EncodeResult", "MANIFEST", "SKIP_FILE", "encode_corpus",
+           "load_manifest", "read_embeddings", "resolve_inputs", "scan"]

@@ -1,0 +1,104 @@
+"""The `local` engine: the attncal `Encoder` in this process, or in N worker processes.
+
+A window of rows (default 4096) is the unit of work: it is tokenized once to
+get lengths, sorted by length (longest first, as `Encoder.encode` does) and cut
+into batches, so padding stays low while memory stays bounded by the window.
+Embeddings come back in input order.  With N workers, each process holds one
+`Encoder` with cores // N intra-op threads and at most 2 windows per worker
+are in flight, so the reader never runs ahead of the encoders by more than
+that.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from typing import Iterable, Iterator
+
+import numpy as np
+
+Window = tuple[list[str], list[str]]  # (ids, texts)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_encoder(export_dir: str, threads: int | None, max_length: int | None, providers=None):
+    from ..runtime.encoder import Encoder
+
+    enc = Encoder(export_dir, providers=providers, intra_op_threads=threads)
+    if max_length is not None:
+        enc.max_length = max_length
+    return enc
+
+
+def encode_window(encoder, texts: list[str], batch_size: int) -> tuple[np.ndarray, int]:
+    """(embeddings [n, D] in input order, number of tokens) of one window, batches sorted by length."""
+    tokenized = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
+    lengths = [len(ids) for ids in tokenized]
+    order = np.argsort(lengths, kind="stable")[::-1]
+    out = np.empty((len(texts), encoder.dimension), dtype=np.float32)
+    for i in range(0, len(texts), batch_size):
+        idx = order[i : i + batch_size]
+        _, emb = encoder.run(encoder.tokenize([texts[j] for j in idx]))
+        out[idx] = emb
+    return out, int(sum(lengths))
+
+
+_WORKER_ENCODER = None
+
+
+def _init_worker(export_dir: str, threads: int, max_length: int | None, providers) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core share per worker
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = load_encoder(export_dir, threads, max_length, providers)
+
+
+def _work(texts: list[str], batch_size: int) -> tuple[np.ndarray, int]:
+    return encode_window(_WORKER_ENCODER, texts, batch_size)
+
+
+class LocalEngine:
+    name = "local"
+
+    def __init__(self, export_dir: str, *, batch_size: int, workers: int = 1, max_length: int | None = None,
+                 providers=None) -> None:
+        self.export_dir, self.batch_size, self.workers = str(export_dir), batch_size, workers
+        self.max_length, self.providers = max_length, providers
+        self.threads = max(1, available_cores() // workers)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "workers": self.workers, "threads_per_worker": self.threads}
+
+    def encode(self, windows: Iterable[Window]) -> Iterator[tuple[list[str], np.ndarray, int | None]]:
+        if self.workers == 1:
+            # ORT's default thread count (all cores), exactly like a bare Encoder
+            enc = load_encoder(self.export_dir, None, self.max_length, self.providers)
+            for ids, texts in windows:
+                emb, tokens = encode_window(enc, texts, self.batch_size)
+                yield ids, emb, tokens
+            return
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                 initargs=(self.export_dir, self.threads, self.max_length, self.providers)) as pool:
+            pending: deque = deque()
+            try:
+                for ids, texts in windows:
+                    pending.append((ids, pool.submit(_work, texts, self.batch_size)))
+                    while len(pending) >= 2 * self.workers:
+                        done_ids, fut = pending.popleft()
+                        emb, tokens = fut.result()
+                        yield done_ids, emb, tokens
+                while pending:
+                    done_ids, fut = pending.popleft()
+                    emb, tokens = fut.result()
+                    yield done_ids, emb, tokens
+            finally:
+                for _, fut in pending:
+                    fut.cancel()

@@ -1,0 +1,313 @@
+"""`attncal encode` / `attncal.corpus.encode_corpus`: formats, bad rows, manifest, resume after a kill,
+local workers and a Ray run on a local 2-CPU instance, all against a bare `Encoder.encode`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from attncal.cli import main
+from attncal.corpus import CorpusInputError, encode_corpus, load_manifest, read_embeddings
+from attncal.synthetic import synthetic_text
+
+TOL = 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(batch_size=8, window=32, shard_size=70, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """A calibrated tiny BERT export (max length 64, basket 4 so calibration changes long rows)."""
+    from attncal.calibration.config import CalibrationConfig
+    from attncal.export.exporter import ExportOptions, export
+    from attncal.synthetic import save_synthetic_model
+
+    root = tmp_path_factory.mktemp("encode-corpus")
+    model = save_synthetic_model("bert", root / "m", seed=5, max_positions=128, max_seq_length=64)
+    out = root / "export"
+    export(str(model), out, ExportOptions(config=CalibrationConfig(basket_size=4, strength=1.0),
+                                          exporter="torchscript", check=False), quiet=True)
+    return out
+
+
+def make_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"id": f"d{seed}-{i}", "text": synthetic_text(int(rng.integers(1, 300)), seed=seed * 100000 + i),
+             "extra": i} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return make_rows(230)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_export, rows):
+    from attncal.runtime.encoder import Encoder
+
+    return Encoder(tiny_export, providers=["CPUExecutionProvider"]).encode([r["text"] for r in rows], batch_size=8)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=["id", "text", "extra"])
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict], row_group_size: int = 50) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+WRITERS = {"jsonl": write_jsonl, "csv": write_csv, "parquet": write_parquet}
+
+
+def assert_matches(out: Path, rows: list[dict], reference: np.ndarray) -> dict:
+    ids, emb = read_embeddings(out)
+    assert ids == [r["id"] for r in rows]
+    assert emb.dtype == np.float32 and emb.shape == reference.shape
+    assert np.abs(emb - reference).max() <= TOL
+    return load_manifest(out)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_each_format_matches_encoder_and_manifest(fmt, tiny_export, rows, reference, tmp_path):
+    src = WRITERS[fmt](tmp_path / f"corpus.{fmt}", rows)
+    out = tmp_path / "out"
+    res = encode_corpus(tiny_export, src, out, **SMALL)
+    m = assert_matches(out, rows, reference)
+    assert res.rows == res.rows_this_run == len(rows) and res.skipped == 0 and res.tokens > len(rows)
+    # shards: fixed size, in order, each a committed file; schema id string + fixed-size float32 list
+    assert [s["rows"] for s in m["shards"]] == [70, 70, 70, 20]
+    assert [s["first_row"] for s in m["shards"]] == [0, 70, 140, 210]
+    assert sorted(p.name for p in out.iterdir()) == sorted([s["file"] for s in m["shards"]] +
+                                                           ["manifest.json", "skipped.jsonl"])
+    schema = pq.read_schema(out / m["shards"][0]["file"])
+    assert schema.field("id").type == pa.string()
+    assert schema.field("embedding").type == pa.list_(pa.float32(), reference.shape[1])
+    import hashlib
+
+    import attncal
+
+    assert m["complete"] and m["rows"] == len(rows) and m["skip_list"] == [] and m["skipped"] == 0
+    assert m["attncal_version"] == attncal.__version__
+    assert m["config_hash"] == "sha256:" + hashlib.sha256((tiny_export / "attncal.json").read_bytes()).hexdigest()
+    assert m["model"]["calibrated"] is True and m["model"]["dimension"] == reference.shape[1]
+    assert m["input"]["files"][0]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert m["input"]["fingerprint"].startswith("sha256:") and m["options"]["shard_size"] == 70
+
+
+def test_multiple_files_workers_and_windows(tiny_export, rows, reference, tmp_path):
+    """Two input files (JSONL then JSONL), two worker processes: same ids, order and embeddings."""
+    d = tmp_path / "in"
+    d.mkdir()
+    write_jsonl(d / "a.jsonl", rows[:101])
+    write_jsonl(d / "b.jsonl", rows[101:])
+    out = tmp_path / "out"
+    encode_corpus(tiny_export, d, out, workers=2, **SMALL)
+    assert_matches(out, rows, reference)
+
+
+def test_json_fast_and_slow_paths_agree(tiny_export, tmp_path):
+    """Integer ids (pyarrow path) and mixed id types (line-by-line path) give the same string ids."""
+    from attncal.corpus.inputs import InputFile, read_chunks
+
+    p = tmp_path / "ids.jsonl"
+    p.write_text('{"id": 7, "text": "a"}\n\n{"id": 8, "text": "b"}\n')
+    q = tmp_path / "mixed.jsonl"
+    q.write_text('{"id": 7, "text": "a"}\n\n{"id": "8", "text": "b"}\n')
+    fast = list(read_chunks(InputFile(p, "jsonl"), "text", "id"))
+    slow = list(read_chunks(InputFile(q, "jsonl"), "text", "id"))
+    assert not fast[0].fallback and slow[0].fallback
+    assert fast[0].ids == slow[0].ids == ["7", "8"] and fast[0].texts == slow[0].texts == ["a", "b"]
+
+
+def bad_jsonl(path: Path, rows: list[dict]) -> tuple[Path, list[int]]:
+    lines = [json.dumps(r) for r in rows]
+    bad = {3: '{"id": "x3", "text": ', 7: '{"id": "x7"}', 11: '{"id": "x11", "text": 42}',
+           15: '["not", "an", "object"]', 19: '{"text": "no id"}', 23: '{"id": "x23", "text": null}'}
+    out = []
+    for i, line in enumerate(lines):
+        if i + 1 in bad:
+            out.append(bad[i + 1].encode())
+        else:
+            out.append(line.encode())
+    out.insert(26, b'{"id": "x27", "text": "caf\xe9"}')  # line 27: latin-1, not UTF-8
+    path.write_bytes(b"\n".join(out) + b"\n")
+    return path, sorted(bad) + [27]
+
+
+def test_bad_rows_fail_then_skip(tiny_export, rows, reference, tmp_path):
+    src, bad_lines = bad_jsonl(tmp_path / "bad.jsonl", rows[:40])
+    out = tmp_path / "out"
+    with pytest.raises(CorpusInputError, match=r"7 bad row\(s\), first .*bad\.jsonl:3: invalid JSON"):
+        encode_corpus(tiny_export, src, out, **SMALL)
+    assert not out.exists()  # refused before anything was written
+    code = main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q"])
+    assert code == 2 and not out.exists()
+
+    res = encode_corpus(tiny_export, src, out, on_error="skip", **SMALL)
+    m = load_manifest(out)
+    assert [b["line"] for b in m["skip_list"]] == bad_lines and res.skipped == m["skipped"] == 7
+    reasons = {b["line"]: b["reason"] for b in m["skip_list"]}
+    assert "invalid JSON" in reasons[3] and reasons[7] == "missing field 'text'"
+    assert reasons[11] == "field 'text' is int, not a string" and "not a JSON object" in reasons[15]
+    assert reasons[19] == "missing field 'id'" and reasons[23] == "missing field 'text'"
+    assert reasons[27].startswith("not UTF-8")
+    side = [json.loads(x) for x in (out / "skipped.jsonl").read_text().splitlines()]
+    assert side == m["skip_list"] and side[1]["id"] == "x7"
+    keep = [r for i, r in enumerate(rows[:40]) if i + 1 not in bad_lines[:-1]]  # line 27 was inserted
+    ids, emb = read_embeddings(out)
+    assert ids == [r["id"] for r in keep] and len(ids) == 34
+    ref = {r["id"]: reference[i] for i, r in enumerate(rows)}
+    assert np.abs(emb - np.stack([ref[i] for i in ids])).max() <= TOL
+
+
+def test_bad_rows_csv_and_parquet(tiny_export, tmp_path):
+    c = tmp_path / "bad.csv"
+    c.write_bytes(b'id,text\nc1,hello\nc2\nc3,"two\nlines"\nc4,caf\xe9\nc5,fine\n')
+    with pytest.raises(CorpusInputError, match=r"2 bad row\(s\), first .*bad\.csv:3: missing field 'text'"):
+        encode_corpus(tiny_export, c, tmp_path / "o1", **SMALL)
+    encode_corpus(tiny_export, c, tmp_path / "o1", on_error="skip", **SMALL)
+    m = load_manifest(tmp_path / "o1")
+    assert [(b["line"], b["reason"]) for b in m["skip_list"]] == [(3, "missing field 'text' (1 of 2 columns)"),
+                                                                  (6, "not UTF-8")]
+    assert read_embeddings(tmp_path / "o1")[0] == ["c1", "c3", "c5"]
+    p = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": ["p1", None, "p3"], "text": ["a", "b", None]}), p)
+    encode_corpus(tiny_export, p, tmp_path / "o2", on_error="skip", **SMALL)
+    m = load_manifest(tmp_path / "o2")
+    assert [(b["line"], b["reason"]) for b in m["skip_list"]] == [(2, "missing field 'id'"),
+                                                                  (3, "missing field 'text'")]
+    pq.write_table(pa.table({"id": [1], "body": [b"x"]}), tmp_path / "wrong.parquet")
+    with pytest.raises(CorpusInputError, match="no column 'text'"):
+        encode_corpus(tiny_export, tmp_path / "wrong.parquet", tmp_path / "o3", **SMALL)
+
+
+def test_cli_errors_are_one_line_exit_2(tiny_export, rows, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", rows[:5])
+    model_dir = tiny_export.parent / "m"
+    out = tmp_path / "out"
+    cases = [
+        ([str(tiny_export), "--input", str(tmp_path / "missing.jsonl")], "not found"),
+        ([str(model_dir), "--input", str(src)], "is a model directory, not an attncal export"),
+        (["default", "--input", str(src)], "attncal export default -o OUT"),
+        ([str(tiny_export), "--input", str(tmp_path / "x.txt")], "not found"),
+        ([str(tiny_export), "--input", str(src), "--batch-size", "0"], "batch_size must be"),
+        ([str(tiny_export), "--input", str(src), "--max-length", "1000"], "max_length must be"),
+        ([str(tiny_export), "--input", str(src), "--engine", "triton"], "needs the served model"),
+        ([str(tiny_export), "--input", str(src), "--model", "x"], "--model names a served model"),
+        ([str(tiny_export), "--input", str(src), "--text-field", "body"], "missing field 'body'"),
+    ]
+    for argv, msg in cases:
+        assert main(["encode", *argv, "--output", str(out), "-q"]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert msg in err and len(err.splitlines()) == 1, (argv, err)
+        assert not out.exists()
+    (tmp_path / "x.txt").write_text("a\n")
+    assert main(["encode", str(tiny_export), "--input", str(tmp_path / "x.txt"), "--output", str(out), "-q"]) == 2
+    assert "unknown format '.txt'" in capsys.readouterr().err
+    # a finished run: a second run without --resume is refused, --resume is a no-op, other options are refused
+    assert main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q"]) == 0
+    assert "encoded 5 rows" in capsys.readouterr().out
+    assert main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q"]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q", "--resume"]) == 0
+    assert main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q", "--resume",
+                 "--shard-size", "2"]) == 2
+    assert "shard_size was 100000, now 2" in capsys.readouterr().err
+    write_jsonl(src, rows[:6])
+    assert main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q", "--resume"]) == 2
+    assert "input files changed" in capsys.readouterr().err
+
+
+def _encode_cmd(export: Path, src: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "attncal", "encode", str(export), "--input", str(src), "--output", str(out),
+            "--batch-size", "8", "--window", "32", "--shard-size", "100", "-q", *extra]
+
+
+def test_resume_after_sigkill_gives_identical_output(tiny_export, tmp_path):
+    """Kill a run with SIGKILL after some shards are complete; --resume completes it; the result is
+    byte-for-byte the shards of an uninterrupted run (ids, order, embeddings) with no row lost or doubled."""
+    rows = make_rows(6000, seed=1)
+    src = write_jsonl(tmp_path / "big.jsonl", rows)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    full = tmp_path / "full"
+    subprocess.run(_encode_cmd(tiny_export, src, full), check=True, env=env, timeout=300)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_encode_cmd(tiny_export, src, killed), env=env)
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            m = load_manifest(killed) if (killed / "manifest.json").exists() else None
+            if m and len(m["shards"]) >= 3:
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    m = load_manifest(killed)
+    assert m is not None and not m["complete"] and 3 <= len(m["shards"]) < 60, "the kill must land mid-run"
+    subprocess.run(_encode_cmd(tiny_export, src, killed, "--resume"), check=True, env=env, timeout=300)
+    a, b = load_manifest(full), load_manifest(killed)
+    assert b["complete"] and b["runs"] == 2 and [s["rows"] for s in a["shards"]] == [s["rows"] for s in b["shards"]]
+    assert not [p for p in killed.iterdir() if p.name.startswith(".")]  # no temporary left
+    for s in a["shards"]:
+        ta, tb = pq.read_table(full / s["file"]), pq.read_table(killed / s["file"])
+        assert ta.equals(tb), s["file"]
+    ids, _ = read_embeddings(killed)
+    assert ids == [r["id"] for r in rows]
+
+
+def test_ray_engine_on_local_2cpu_instance(tiny_export, rows, reference, tmp_path):
+    pytest.importorskip("ray")
+    d = tmp_path / "in"
+    d.mkdir()
+    write_parquet(d / "a.parquet", rows[:120])
+    write_parquet(d / "b.parquet", rows[120:])
+    out = tmp_path / "ray"
+    import faulthandler
+
+    faulthandler.dump_traceback_later(300, exit=True)  # a Ray scheduling deadlock must not hang CI
+    try:
+        res = encode_corpus(tiny_export, d, out, engine="ray", workers=2, ray_num_cpus=2, **SMALL)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    m = assert_matches(out, rows, reference)
+    assert m["engine"]["name"] == "ray" and res.rows == len(rows)
+    local = tmp_path / "local"
+    encode_corpus(tiny_export, d, local, **SMALL)
+    assert [s["rows"] for s in load_manifest(local)["shards"]] == [s["rows"] for s in m["shards"]]
+    # JSON lines with integer ids and rows without text: Ray drops the same rows the scan skips
+    j = tmp_path / "c.jsonl"
+    j.write_text("".join(json.dumps({"id": i, "text": r["text"] if i % 50 else None}) + "\n"
+                         for i, r in enumerate(rows)))
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        encode_corpus(tiny_export, j, tmp_path / "ray-json", engine="ray", workers=1, ray_num_cpus=2,
+                      on_error="skip", **SMALL)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    ids, emb = read_embeddings(tmp_path / "ray-json")
+    keep = [i for i in range(len(rows)) if i % 50]
+    assert ids == [str(i) for i in keep] and np.abs(emb - reference[keep]).max() <= TOL
+    assert len(load_manifest(tmp_path / "ray-json")["skip_list"]) == len(rows) - len(keep)
