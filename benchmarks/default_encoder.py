@@ -46,10 +46,11 @@ def main() -> None:
     tok = encs["uncalibrated"].tokenizer
     texts = []
     for i in range(args.texts):
-        n = max(4, args.tokens - 24 + (i % 7) * 8)  # ~tokens +- 24, mixed lengths
+        target = max(8, args.tokens - 24 + (i % 7) * 8)  # ~tokens +- 24, mixed lengths
+        n = target
         text = " ".join(words[:n])
-        while len(tok(text)["input_ids"]) > n and n > 4:
-            n -= 4
+        while len(tok(text)["input_ids"]) > target and n > 2:
+            n -= 2
             text = " ".join(words[:n])
         texts.append(text)
     lengths = [len(tok(t)["input_ids"]) for t in texts]
