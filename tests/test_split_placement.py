@@ -32,8 +32,7 @@ BASKET = 16
 
 def fused_count(path: Path) -> int:
     m = onnx.load(str(path), load_external_data=False)
-    return sum(1 for n in m.graph.node if n.domain == "com.microsoft" and n.op_type in ("Attention", "MultiHeadAttention")
-               and "/basket" not in n.name)  # split placement's per-basket calls are extra, not a layer's attention
+    return sum(1 for n in m.graph.node if n.domain == "com.microsoft" and n.op_type in ("Attention", "MultiHeadAttention"))
 
 
 @pytest.fixture(scope="module")
@@ -140,21 +139,3 @@ def test_split_refusals_and_right_padding_guard(pooled_models, tmp_path):
     with pytest.raises(ValueError, match="graph must be one of"):
         Encoder(out, graph="fastest")
 
-
-def test_optimized_split_loop_form_for_long_position_tables(pooled_models, tmp_path, monkeypatch):
-    """Beyond MAX_UNROLLED_BASKETS baskets the basket terms run in an ONNX Loop; same embeddings."""
-    import attncal.graphs.split_placement as sp
-
-    src = pooled_models["bert", "mean"]
-    cfg = CalibrationConfig(pooling="mean", basket_size=BASKET, strength=0.8, variant="uniform")
-    export(src, tmp_path / "unrolled", ExportOptions(config=cfg, exporter="torchscript", check=False), quiet=True)
-    monkeypatch.setattr(sp, "MAX_UNROLLED_BASKETS", 0)
-    export(src, tmp_path / "loop", ExportOptions(config=cfg, exporter="torchscript", check=False), quiet=True)
-    ops = {name: {n.op_type for n in onnx.load(str(tmp_path / name / "onnx" / "model_optimized.onnx")).graph.node}
-           for name in ("unrolled", "loop")}
-    assert "Loop" in ops["loop"] and "Loop" not in ops["unrolled"]
-    ref = TorchEncoder(src, attn_implementation="eager").encode(TEXTS, cfg)
-    for name in ("unrolled", "loop"):
-        enc = Encoder(tmp_path / name)
-        assert enc.graph_file == "onnx/model_optimized.onnx"
-        assert np.abs(enc.encode(TEXTS) - ref).max() <= 1e-5, name

@@ -27,8 +27,8 @@ def count_fused_attention(model: ir.Model) -> int:
     """Fused attention nodes that compute a layer's attention (the ones a calibration must not lose)."""
     from .softmax_pattern import FUSED_ATTENTION_OPS
 
-    return sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type in FUSED_ATTENTION_OPS
-               and "/basket" not in (n.name or ""))  # split placement's basket terms are extra attention calls
+    # Main graph only: split placement's per-basket calls live inside a Loop body.
+    return sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type in FUSED_ATTENTION_OPS)
 
 
 def has_fused_attention(model: ir.Model) -> bool:
