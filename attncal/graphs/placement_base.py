@@ -33,3 +33,23 @@ def count_fused_attention(model: ir.Model) -> int:
 
 def has_fused_attention(model: ir.Model) -> bool:
     return any(n.domain == "com.microsoft" and n.op_type == "Attention" for n in model.graph)
+
+
+def fused_attention_parts(att: ir.Node, error: type[Exception]):
+    """(x, packed QKV weight [hidden, 3*hidden], bias [3*hidden], num_heads, scale) of an ORT-fused
+    `com.microsoft::Attention` encoder node; raises `error` for anything else."""
+    import numpy as np
+
+    x, w, bias = att.inputs[0], att.inputs[1], att.inputs[2]
+    if w is None or w.const_value is None or bias is None or bias.const_value is None:
+        raise error(f"fused Attention {att.name}: packed QKV weight and bias must be initializers")
+    if len(att.inputs) > 4 and att.inputs[4] is not None:
+        raise error(f"fused Attention {att.name} has a past state; not an encoder layer")
+    extra = {a for a in att.attributes} - {"num_heads", "scale", "mask_filter_value"}
+    if extra:
+        raise error(f"fused Attention {att.name} has unsupported attributes {sorted(extra)}")
+    heads = att.attributes.get_int("num_heads")
+    W, bvec = w.const_value.numpy(), bias.const_value.numpy()
+    head = W.shape[1] // 3 // heads
+    scale = att.attributes.get_float("scale", 0.0) or 1.0 / float(np.sqrt(head))
+    return x, W, bvec, heads, scale

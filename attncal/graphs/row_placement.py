@@ -37,7 +37,7 @@ import onnx_ir as ir
 from ..calibration.config import CalibrationConfig
 from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
 from .builder import Ops as _Ops
-from .placement_base import PlacementResult, count_fused_attention, has_fused_attention
+from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, has_fused_attention
 from .function_body import make_function
 from .rewrite import model_opset
 
@@ -100,20 +100,9 @@ def insert_row_calibration(model: ir.Model, config: CalibrationConfig, num_layer
 
 
 def _calibrate_layer(graph: ir.Graph, att: ir.Node, layer: int, rc, mask: ir.Value) -> None:
-    x, w, bias = att.inputs[0], att.inputs[1], att.inputs[2]
-    if w is None or w.const_value is None or bias is None or bias.const_value is None:
-        raise RowPlacementError(f"fused Attention {att.name}: packed QKV weight and bias must be initializers")
-    if len(att.inputs) > 4 and att.inputs[4] is not None:
-        raise RowPlacementError(f"fused Attention {att.name} has a past state; not an encoder layer")
-    extra = {a for a in att.attributes} - {"num_heads", "scale", "mask_filter_value"}
-    if extra:
-        raise RowPlacementError(f"fused Attention {att.name} has unsupported attributes {sorted(extra)}")
-    heads = att.attributes.get_int("num_heads")
-    W = w.const_value.numpy()
-    bvec = bias.const_value.numpy()
+    x, W, bvec, heads, scale = fused_attention_parts(att, RowPlacementError)
     hidden = W.shape[1] // 3
     head = hidden // heads
-    scale = att.attributes.get_float("scale", 0.0) or 1.0 / np.sqrt(head)
     ops = _Ops(graph, f"attncal_row_layer{layer}")
     i64 = np.int64
     Wq, Wk, Wv = (np.ascontiguousarray(W[:, i * hidden : (i + 1) * hidden]) for i in range(3))

@@ -34,7 +34,7 @@ import onnx_ir as ir
 
 from ..calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
 from .builder import Ops
-from .placement_base import PlacementResult, count_fused_attention, has_fused_attention
+from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, has_fused_attention
 
 MS_DOMAIN = "com.microsoft"
 i64 = np.int64
@@ -115,24 +115,24 @@ def _item(ops: Ops, v: ir.Value, rank: int, tag: str) -> ir.Value:
     return ops("Unsqueeze", v, ops.const(f"unsq{rank}_{tag}", np.arange(1, rank, dtype=i64)))
 
 
-def _coefficients(ops: Ops, g: _Geometry, rc: ResolvedCalibration, shares: list[ir.Value], rank: int):
-    """(coef_full, coef_basket, [coef_i]) as [B,1..] tensors of `rank` (shares already of that rank)."""
+def _coefficients(ops: Ops, g: _Geometry, rc: ResolvedCalibration, shares: list[ir.Value], n: ir.Value,
+                  lam: ir.Value, rank: int, tag: str):
+    """(coef_full, coef_basket, [coef_i]) from the non-empty basket count `n`, the strength `lam` (0 on
+    rows that are not calibrated) and the shares, all broadcastable to `rank` dims."""
     c = ops.const
-    nf = _item(ops, g.nf, rank, "nf")
-    lam = _item(ops, g.lam, rank, "lam")
-    zero, one = c("z0", f32(0.0)), c("z1", f32(1.0))
+    zero, one = c(f"{tag}_0", f32(0.0)), c(f"{tag}_1", f32(1.0))
     share_sum = shares[0] if shares else zero
     for s in shares[1:]:
         share_sum = ops("Add", share_sum, s)
-    has = ops("Greater", nf, zero)
+    has = ops("Greater", n, zero)
     if rc.any_non_equal:
         content = ops("Where", has, ops("Max", ops("Sub", one, share_sum), zero), zero)
     else:
-        content = ops("Div", nf, _item(ops, g.t_safe, rank, "t"))
+        content = ops("Div", n, _item(ops, g.t_safe, rank, f"{tag}_t"))
     total = ops("Add", content, share_sum)
     nz = ops("Not", ops("Equal", total, zero))
     safe_total = ops("Where", nz, total, one)  # divide by total, never by its reciprocal (subnormal weights)
-    coef_b = ops("Div", ops("Mul", lam, content), ops("Mul", ops("Max", nf, one), safe_total))
+    coef_b = ops("Div", ops("Mul", lam, content), ops("Mul", ops("Max", n, one), safe_total))
     coef_b = ops("Where", ops("And", nz, has), coef_b, zero)
     coef_full = ops("Sub", one, lam)
     coef_i = [ops("Div", ops("Mul", lam, s), safe_total) for s in shares]
@@ -199,19 +199,9 @@ def _basket_loop(ops: Ops, g: _Geometry, q: ir.Value, k: ir.Value, v: ir.Value, 
 
 
 def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g: _Geometry, mask: ir.Value) -> None:
-    x, w, bias = att.inputs[0], att.inputs[1], att.inputs[2]
-    if w is None or w.const_value is None or bias is None or bias.const_value is None:
-        raise SplitPlacementError(f"fused Attention {att.name}: packed QKV weight and bias must be initializers")
-    if len(att.inputs) > 4 and att.inputs[4] is not None:
-        raise SplitPlacementError(f"fused Attention {att.name} has a past state; not an encoder layer")
-    extra = {a for a in att.attributes} - {"num_heads", "scale", "mask_filter_value"}
-    if extra:
-        raise SplitPlacementError(f"fused Attention {att.name} has unsupported attributes {sorted(extra)}")
-    heads = att.attributes.get_int("num_heads")
-    W, bvec = w.const_value.numpy(), bias.const_value.numpy()
+    x, W, bvec, heads, scale = fused_attention_parts(att, SplitPlacementError)
     hidden = W.shape[1] // 3
     head = hidden // heads
-    scale = att.attributes.get_float("scale", 0.0) or 1.0 / np.sqrt(head)
     ops = Ops(graph, f"attncal_split_layer{layer}")
     c = ops.const
     proj = []
@@ -231,7 +221,8 @@ def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g
             if enabled:
                 shares.append(_equal_or_fixed_share(ops, g, mode, weight, 3, tag))
                 vis.append(_gather_rows(ops, v, pos, hidden, f"v_{tag}")[0])  # [B,1,hidden]
-        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, 3)
+        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, _item(ops, g.nf, 3, "nf"),
+                                                  _item(ops, g.lam, 3, "lam"), 3, "item")
         rows = ops("Unsqueeze", ops("Cast", mask, to=ir.DataType.FLOAT), c("u2r", np.array([2], i64)))  # [B,S,1]
         one = c("one_r", f32(1.0))
         out = ops("Mul", full, ops("Add", one, ops("Mul", ops("Sub", coef_full, one), rows)))  # pad rows: plain
@@ -260,7 +251,8 @@ def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g
                 shares.append(ops("GatherElements", probs, pidx, axis=3))  # [B,1,H,1]
             else:
                 shares.append(_equal_or_fixed_share(ops, g, mode, weight, 4, tag))
-        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, 4)
+        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, _item(ops, g.nf, 4, "nf"),
+                                                  _item(ops, g.lam, 4, "lam"), 4, "item")
         out_row = ops("Add", ops("Mul", ops("Reshape", full_row, to_heads), coef_full),
                       ops("Mul", ops("Reshape", acc, to_heads), coef_b))
         for ci, vi in zip(coef_i, vis):
@@ -478,7 +470,8 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
                                   to=ir.DataType.FLOAT))  # [B,H,Q,1]
             else:
                 shares.append(_equal_or_fixed_share(ops, g, mode, weight, 4, tag))
-        coef_full, coef_b, coef_i = _row_coefficients(ops, g, rc, shares, n_ne, rows)
+        lam_rows = ops("Mul", _item(ops, g.lam, 4, "lam_r"), rows)  # [B,1,Q,1]: calibrated rows only
+        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, n_ne, lam_rows, 4, "row")
         ctx = value_mm.outputs[0]
         uses = list(ctx.uses())
         out = ops("Add", ops("Mul", ctx, coef_full), ops("Mul", acc, coef_b))
@@ -491,27 +484,3 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
             raise SplitPlacementError(f"the attention context {ctx.name} is a graph output; cannot rewire it")
         graph.insert_after(value_mm, ops.nodes)
     return selected
-
-
-def _row_coefficients(ops: Ops, g: _Geometry, rc: ResolvedCalibration, shares: list[ir.Value], n_ne: ir.Value,
-                      rows: ir.Value):
-    """Per-row coefficients [B,H|1,Q,1]: basket counts may differ per row under causal or windowed masks."""
-    c = ops.const
-    lam = ops("Mul", _item(ops, g.lam, 4, "lam_r"), rows)  # [B,1,Q,1]: calibrated rows only
-    zero, one = c("r0", f32(0.0)), c("r1", f32(1.0))
-    share_sum = shares[0] if shares else zero
-    for s in shares[1:]:
-        share_sum = ops("Add", share_sum, s)
-    has = ops("Greater", n_ne, zero)
-    if rc.any_non_equal:
-        content = ops("Where", has, ops("Max", ops("Sub", one, share_sum), zero), zero)
-    else:
-        content = ops("Div", n_ne, _item(ops, g.t_safe, 4, "t_r"))
-    total = ops("Add", content, share_sum)
-    nz = ops("Not", ops("Equal", total, zero))
-    safe_total = ops("Where", nz, total, one)
-    coef_b = ops("Div", ops("Mul", lam, content), ops("Mul", ops("Max", n_ne, one), safe_total))
-    coef_b = ops("Where", ops("And", nz, has), coef_b, zero)
-    coef_full = ops("Sub", one, lam)
-    coef_i = [ops("Div", ops("Mul", lam, s), safe_total) for s in shares]
-    return coef_full, coef_b, coef_i
