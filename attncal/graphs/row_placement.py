@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig
 from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
+from .attention_chain import replay_chain, scores_chain, value_path
 from .builder import Ops as _Ops
 from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, has_fused_attention
 from .function_body import make_function
@@ -189,51 +190,6 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
 # ---------------------------------------------------------------------------------------------
 # Row placement on unfused graphs (any architecture: Qwen3 with GQA and rotary, ModernBERT, ...)
 # ---------------------------------------------------------------------------------------------
-_CHAIN_OPS = {"Add", "Mul", "Div", "Sub", "Cast", "Identity", "Where"}
-
-
-def _scores_chain(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node]]:
-    """Walk back from the Softmax to the scores MatMul; returns (matmul, elementwise chain in order)."""
-    chain: list[ir.Node] = []
-    value = softmax.inputs[0]
-    for _ in range(8):
-        node = value.producer()
-        if node is None:
-            break
-        if node.op_type == "MatMul" and node.domain == "":
-            return node, list(reversed(chain))
-        if node.op_type not in _CHAIN_OPS or node.domain != "":
-            break
-        users = [u for u, _ in value.uses()]
-        if len(users) != 1:
-            break
-        # The chain input is the one whose producer leads back to the MatMul: the first non-constant
-        # input with a producer (scale and mask are the other inputs).
-        chain.append(node)
-        candidates = [v for v in node.inputs if v is not None and v.producer() is not None and v.const_value is None]
-        if not candidates:
-            break
-        value = candidates[0]
-    raise RowPlacementError(f"could not find the scores MatMul before {softmax.name}")
-
-
-def _value_path(softmax: ir.Node) -> tuple[list[ir.Node], ir.Node]:
-    """From the Softmax output to the value MatMul: (pass-through casts, matmul)."""
-    chain: list[ir.Node] = []
-    value = softmax.outputs[0]
-    for _ in range(4):
-        uses = list(value.uses())
-        mm = [u for u, i in uses if u.op_type == "MatMul" and u.domain == "" and i == 0]
-        if mm:
-            return chain, mm[0]
-        nxt = [u for u, i in uses if u.op_type in ("Cast", "Identity") and u.domain == "" and i == 0]
-        if not nxt:
-            break
-        chain.append(nxt[0])
-        value = nxt[0].outputs[0]
-    raise RowPlacementError(f"could not find the value MatMul after {softmax.name}")
-
-
 def insert_row_calibration_unfused(model: ir.Model, config: CalibrationConfig, num_layers: int,
                                    mask_input: str = "attention_mask") -> list[int]:
     """Row placement on a graph with explicit attention (Softmax between two MatMuls).
@@ -263,8 +219,8 @@ def insert_row_calibration_unfused(model: ir.Model, config: CalibrationConfig, n
             continue
         if att.calibration is not None:
             raise RowPlacementError("the graph already contains attncal calibration nodes")
-        scores_mm, chain = _scores_chain(att.softmax)
-        post, value_mm = _value_path(att.softmax)
+        scores_mm, chain = scores_chain(att.softmax, RowPlacementError)
+        post, value_mm = value_path(att.softmax, RowPlacementError)
         ops = _Ops(graph, f"attncal_row_layer{att.layer}")
         c = lambda name, arr: ops.const(name, np.asarray(arr))  # noqa: E731
         valid = ops("Cast", mask, to=ir.DataType.BOOL)
@@ -294,22 +250,15 @@ def insert_row_calibration_unfused(model: ir.Model, config: CalibrationConfig, n
 
         q_row = take_row(scores_mm.inputs[0], "q")
         cur = ops("MatMul", q_row, scores_mm.inputs[1])  # [B,H,1,S]
-        prev = scores_mm.outputs[0]
-        for k, node in enumerate(chain):
-            inputs = []
-            for v in node.inputs:
-                if v is prev:
-                    inputs.append(cur)
-                elif v is not None and v.const_value is None and v.producer() is not None \
-                        and v.producer().op_type != "Constant":
-                    if v.shape is None:
-                        raise RowPlacementError(f"unknown rank of {v.name} feeding {node.name}")
-                    inputs.append(take_row(v, f"side{k}") if v.shape.rank() == 4 else v)
-                else:
-                    inputs.append(v)
-            attrs = {a.name: a.value for a in node.attributes.values()}
-            cur = ops(node.op_type, *inputs, **attrs)
-            prev = node.outputs[0]
+        def side(v: ir.Value, node: ir.Node, k: int) -> ir.Value:
+            """Side inputs computed per row (rank-4 masks) are cut to the pooling row."""
+            if v.const_value is None and v.producer() is not None and v.producer().op_type != "Constant":
+                if v.shape is None:
+                    raise RowPlacementError(f"unknown rank of {v.name} feeding {node.name}")
+                return take_row(v, f"side{k}") if v.shape.rank() == 4 else v
+            return v
+
+        cur, prev = replay_chain(ops, chain, scores_mm.outputs[0], cur, side)
         if prev is not att.softmax.inputs[0]:
             raise RowPlacementError(f"unexpected graph between the scores MatMul and {att.softmax.name}")
         attrs = {a.name: a.value for a in att.softmax.attributes.values()}

@@ -331,7 +331,7 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
     """
     from onnx_ir.passes.common import ShapeInferencePass
 
-    from .row_placement import RowPlacementError, _scores_chain, _value_path
+    from .attention_chain import replay_chain, scores_chain, value_path
     from .softmax_pattern import find_attention_softmaxes
 
     rc = config.resolve()
@@ -371,11 +371,8 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
     for att in softmaxes:
         if att.layer not in selected:
             continue
-        try:
-            scores_mm, chain = _scores_chain(att.softmax)
-            post, value_mm = _value_path(att.softmax)
-        except RowPlacementError as exc:
-            raise SplitPlacementError(str(exc)) from None
+        scores_mm, chain = scores_chain(att.softmax, SplitPlacementError)
+        post, value_mm = value_path(att.softmax, SplitPlacementError)
         if att.softmax.inputs[0].dtype not in (ir.DataType.FLOAT, None):
             raise SplitPlacementError("split placement on the plain graph is float32 only; drop --fp16")
         ops = Ops(graph, f"attncal_split_layer{att.layer}")
@@ -419,26 +416,18 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
         k5 = to_baskets(align(kt, 3, "k"), 3, "k5")  # [B,H,n,d,S]
         v5 = to_baskets(align(v, 2, "v"), 2, "v5")  # [B,H,n,S,d]
         cur = ops("MatMul", ops("Unsqueeze", qx, c("u2q", np.array([2], i64))), k5)  # [B,H,n,Q,S]
-        prev = scores_mm.outputs[0]
-        for kk, node in enumerate(chain):
-            inputs = []
-            for val in node.inputs:
-                if val is prev:
-                    inputs.append(cur)
-                elif val is not None and val.shape is not None and val.shape.rank() == 4:
-                    last = val.shape[3]
-                    if isinstance(last, int) and last == 1:
-                        inputs.append(ops("Unsqueeze", val, c(f"side{kk}_u", np.array([2], i64))))
-                    else:
-                        inputs.append(to_baskets(align(val, 3, f"side{kk}"), 3, f"side{kk}_5"))
-                elif val is not None and val.shape is not None and val.shape.rank() not in (0, 1) \
-                        and val.const_value is None:
-                    raise SplitPlacementError(f"unsupported rank-{val.shape.rank()} input {val.name} of {node.name}")
-                else:
-                    inputs.append(val)
-            attrs = {a.name: a.value for a in node.attributes.values()}
-            cur = ops(node.op_type, *inputs, **attrs)
-            prev = node.outputs[0]
+        def side(val: ir.Value, node: ir.Node, kk: int) -> ir.Value:
+            """Rank-4 side inputs (masks) go to the basket layout; scalars and vectors broadcast as they are."""
+            if val.shape is not None and val.shape.rank() == 4:
+                last = val.shape[3]
+                if isinstance(last, int) and last == 1:
+                    return ops("Unsqueeze", val, c(f"side{kk}_u", np.array([2], i64)))
+                return to_baskets(align(val, 3, f"side{kk}"), 3, f"side{kk}_5")
+            if val.shape is not None and val.shape.rank() not in (0, 1) and val.const_value is None:
+                raise SplitPlacementError(f"unsupported rank-{val.shape.rank()} input {val.name} of {node.name}")
+            return val
+
+        cur, prev = replay_chain(ops, chain, scores_mm.outputs[0], cur, side)
         if prev is not att.softmax.inputs[0]:
             raise SplitPlacementError(f"unexpected graph between the scores MatMul and {att.softmax.name}")
         negc = c("neg", neg)
