@@ -298,8 +298,8 @@ def export(
                 torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
             _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
                  + (f" with {plan.optimized} placement" if plan else ""), quiet)
-            opt_model, opt_result = _optimized_graph(info, opts, ts_raw, config, plan.optimized if plan else None,
-                                                     info.num_layers, ts_raw.parent)
+            opt_model, _ = _optimized_graph(info, opts, ts_raw, config, plan.optimized if plan else None,
+                                            info.num_layers, ts_raw.parent)
             from ..graphs.placement_base import count_fused_attention
 
             n_fused = count_fused_attention(opt_model)
