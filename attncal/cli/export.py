@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
     p.add_argument("--placement", choices=("auto", "softmax", "row", "split"), default="auto",
-                   help="where calibration goes (default auto: row for cls/last pooling, split for mean). "
+                   help="where calibration goes (default auto: row for cls/last pooling; for mean pooling split "
+                        "on the ORT-optimized graph and softmax on the portable graph). "
                         "softmax: op after each calibrated Softmax; row: the pooling row is recomputed beside the "
                         "attention; split: calibration as attention over baskets, no probabilities, no custom op")
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
