@@ -29,3 +29,11 @@ class Ops:
         v = ir.Value(name=f"{self.prefix}/{name}", const_value=ir.tensor(np.asarray(array)))
         self.graph.register_initializer(v)
         return v
+
+
+def graph_input(graph: ir.Graph, name: str, error: type[Exception]) -> ir.Value:
+    """The graph input called `name`, or `error` naming it."""
+    value = next((v for v in graph.inputs if v.name == name), None)
+    if value is None:
+        raise error(f"the graph has no input named {name!r}")
+    return value

@@ -31,8 +31,29 @@ def count_fused_attention(model: ir.Model) -> int:
     return sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type in FUSED_ATTENTION_OPS)
 
 
+def fused_attention_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """The ORT-fused `com.microsoft::Attention` nodes of a graph, in graph (= layer) order."""
+    return [n for n in graph if n.op_type == "Attention" and n.domain == "com.microsoft"]
+
+
 def has_fused_attention(model: ir.Model) -> bool:
-    return any(n.domain == "com.microsoft" and n.op_type == "Attention" for n in model.graph)
+    return bool(fused_attention_nodes(model.graph))
+
+
+def fused_layers(model: ir.Model, num_layers: int, mask_input: str, error: type[Exception], need: str,
+                 hint: str = "") -> tuple[list[ir.Node], ir.Value]:
+    """(one fused Attention node per layer, the attention-mask input) of an uncalibrated optimized graph,
+    or `error` saying what is wrong: `need` starts the message, `hint` ends it."""
+    from .builder import graph_input
+    from .contract import DOMAIN
+
+    graph = model.graph
+    if any(n.domain == DOMAIN for n in graph):
+        raise error("the graph already contains attncal calibration nodes")
+    atts = fused_attention_nodes(graph)
+    if len(atts) != num_layers:
+        raise error(f"{need} one fused com.microsoft::Attention node per layer ({num_layers}); found {len(atts)}{hint}")
+    return atts, graph_input(graph, mask_input, error)
 
 
 def fused_attention_parts(att: ir.Node, error: type[Exception]):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig
+from .builder import graph_input
 from .contract import DOMAIN, VERSION, op_spec
 from .function_body import MIN_OPSET, make_function
 from .softmax_pattern import SoftmaxPatternError, find_attention_softmaxes
@@ -68,9 +69,7 @@ def insert_calibration(
                 "fresh export) to recalibrate"
             )
         remove_calibration(model)
-    mask = next((v for v in graph.inputs if v.name == mask_input), None)
-    if mask is None:
-        raise SoftmaxPatternError(f"the graph has no input named {mask_input!r}")
+    mask = graph_input(graph, mask_input, SoftmaxPatternError)
     selected = config.layer_indices(num_layers)
     softmaxes = find_attention_softmaxes(graph, num_layers)
     spec = None

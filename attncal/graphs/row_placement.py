@@ -38,7 +38,8 @@ from ..calibration.config import CalibrationConfig
 from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
 from .attention_chain import replay_chain, scores_chain, value_path
 from .builder import Ops as _Ops
-from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, has_fused_attention
+from .builder import graph_input
+from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, fused_layers, has_fused_attention
 from .function_body import make_function
 from .rewrite import model_opset
 
@@ -62,10 +63,6 @@ def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> Placem
     return PlacementResult(layers, spec.op_type, attrs, count_fused_attention(model))
 
 
-def fused_attention_nodes(graph: ir.Graph) -> list[ir.Node]:
-    return [n for n in graph if n.op_type == "Attention" and n.domain == "com.microsoft"]
-
-
 def insert_row_calibration(model: ir.Model, config: CalibrationConfig, num_layers: int,
                            mask_input: str = "attention_mask") -> list[int]:
     """Add row-placement calibration to the fused Attention nodes of the selected layers; returns them."""
@@ -76,18 +73,9 @@ def insert_row_calibration(model: ir.Model, config: CalibrationConfig, num_layer
             "(AllRowsCalibration) and keeps the softmax placement"
         )
     graph = model.graph
-    if any(n.domain == DOMAIN for n in graph):
-        raise RowPlacementError("the graph already contains attncal calibration nodes")
-    atts = fused_attention_nodes(graph)
-    if len(atts) != num_layers:
-        raise RowPlacementError(
-            f"row placement needs one fused com.microsoft::Attention node per layer ({num_layers}); found "
-            f"{len(atts)}. Run onnxruntime.transformers.optimizer on a TorchScript export first, or use the "
-            "softmax placement"
-        )
-    mask = next((v for v in graph.inputs if v.name == mask_input), None)
-    if mask is None:
-        raise RowPlacementError(f"the graph has no input named {mask_input!r}")
+    atts, mask = fused_layers(model, num_layers, mask_input, RowPlacementError, "row placement needs",
+                              ". Run onnxruntime.transformers.optimizer on a TorchScript export first, or use the "
+                              "softmax placement")
     selected = config.layer_indices(num_layers)
     for layer, att in enumerate(atts):
         if layer not in selected:
@@ -209,9 +197,7 @@ def insert_row_calibration_unfused(model: ir.Model, config: CalibrationConfig, n
     # Side inputs of the scale/mask chain are row-gathered only when they are rank 4, so ranks must be known.
     ShapeInferencePass()(model)
     graph = model.graph
-    mask = next((v for v in graph.inputs if v.name == mask_input), None)
-    if mask is None:
-        raise RowPlacementError(f"the graph has no input named {mask_input!r}")
+    mask = graph_input(graph, mask_input, RowPlacementError)
     selected = config.layer_indices(num_layers)
     i64 = np.int64
     for att in find_attention_softmaxes(graph, num_layers):

@@ -33,8 +33,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ..calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
-from .builder import Ops
-from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, has_fused_attention
+from .builder import Ops, graph_input
+from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, fused_layers, has_fused_attention
 
 MS_DOMAIN = "com.microsoft"
 i64 = np.int64
@@ -61,10 +61,6 @@ def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> Placem
              "first_mode": rc.first_mode, "last_mode": rc.last_mode, "first_weight": rc.first_weight,
              "last_weight": rc.last_weight, "skip_short": int(rc.skip_short)}
     return PlacementResult(layers, None, attrs, count_fused_attention(model))
-
-
-def fused_attention_nodes(graph: ir.Graph) -> list[ir.Node]:
-    return [n for n in graph if n.op_type == "Attention" and n.domain == MS_DOMAIN]
 
 
 def check_supported(rc: ResolvedCalibration) -> None:
@@ -287,17 +283,8 @@ def insert_split_calibration_fused(model: ir.Model, config: CalibrationConfig, n
     rc = config.resolve()
     check_supported(rc)
     graph = model.graph
-    if any(n.domain == "ai.attncal" for n in graph):
-        raise SplitPlacementError("the graph already contains attncal calibration nodes")
-    atts = fused_attention_nodes(graph)
-    if len(atts) != num_layers:
-        raise SplitPlacementError(
-            f"split placement on an optimized graph needs one fused com.microsoft::Attention node per layer "
-            f"({num_layers}); found {len(atts)}"
-        )
-    mask = next((v for v in graph.inputs if v.name == mask_input), None)
-    if mask is None:
-        raise SplitPlacementError(f"the graph has no input named {mask_input!r}")
+    atts, mask = fused_layers(model, num_layers, mask_input, SplitPlacementError,
+                              "split placement on an optimized graph needs")
     selected = config.layer_indices(num_layers)
     if not selected or rc.strength == 0.0:
         return selected
@@ -338,9 +325,7 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
     graph = model.graph
     if any(n.domain == "ai.attncal" for n in graph):
         raise SplitPlacementError("the graph already contains attncal calibration nodes")
-    mask = next((v for v in graph.inputs if v.name == mask_input), None)
-    if mask is None:
-        raise SplitPlacementError(f"the graph has no input named {mask_input!r}")
+    mask = graph_input(graph, mask_input, SplitPlacementError)
     ShapeInferencePass()(model)
     selected = config.layer_indices(num_layers)
     if rc.strength == 0.0:
