@@ -32,6 +32,22 @@ def random_probs(gen: torch.Generator, mask: torch.Tensor, H: int, dtype=torch.f
     return torch.softmax(logits, -1).nan_to_num(0.0).to(dtype)
 
 
+def random_scores(gen: torch.Generator, mask: torch.Tensor, H: int, dtype=torch.float32, temp: float = 2.0,
+                  Q: int | None = None) -> torch.Tensor:
+    """Attention scores [B,H,Q,K] (the input of the attention Softmax) as encoders build them: logits
+    plus an additive mask of the dtype's lowest value at masked keys (fully masked rows all equal)."""
+    B, K = mask.shape
+    logits = torch.randn(B, H, K if Q is None else Q, K, generator=gen, dtype=torch.float64) * temp
+    return logits.to(dtype).masked_fill(mask[:, None, None, :] == 0, torch.finfo(dtype).min)
+
+
+def softmax_reference(scores: torch.Tensor, mask: torch.Tensor, rc) -> torch.Tensor:
+    """The fused ops' spec in float64: the oracle applied to Softmax(scores)."""
+    from attncal.calibration import reference
+
+    return reference(torch.softmax(scores.double(), -1), mask, rc)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """One saved random-weight model directory per architecture (built once per test session)."""

@@ -1,10 +1,13 @@
 """The TensorRT plugin (plugins/tensorrt/) compiled against both public TensorRT header
 sets (10.5.0, the version in Triton 24.10, and 11.1) from <repo>/../shared/third_party/tensorrt,
-linked with the CUDA launcher (nvcc) or, without nvcc, a test-only launcher stub, and its
-host test (tests/cpp/trt_plugin_host_test.cpp) run: creators, field parsing, output types and
-shapes, format combinations, serialisation round trip, clone and a clean enqueue error without
-a GPU.  No libnvinfer: the test binary provides getPluginRegistry.  The headers are read in
-place, never copied into the repository."""
+linked with the CUDA launchers (nvcc) or, without nvcc, a test-only launcher stub, and its
+host test (tests/cpp/trt_plugin_host_test.cpp) run for the four op types (PooledRowCalibration,
+AllRowsCalibration, SoftmaxPooledRowCalibration, SoftmaxAllRowsCalibration): creators (8: 4 ops x
+namespaces "" and "ai.attncal"), field parsing, output types and shapes, format combinations, the
+IPluginV3OneBuildV2 build interface with output 0 aliased to input 0, serialisation round trip,
+clone, a clean enqueue error without a GPU and the launcher each op type dispatches to.  No
+libnvinfer: the test binary provides getPluginRegistry.  The headers are read in place, never
+copied into the repository."""
 
 from __future__ import annotations
 
@@ -79,3 +82,8 @@ def test_trt_plugin_host(version, launcher, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"TensorRT headers {version.split('.')[0]}." in run.stdout
     assert "OK:" in run.stdout and "clean error" in run.stdout
+    assert "= 8, version 1" in run.stdout  # 4 op types x 2 namespaces
+    for op in ("PooledRowCalibration", "AllRowsCalibration", "SoftmaxPooledRowCalibration",
+               "SoftmaxAllRowsCalibration"):
+        assert f"{op}: build interface PLUGIN_V3ONE_BUILD 2.0, getAliasedInput(0) = 0" in run.stdout
+    assert "Softmax* ops -> softmax launcher" in run.stdout

@@ -108,7 +108,7 @@ def test_auto_placement_is_recorded_and_shown(pooled_models, tmp_path, capsys):
         config=CalibrationConfig(basket_size=BASKET), exporter="torchscript"), quiet=True)
     assert meta["placement"] == "auto"
     assert meta["graphs"]["onnx/model_optimized.onnx"]["placement"] == "split"
-    assert meta["graphs"]["onnx/model.onnx"]["placement"] == "softmax"
+    assert meta["graphs"]["onnx/model.onnx"]["placement"] == "fused-softmax"
     assert all(g["parity"]["ok"] for g in meta["graphs"].values()), "parity is checked for both graphs"
     assert "mean pooling" in meta["placement_reason"]
     meta = export(pooled_models["bert", "cls"], tmp_path / "cls", ExportOptions(
@@ -118,7 +118,7 @@ def test_auto_placement_is_recorded_and_shown(pooled_models, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "mean")]) == 0
     shown = capsys.readouterr().out
     assert "reason     auto: mean pooling" in shown and "model_optimized.onnx" in shown
-    assert "placement split" in shown and "placement softmax" in shown
+    assert "placement split" in shown and "placement fused-softmax" in shown
 
 
 def test_split_refusals_and_right_padding_guard(pooled_models, tmp_path):
@@ -126,6 +126,7 @@ def test_split_refusals_and_right_padding_guard(pooled_models, tmp_path):
     with pytest.raises(SplitPlacementError, match="original attention in every row"):
         plan("split", rc)
     assert plan("auto", rc).optimized == "softmax"  # auto falls back instead of refusing
+    assert plan("auto", rc).portable == "fused-softmax"
     with pytest.raises(ValueError, match="mean pooling calibrates every row"):
         plan("row", CalibrationConfig(pooling="mean").resolve())
     out = tmp_path / "e"

@@ -20,11 +20,12 @@ import numpy as np
 from ..calibration.config import CalibrationConfig
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
-           "ort-opt-cal", "ort-cal-lib", "ort-split", "ort-row")
+           "ort-opt-cal", "ort-cal-lib", "ort-fused", "ort-fused-lib", "ort-split", "ort-row")
 
 # engine -> (export directory, graph of that export, calibrated?, native library policy)
 #   ort / ort-opt:   the uncalibrated export's portable / ORT-optimized graph
 #   ort-cal(-lib):   softmax placement on the portable graph, function body (or the native library)
+#   ort-fused(-lib): fused-softmax placement on the portable graph, function body (or the native library)
 #   ort-opt-cal:     the ORT-optimized graph with the bench's placement (auto: row for cls/last, split for mean)
 #   ort-split/-row:  split / row placement on the portable graph (standard ONNX)
 _ORT_ENGINES = {
@@ -32,14 +33,17 @@ _ORT_ENGINES = {
     "ort-opt": ("uncal", "optimized", False),
     "ort-cal": ("cal", "portable", False),
     "ort-cal-lib": ("cal", "portable", True),
+    "ort-fused": ("fused", "portable", False),
+    "ort-fused-lib": ("fused", "portable", True),
     "ort-opt-cal": ("opt-cal", "optimized", None),
     "ort-split": ("split", "portable", None),
     "ort-row": ("row", "portable", None),
 }
 _EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the workspace's placement)
-    "uncal": None, "cal": "softmax", "opt-cal": "bench", "split": "split", "row": "row",
+    "uncal": None, "cal": "softmax", "fused": "fused-softmax", "opt-cal": "bench", "split": "split", "row": "row",
 }
-DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib")
+DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib",
+                   "ort-fused-lib")
 
 
 class EngineUnavailable(RuntimeError):

@@ -201,8 +201,12 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
         del aligned
     t = g.t.to(x.dtype)[:, None, None]  # [A,1,1]
     nonzero = basket_mass != 0
+    # A basket mass below 2^-64 (subnormal probabilities behind a dominant key) would overflow
+    # 1 / A_k in float32.  Then (rarely) the multipliers are kept scaled by 2^-64 and z by 2^64:
+    # powers of two, so the products are unchanged and every factor stays finite.
+    pre = 2.0 ** 64 if x.dtype != torch.float64 and bool((nonzero & (basket_mass < 2.0 ** -64)).any()) else 1.0
     # f_k = 1 / A_k / t, so that cal_j = z_j * f_k (step 6); 0 when A_k = 0.
-    f = torch.where(nonzero, 1.0 / torch.where(nonzero, basket_mass, 1.0) / t, 0.0)
+    f = torch.where(nonzero, 1.0 / (torch.where(nonzero, basket_mass, 1.0) * pre) / t, 0.0)
     content_sum = nonzero.sum(-1, keepdim=True).to(x.dtype) / t  # sum_j cal_j: [A,R,1]
 
     def share(enabled: bool, mode: int, weight: float, z_pos: torch.Tensor) -> torch.Tensor:
@@ -227,10 +231,12 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
     # Divide (rather than multiply by 1/total): a tiny fixed weight can make total subnormal.
     total = torch.where(total != 0, total, 1.0)  # a zero total skips normalisation
     # Step 10 as one multiplier per basket: out_j = z_j * (lam * f_k * scale / total + 1 - lam).
-    mult = (f * scale) / total * lam + (1.0 - lam)  # [A,R,n]
+    mult = (f * scale) / total * lam + (1.0 - lam) / pre  # [A,R,n]
     if g.common_c0 is not None:
         # Positions of the window that are not content are pads (0) or the
         # isolated tokens, which are overwritten below.
+        if pre != 1.0:
+            z[..., c0:].mul_(pre)
         full.mul_(mult[..., :n_full, None])
         if n_full < n_max:
             z[..., c0 + n_full * S :].mul_(mult[..., n_full:])
@@ -238,7 +244,9 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
             z[..., :c0].mul_(1.0 - lam)
     else:
         per_pos = torch.gather(mult, -1, g.basket_of_pos[:, None, :].expand(A, R, K))
-        per_pos.masked_fill_(~g.content_pos[:, None, :], 1.0 - lam)
+        per_pos.masked_fill_(~g.content_pos[:, None, :], (1.0 - lam) / pre)
+        if pre != 1.0:
+            z.mul_(pre)
         z.mul_(per_pos)
     if rc.isolate_first:
         z.scatter_(-1, start_idx, lam * (s_first / total) + (1.0 - lam) * z_first)

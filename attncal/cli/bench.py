@@ -33,6 +33,7 @@ def _position_limit(info) -> int | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..bench.engines import DEFAULT_ENGINES, ENGINES
+    from ..export.exporter import PLACEMENTS
 
     p.add_argument("model", nargs="?", default=None,
                    help="model directory, an attncal export (its source model is used) or 'default'")
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory probes")
     p.add_argument("--out", default="results", help="output directory (default %(default)s)")
-    p.add_argument("--placement", choices=("auto", "softmax", "row", "split"), default="auto",
+    p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="placement of the ort-opt-cal engine's optimized graph (default %(default)s)")
     p.add_argument("--workdir", default=None, help="where exports are built and cached (default: OUT/../.bench-cache)")
     add_calibration_args(p)

@@ -7,7 +7,7 @@ from . import CLIError, add_calibration_args, config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..export.exporter import DEFAULT_OPSET, EXPORTERS
+    from ..export.exporter import DEFAULT_OPSET, EXPORTERS, PLACEMENTS
 
     p.add_argument("model", help="model directory, a hub id already in the local HF cache, or 'default'")
     p.add_argument("-o", "--out", required=True, help="output directory (sentence-transformers/optimum layout)")
@@ -18,11 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
-    p.add_argument("--placement", choices=("auto", "softmax", "row", "split"), default="auto",
+    p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="where calibration goes (default auto: row for cls/last pooling; for mean pooling split "
-                        "on the ORT-optimized graph and softmax on the portable graph). "
-                        "softmax: op after each calibrated Softmax; row: the pooling row is recomputed beside the "
-                        "attention; split: calibration as attention over baskets, no probabilities, no custom op")
+                        "on the ORT-optimized graph and fused-softmax on the portable graph). "
+                        "softmax: op after each calibrated Softmax; fused-softmax: one op computes the Softmax and "
+                        "the calibration; row: the pooling row is recomputed beside the attention; split: "
+                        "calibration as attention over baskets, no probabilities, no custom op")
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
                    help="do not write onnx/model_optimized.onnx (the ORT-optimized graph, BERT family only)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")

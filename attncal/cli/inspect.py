@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _describe_graph(model_file: Path, placement: str | None, model=None) -> None:
     import onnx
 
-    from ..graphs.contract import ALL_ROWS_OP, DOMAIN
+    from ..graphs.contract import DOMAIN, is_all_rows, takes_scores
 
     if model is None:
         model = load_onnx_checked(model_file, interface=False)
@@ -27,7 +27,8 @@ def _describe_graph(model_file: Path, placement: str | None, model=None) -> None
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     functions = [f.name for f in model.functions if f.domain == DOMAIN]
     if placement is None:
-        placement = "softmax" if nodes else ("split" if split_nodes else None)
+        placement = ("fused-softmax" if any(takes_scores(n.op_type) for n in nodes) else "softmax") if nodes \
+            else ("split" if split_nodes else None)
         if nodes and fused:
             placement = "row"
     print(f"model      {model_file}")
@@ -43,9 +44,9 @@ def _describe_graph(model_file: Path, placement: str | None, model=None) -> None
         layer = attrs.pop("layer", "?")
         text = ", ".join(f"{k}={round(v, 6) if isinstance(v, float) else v}" for k, v in attrs.items())
         print(f"  layer {layer:>3}  {n.op_type:<22} {text}")
-    if any(n.op_type == ALL_ROWS_OP for n in nodes):
-        print("note: mean pooling calibrates every valid query row (AllRowsCalibration) after the attention "
-              "Softmax, which needs the full probabilities; --placement split avoids them")
+    if any(is_all_rows(n.op_type) for n in nodes):
+        print("note: mean pooling calibrates every valid query row, which needs the full probabilities; "
+              "--placement split avoids them")
 
 
 def run(args: argparse.Namespace) -> int:

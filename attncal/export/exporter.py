@@ -40,7 +40,7 @@ from ..calibration.config import CalibrationConfig
 from ..modelinfo import ModelInfo, load_model_info
 
 EXPORTERS = ("dynamo", "torchscript")
-PLACEMENTS = ("auto", "softmax", "row", "split")
+PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split")  # attncal.graphs.placements.CHOICES
 DEFAULT_OPSET = 18
 OPTIMIZABLE_TYPES = ("bert", "xlm-roberta")  # model types onnxruntime.transformers.optimizer fuses
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
@@ -65,7 +65,7 @@ class ExportOptions:
     exporter: str = "dynamo"
     overwrite: bool = False
     check: bool = True
-    placement: str = "auto"  # auto | softmax | row | split (attncal.graphs.placements)
+    placement: str = "auto"  # one of PLACEMENTS (attncal.graphs.placements)
     optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
 
 
@@ -245,7 +245,7 @@ def export(
         raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
     if opts.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
-    if opts.placement in ("row", "split", "auto") and opts.fp16 and opts.calibrate:
+    if opts.placement in ("row", "split", "auto") and opts.fp16 and opts.calibrate:  # fp16: the softmax family
         if opts.placement != "auto":
             raise ValueError(f"--placement {opts.placement} is float32 only; drop --fp16 or use --placement softmax")
         opts = replace(opts, placement="softmax")  # fp16: the softmax placement's function body computes in fp32

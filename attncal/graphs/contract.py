@@ -1,7 +1,7 @@
 """The calibration op contract: a fixed interface shared by the function body, the ORT custom-op
 library and the TensorRT plugin.
 
-Domain `ai.attncal`, version 1, two op types:
+Domain `ai.attncal`, version 1, four op types:
 
 * `PooledRowCalibration`: calibrates the pooling row only (cls or last pooling).
 * `AllRowsCalibration`: calibrates every valid query row (mean pooling).
@@ -12,6 +12,13 @@ as produced by row placement) and
 `attention_mask` int64[B,K]; T is float or float16.  Output: T[B,H,Q,K]; only
 the calibrated rows differ from `probs`.  Every attribute below is present on
 every exported node.
+
+* `SoftmaxPooledRowCalibration`, `SoftmaxAllRowsCalibration`: the same two
+  calibrations fused with the attention Softmax.  Input `scores` T[B,H,Q,K] is
+  the Softmax's input (scaled, masked logits); the output is
+  `<op>(Softmax(scores, axis=-1), attention_mask)` with `<op>`'s attributes.
+  Why: a separate op costs one more read and write of the probabilities; fused,
+  the calibration rides on the softmax's own pass over the row.
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ DOMAIN = "ai.attncal"
 VERSION = 1
 POOLED_OP = "PooledRowCalibration"
 ALL_ROWS_OP = "AllRowsCalibration"
-OP_TYPES = (POOLED_OP, ALL_ROWS_OP)
+SOFTMAX_POOLED_OP = "SoftmaxPooledRowCalibration"
+SOFTMAX_ALL_ROWS_OP = "SoftmaxAllRowsCalibration"
+OP_TYPES = (POOLED_OP, ALL_ROWS_OP, SOFTMAX_POOLED_OP, SOFTMAX_ALL_ROWS_OP)
+_WITH_SOFTMAX = {POOLED_OP: SOFTMAX_POOLED_OP, ALL_ROWS_OP: SOFTMAX_ALL_ROWS_OP}
+_CALIBRATION_OF = {v: k for k, v in _WITH_SOFTMAX.items()}
 
 # name -> ("int" | "float", meaning); `pool_last` only on PooledRowCalibration.
 ATTRIBUTES: dict[str, tuple[str, str]] = {
@@ -42,9 +53,38 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 }
 
 
+def _check(op_type: str) -> str:
+    if op_type not in OP_TYPES:
+        raise ValueError(f"unknown calibration op {op_type!r}; the {DOMAIN} ops are {', '.join(OP_TYPES)}")
+    return op_type
+
+
+def takes_scores(op_type: str) -> bool:
+    """True for the ops fused with the Softmax (first input: scores, not probabilities)."""
+    return _check(op_type) in _CALIBRATION_OF
+
+
+def calibration_of(op_type: str) -> str:
+    """The calibration a (fused or plain) op applies: PooledRowCalibration or AllRowsCalibration."""
+    return _CALIBRATION_OF.get(_check(op_type), op_type)
+
+
+def with_softmax(op_type: str) -> str:
+    """The fused counterpart of a plain calibration op."""
+    return _WITH_SOFTMAX[calibration_of(op_type)]
+
+
+def is_all_rows(op_type: str) -> bool:
+    return calibration_of(op_type) == ALL_ROWS_OP
+
+
+def first_input(op_type: str) -> str:
+    return "scores" if takes_scores(op_type) else "probs"
+
+
 def attribute_names(op_type: str) -> list[str]:
     names = list(ATTRIBUTES)
-    if op_type == ALL_ROWS_OP:
+    if is_all_rows(op_type):
         names.remove("pool_last")
     return names
 
@@ -57,8 +97,9 @@ class OpSpec:
     attrs: dict[str, int | float]
 
 
-def op_spec(rc: ResolvedCalibration, layer: int) -> OpSpec:
-    """The node that implements the resolved calibration `rc` in layer `layer`."""
+def op_spec(rc: ResolvedCalibration, layer: int, *, fused_softmax: bool = False) -> OpSpec:
+    """The node that implements the resolved calibration `rc` in layer `layer` (fused with the
+    Softmax: takes the scores)."""
     attrs: dict[str, int | float] = {
         "basket_size": int(rc.basket_size),
         "strength": float(rc.strength),
@@ -72,13 +113,15 @@ def op_spec(rc: ResolvedCalibration, layer: int) -> OpSpec:
         "layer": int(layer),
     }
     if rc.all_rows:
-        return OpSpec(ALL_ROWS_OP, attrs)
-    return OpSpec(POOLED_OP, {"pool_last": int(rc.pool_last), **attrs})
+        spec = OpSpec(ALL_ROWS_OP, attrs)
+    else:
+        spec = OpSpec(POOLED_OP, {"pool_last": int(rc.pool_last), **attrs})
+    return OpSpec(with_softmax(spec.op_type), spec.attrs) if fused_softmax else spec
 
 
 def resolved_from_attrs(op_type: str, attrs: dict[str, int | float]) -> ResolvedCalibration:
     """Inverse of `op_spec`: what a node with these attributes computes."""
-    if op_type == ALL_ROWS_OP:
+    if is_all_rows(op_type):
         pooling = "mean"
     else:
         pooling = "last" if int(attrs["pool_last"]) else "cls"

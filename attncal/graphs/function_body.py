@@ -21,7 +21,7 @@ import itertools
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from .contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, attribute_names
+from .contract import DOMAIN, OP_TYPES, attribute_names, first_input, is_all_rows, takes_scores
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
 
@@ -150,7 +150,12 @@ def _body(b: _Builder, all_rows: bool) -> str:
     z_last = b.op("Slice", read, b.op("Add", n_1d, b.axes(1)), b.op("Add", n_1d, b.axes(2)), ax_last)
     t4 = b.op("Unsqueeze", t, ax_12)  # [B,1,1,1]
     nz = b.op("Not", b.op("Equal", mass, zero_f))
-    f = b.op("Where", nz, b.op("Div", b.op("Div", one_f, b.op("Where", nz, mass, one_f)), t4), zero_f)
+    # Multipliers are kept scaled by 2^-32 and x by 2^32 (powers of two: exact), so a basket whose
+    # mass is subnormal (1/mass beyond the float range) still gets a finite multiplier, and the
+    # membership MatMul below never meets inf * 0.
+    up, down = b.const_f(2.0 ** 32), b.const_f(2.0 ** -32)
+    f = b.op("Where", nz, b.op("Div", b.op("Div", one_f, b.op("Mul", b.op("Where", nz, mass, one_f), up)), t4),
+             zero_f)  # f_k * 2^-32
     content_sum = b.op("Div", b.op("ReduceSum", b.op("Cast", nz, to=f32), ax_last, keepdims=1), t4)
 
     # --- isolated shares (step 7)
@@ -176,13 +181,15 @@ def _body(b: _Builder, all_rows: bool) -> str:
     # Divide (rather than multiply by 1/total): a tiny fixed weight can make total subnormal.
     total = b.op("Where", tot_nz, total, one_f)  # a zero total skips normalisation
     one_minus = b.op("Sub", one_f, lam)
-    mult = b.op("Add", b.op("Mul", b.op("Div", b.op("Mul", f, scale), total), lam), one_minus)  # [B,H,R,n]
+    mult = b.op("Add", b.op("Mul", b.op("Div", b.op("Mul", f, scale), total), lam),
+                b.op("Mul", one_minus, down))  # [B,H,R,n], times 2^-32
     # Calibrated rows: content gets its basket's multiplier, everything else 0 (pads; isolated tokens
-    # are written below).  Other rows get multiplier 1 through the ones column: bit-identical.
+    # are written below).  Other rows get multiplier 1 (2^-32 here) through the ones column:
+    # bit-identical.
     col_shape = b.op("Concat", b.op("Slice", b.op("Shape", mult), b.axes(0), b.axes(3)), b.axes(1), axis=0)
-    keep_col = b.op("Expand", b.op("Where", row_active, zero_f, one_f), col_shape)  # [B,H,R,1]
+    keep_col = b.op("Expand", b.op("Where", row_active, zero_f, down), col_shape)  # [B,H,R,1]
     coef = b.op("Concat", b.op("Where", row_active, mult, zero_f), keep_col, axis=-1)  # [B,H,R,n+1]
-    out = b.op("Mul", x, b.op("MatMul", coef, P_write))
+    out = b.op("Mul", b.op("Mul", x, up), b.op("MatMul", coef, P_write))
     # Isolated tokens: out = λ·share/total + (1-λ)·z at their position, in calibrated rows only.
     # Each ScatterElements is the only reader of `out`, so ONNX Runtime updates it in place; the value
     # kept in other rows is recomputed from small tensors (x·M at that key, bit-identical to `out`).
@@ -194,7 +201,7 @@ def _body(b: _Builder, all_rows: bool) -> str:
                                                      b.op("Concat", b.op("Shape", p), b.op("Unsqueeze", n_ext, ax0),
                                                           axis=0)), axis=1)  # [B,1,n+1]
         m_at = b.op("ReduceSum", b.op("Mul", coef, b.op("Unsqueeze", p_row, ax1)), ax_last, keepdims=1)
-        current = b.op("Mul", z_p, m_at)
+        current = b.op("Mul", b.op("Mul", z_p, up), m_at)
         value = b.op("Add", b.op("Mul", lam, b.op("Div", s, total)), b.op("Mul", one_minus, z_p))
         use = b.op("And", row_active, b.op("Equal", iso, one_i))
         out = b.op("ScatterElements", out, idx, b.op("Where", use, value, current), axis=3)
@@ -205,18 +212,23 @@ def _body(b: _Builder, all_rows: bool) -> str:
 
 
 def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
-    """The model-local FunctionProto for `op_type`, using ONNX domain opset `opset`."""
-    if op_type not in (POOLED_OP, ALL_ROWS_OP):
+    """The model-local FunctionProto for `op_type`, using ONNX domain opset `opset`.
+
+    The Softmax-fused ops are `Softmax(scores, axis=-1)` followed by the same body, so a runtime
+    without the native kernel runs exactly the graph of a separate Softmax and calibration op."""
+    if op_type not in OP_TYPES:
         raise ValueError(f"unknown calibration op {op_type!r}")
     if opset < MIN_OPSET:
         raise ValueError(f"the calibration function body needs opset >= {MIN_OPSET}, got {opset}")
     b = _Builder()
-    out = _body(b, all_rows=op_type == ALL_ROWS_OP)
+    if takes_scores(op_type):
+        b.nodes.append(helper.make_node("Softmax", ["scores"], ["probs"], axis=-1))
+    out = _body(b, all_rows=is_all_rows(op_type))
     b.nodes.append(helper.make_node("Identity", [out], ["calibrated"]))
     return helper.make_function(
         DOMAIN,
         op_type,
-        inputs=["probs", "attention_mask"],
+        inputs=[first_input(op_type), "attention_mask"],
         outputs=["calibrated"],
         nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)],

@@ -16,15 +16,16 @@ def annotate_inplace_shapes(model) -> int:
     the same size, i.e. when both shapes are known or carry the same dim_params.  Exports
     whose attention shapes come from runtime Reshapes have unknown dims there; the library's
     shape inference copies the input's dims to the output, so labelling the input is enough.
-    Softmax placement only (Q == K); a [B,H,1,K] row-placement input is left alone."""
+    Softmax placements only (Q == K: the op after a Softmax, or the Softmax-fused op); a
+    [B,H,1,K] row-placement input is left alone."""
     import onnx
 
-    from .contract import DOMAIN
+    from .contract import DOMAIN, takes_scores
 
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output}
     targets = [n.input[0] for n in graph.node if n.domain == DOMAIN and n.input and n.input[0] in producers
-               and producers[n.input[0]].op_type == "Softmax"]  # only this pattern is [B,H,S,S]
+               and (producers[n.input[0]].op_type == "Softmax" or takes_scores(n.op_type))]  # [B,H,S,S]
     if not targets:
         return 0
     # Element types come from ONNX shape inference (its unknown dims are not used).

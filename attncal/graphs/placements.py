@@ -11,11 +11,13 @@ where ONNX Runtime's transformer optimizer applies, for the optimized graph.
 * mean pooling -> `split` on the optimized graph: every row is calibrated, so the probabilities
   would otherwise be materialised; the split identity keeps fused attention (about the memory of the
   uncalibrated optimized graph) at the price of one more attention pass over the keys per
-  calibrated layer.  On the portable graph, mean pooling keeps `softmax`: ONNX Runtime does not fuse
-  the plain split graph's basket attention, which then costs 1.3-1.7x the latency and 1.6-2x the
-  memory of `softmax` (`ort-split` vs `ort-cal`); `--placement split` writes it for runtimes that
-  fuse attention themselves (TensorRT).  A mean-pooling config with an `original` isolated token
-  cannot be split on fused attention and uses `softmax` in both graphs.
+  calibrated layer.  On the portable graph, mean pooling gets `fused-softmax`: the calibrated
+  layers' Softmax becomes one op computing softmax and calibration in one pass over each row (the
+  native kernel; elsewhere its function body, which is the softmax placement's graph).  ONNX
+  Runtime does not fuse the plain split graph's basket attention, which then costs 1.3-1.7x the
+  latency and 1.6-2x the memory (`ort-split` vs `ort-cal`); `--placement split` writes it for
+  runtimes that fuse attention themselves (TensorRT).  A mean-pooling config with an `original`
+  isolated token cannot be split on fused attention and uses the softmax placements in both graphs.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from ..calibration.config import ResolvedCalibration
-from . import row_placement, softmax_placement, split_placement
+from . import fused_softmax_placement, row_placement, softmax_placement, split_placement
 
-PLACEMENTS: dict[str, ModuleType] = {m.NAME: m for m in (softmax_placement, row_placement, split_placement)}
+PLACEMENTS: dict[str, ModuleType] = {m.NAME: m for m in (softmax_placement, fused_softmax_placement, row_placement,
+                                                        split_placement)}
 CHOICES = ("auto",) + tuple(PLACEMENTS)
 
 
@@ -62,9 +65,11 @@ def plan(requested: str, rc: ResolvedCalibration) -> Plan:
     try:
         split_placement.check_supported(rc)
     except split_placement.SplitPlacementError:
-        return Plan("softmax", "softmax", "auto: mean pooling with an 'original' isolated token needs the "
-                                          "probabilities of every row; softmax placement")
-    return Plan("softmax", "split", "auto: mean pooling calibrates every row; on the ORT-optimized graph split "
-                                    "placement computes it as attention over baskets, so fused attention is kept "
-                                    "and the probabilities are never materialised; the portable graph keeps the "
-                                    "softmax placement, which unfused runtimes run fastest")
+        return Plan("fused-softmax", "softmax", "auto: mean pooling with an 'original' isolated token needs the "
+                                                "probabilities of every row; the calibration is fused with the "
+                                                "Softmax on the portable graph")
+    return Plan("fused-softmax", "split", "auto: mean pooling calibrates every row; on the ORT-optimized graph "
+                                          "split placement computes it as attention over baskets, so fused attention "
+                                          "is kept and the probabilities are never materialised; on the portable "
+                                          "graph the calibration is fused with each calibrated layer's Softmax (one "
+                                          "pass over the probabilities)")

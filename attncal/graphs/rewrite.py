@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig
 from .builder import graph_input
-from .contract import DOMAIN, VERSION, op_spec
+from .contract import DOMAIN, VERSION, op_spec, takes_scores
 from .function_body import MIN_OPSET, make_function
 from .softmax_pattern import SoftmaxPatternError, find_attention_softmaxes
 
@@ -33,13 +33,21 @@ def model_opset(model: ir.Model) -> int:
 
 
 def remove_calibration(model: ir.Model) -> int:
-    """Remove every attncal node (re-wiring its consumers to its `probs` input); returns how many."""
+    """Remove every attncal node (re-wiring its consumers to its `probs` input, or to a plain Softmax
+    of the scores for a Softmax-fused op); returns how many."""
     graph = model.graph
     removed = 0
     for node in list(graph):
         if node.domain != DOMAIN:
             continue
-        node.outputs[0].replace_all_uses_with(node.inputs[0])
+        probs = node.inputs[0]
+        if takes_scores(node.op_type):
+            softmax = ir.Node("", "Softmax", [probs], attributes=[ir.AttrInt64("axis", -1)], num_outputs=1)
+            probs = softmax.outputs[0]
+            probs.name, probs.type, probs.shape = f"{node.outputs[0].name}_probs", node.outputs[0].type, \
+                node.outputs[0].shape
+            graph.insert_before(node, softmax)
+        node.outputs[0].replace_all_uses_with(probs)
         graph.remove(node, safe=True)
         removed += 1
     for key in [k for k in model.functions if k[0] == DOMAIN]:

@@ -57,10 +57,10 @@ def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]
 
 
 def graph_has_custom_op(meta: dict, graph_file: str) -> bool:
-    """Whether a graph of the export contains ai.attncal ops (softmax and row placements do; split does not)."""
+    """Whether a graph of the export contains ai.attncal ops (every placement but split does)."""
     graphs = meta.get("graphs")
     if isinstance(graphs, dict) and graph_file in graphs:
-        return graphs[graph_file].get("placement") in ("softmax", "row")
+        return graphs[graph_file].get("placement") not in (None, "split")
     return bool(meta.get("op_type"))
 
 

@@ -25,6 +25,12 @@
 // * In place (out == probs), only calibrated rows are read and written; out of
 //   place, untouched rows are copied in the same pass, row range by row range,
 //   never as a separate copy of the whole tensor.
+// * The Softmax-fused ops (softmax_calibrate) take the scores: every row gets
+//   its softmax, and a calibrated row is calibrated while it is still in the
+//   cache, so calibration adds no memory traffic to the softmax's own.  exp is
+//   a branch-free Cephes-style polynomial (about 1 ulp) so the row loop
+//   vectorises; on x86-64 GCC/Clang compile it for AVX-512, AVX2 and baseline
+//   and pick one at load time (target_clones).
 #ifndef ATTNCAL_CALIBRATION_CPU_H_
 #define ATTNCAL_CALIBRATION_CPU_H_
 
@@ -208,19 +214,28 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
   double total = content_mass + fs + ls;
   if (total == 0.0) total = 1.0;  // a zero total skips normalisation
   const double lam = p.strength, keep = 1.0 - lam;
+  // A basket whose mass is below 2^-64 (e.g. subnormal probabilities behind a dominant key) has a
+  // multiplier beyond the float range; it is kept scaled by 2^-64 and applied as (x * 2^64) * g'
+  // (scaling by a power of two is exact), flagged by a negative sign.
   for (int64_t b = 0; b < n; ++b) {
-    g[b] = A[b] != 0.f ? static_cast<float>((scale / (static_cast<double>(A[b]) * t)) / total * lam + keep)
-                       : static_cast<float>(keep);
+    const double gb = A[b] != 0.f ? (scale / (static_cast<double>(A[b]) * t)) / total * lam + keep : keep;
+    g[b] = A[b] != 0.f && A[b] < 0x1p-64f ? -static_cast<float>(gb * 0x1p-64) : static_cast<float>(gb);
   }
   // Pass 2: one scale by a constant per basket; zeros outside the valid span.
   std::fill(y, y + s.start, 0.f);
   std::fill(y + s.end + 1, y + K, 0.f);
   for (int64_t b = 0; b < n; ++b) {
     const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
-    const float gb = g[b];
+    float gb = g[b], pre = 1.0f;
+    if (gb < 0.f) {  // the scaled multiplier of a tiny basket (rare)
+      gb = -gb;
+      pre = 0x1p64f;
+    }
     const float* xb = x + lo;
     float* yb = y + lo;
-    if (m) {
+    if (pre != 1.0f) {
+      for (int64_t k = 0; k < len; ++k) yb[k] = (xb[k] * (m ? m[lo + k] : 1.0f) * pre) * gb;
+    } else if (m) {
       const float* mb = m + lo;
       for (int64_t k = 0; k < len; ++k) yb[k] = xb[k] * mb[k] * gb;
     } else {
@@ -229,6 +244,87 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
   }
   if (p.isolate_first) y[s.start] = static_cast<float>(lam * (fs / total) + keep * x_first);
   if (p.isolate_last) y[s.end] = static_cast<float>(lam * (ls / total) + keep * x_last);
+}
+
+
+// ---------------------------------------------------------------- softmax
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
+#define ATTNCAL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ATTNCAL_CLONES
+#endif
+
+// exp(x) for x <= 0 (x - row max), subnormal results included (like expf and ONNX Runtime's
+// Softmax); exactly 0 below -104 (under half the smallest subnormal).  n = round(x log2 e) by
+// the 1.5 * 2^23 trick, r = x - n ln 2 in two parts, a degree-6 polynomial for e^r on
+// [-ln2/2, ln2/2] (Cephes expf), times 2^n as two normal powers of two (n >= -150).
+inline float exp_nonpos(float x) {
+  const float xc = std::max(x, -104.0f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float q = 1.9875691500e-4f;
+  q = q * r + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  const float e = (q * r * r + r) + 1.0f;
+  const int32_t ni = static_cast<int32_t>(n), n1 = ni >> 1, n2 = ni - n1;
+  const float p1 = __builtin_bit_cast(float, (n1 + 127) << 23), p2 = __builtin_bit_cast(float, (n2 + 127) << 23);
+  const float v = (e * p1) * p2;
+  return x >= -104.0f ? v : 0.0f;
+}
+
+// y = exp(x - max(x)) / sum over a row of n > 0 floats (y may alias x).  Returns nothing: the
+// row is a probability row afterwards, like ONNX Softmax(axis=-1) of it.  A row whose entries
+// are all equal (e.g. fully masked with the dtype's lowest value) becomes uniform.
+ATTNCAL_CLONES static void softmax_row(const float* x, float* y, int64_t n) {
+  float mx[8];
+  for (int j = 0; j < 8; ++j) mx[j] = x[0];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) mx[j] = x[i + j] > mx[j] ? x[i + j] : mx[j];
+  }
+  float m = mx[0];
+  for (int j = 1; j < 8; ++j) m = mx[j] > m ? mx[j] : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  for (i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);  // a straight map: vectorised
+  const float sum = sum_lanes(y, n);
+  const float inv = 1.0f / sum;  // sum >= 1: the max term is exp(0)
+  for (i = 0; i < n; ++i) y[i] *= inv;
+}
+
+// Widen / narrow float16 rows (vectorisable).
+ATTNCAL_CLONES static void widen_row(const uint16_t* x, float* y, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) y[k] = half_to_float(x[k]);
+}
+ATTNCAL_CLONES static void narrow_row(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) y[k] = float_to_half(x[k]);
+}
+
+inline void softmax_row(const uint16_t* x, uint16_t* y, int64_t n, Scratch& sc) {
+  if (static_cast<int64_t>(sc.row.size()) < n) sc.row.resize(static_cast<size_t>(n));
+  float* r = sc.row.data();
+  widen_row(x, r, n);
+  softmax_row(r, r, n);
+  narrow_row(r, y, n);
+}
+inline void softmax_row(const float* x, float* y, int64_t n, Scratch&) { softmax_row(x, y, n); }
+
+// Softmax, then calibration of the row while it is in the cache.
+inline void softmax_calibrate_row(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
+                                  Scratch& sc) {
+  softmax_row(x, y, K);
+  calibrate_row_f32(y, y, K, it, p, sc);
+}
+inline void softmax_calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, const ItemPlan& it,
+                                  const AttncalParams& p, Scratch& sc) {
+  if (static_cast<int64_t>(sc.row.size()) < K) sc.row.resize(static_cast<size_t>(K));
+  float* r = sc.row.data();
+  widen_row(x, r, K);
+  softmax_row(r, r, K);
+  calibrate_row_f32(r, r, K, it, p, sc);
+  narrow_row(r, y, K);
 }
 
 inline void calibrate_row(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
@@ -241,9 +337,9 @@ inline void calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, const ItemP
                           Scratch& sc) {
   if (static_cast<int64_t>(sc.row.size()) < K) sc.row.resize(static_cast<size_t>(K));
   float* r = sc.row.data();
-  for (int64_t k = 0; k < K; ++k) r[k] = half_to_float(x[k]);
+  widen_row(x, r, K);
   calibrate_row_f32(r, r, K, it, p, sc);
-  for (int64_t k = 0; k < K; ++k) y[k] = float_to_half(r[k]);
+  narrow_row(r, y, K);
 }
 
 // ---------------------------------------------------------------- batch driver
@@ -258,7 +354,9 @@ class Plan {
  public:
   static constexpr int64_t kUnitElems = 32768;  // ~128 KiB of float32 per unit
 
-  Plan(const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K, const AttncalParams& p, bool in_place)
+  // every_row: units cover every row (out of place: untouched rows are copied; fused with the
+  // softmax: every row gets its softmax); otherwise only the calibrated rows.
+  Plan(const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K, const AttncalParams& p, bool every_row)
       : B_(B), H_(H), Q_(Q), K_(K), items_(static_cast<size_t>(B)) {
     if (B * H * Q * K == 0) return;
     bool any_holes = false;
@@ -288,8 +386,8 @@ class Plan {
     }
     for (int64_t b = 0; b < B; ++b) {
       const ItemPlan& it = items_[b];
-      int64_t r0 = 0, r1 = Q;  // out of place: every row is written (copied or calibrated)
-      if (in_place) {
+      int64_t r0 = 0, r1 = Q;
+      if (!every_row) {
         if (!it.active) continue;
         r0 = it.q_lo;
         r1 = it.q_hi + 1;
@@ -308,8 +406,9 @@ class Plan {
 
   size_t size() const { return units_.size(); }
 
-  // Runs unit i: calibrates its calibrated rows, copies the others when out != in.
-  template <typename T>
+  // Runs unit i: calibrates its calibrated rows, copies the others when out != in.  With
+  // Softmax, `in` holds scores: every row of the unit gets its softmax, calibrated rows as well.
+  template <bool Softmax, typename T>
   void run(size_t i, const T* in, T* out, const AttncalParams& p) const {
     const Unit& u = units_[i];
     const ItemPlan& it = items_[u.b];
@@ -319,6 +418,17 @@ class Plan {
     Scratch& sc = thread_scratch();
     for (int64_t h = u.h0; h < u.h1; ++h) {
       const int64_t base = (u.b * H_ + h) * Q_;
+      if (Softmax) {
+        for (int64_t q = u.q0; q < u.q1; ++q) {
+          const int64_t off = (base + q) * K_;
+          if (q >= c0 && q < c1) {
+            softmax_calibrate_row(in + off, out + off, K_, it, p, sc);
+          } else {
+            softmax_row(in + off, out + off, K_, sc);
+          }
+        }
+        continue;
+      }
       if (out != in) {  // untouched row ranges before and after the calibrated ones
         const int64_t pre_end = std::min(u.q1, std::max(u.q0, c0));
         if (pre_end > u.q0)
@@ -347,8 +457,16 @@ class Plan {
 template <typename T>
 void calibrate(const T* probs, T* out, const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K,
                const AttncalParams& p) {
-  const Plan plan(mask, B, H, Q, K, p, out == probs);
-  for (size_t i = 0; i < plan.size(); ++i) plan.run(i, probs, out, p);
+  const Plan plan(mask, B, H, Q, K, p, out != probs);
+  for (size_t i = 0; i < plan.size(); ++i) plan.run<false>(i, probs, out, p);
+}
+
+// The Softmax-fused op: out = calibrate(softmax(scores)); out may alias scores.
+template <typename T>
+void softmax_calibrate(const T* scores, T* out, const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K,
+                       const AttncalParams& p) {
+  const Plan plan(mask, B, H, Q, K, p, true);
+  for (size_t i = 0; i < plan.size(); ++i) plan.run<true>(i, scores, out, p);
 }
 
 }  // namespace attncal

@@ -1,5 +1,5 @@
-/* Host-callable C ABI of the CUDA calibration kernel (used by the ORT CUDA
- * kernel, the TensorRT plugin and, through ctypes, benchmarks/gpu_check.py). */
+/* Host-callable C ABI of the CUDA calibration kernels (used by the ORT CUDA
+ * kernels, the TensorRT plugin and, through ctypes, benchmarks/gpu_check.py). */
 #ifndef ATTNCAL_CALIBRATION_CUDA_H_
 #define ATTNCAL_CALIBRATION_CUDA_H_
 
@@ -18,18 +18,36 @@ extern "C" {
 #define ATTNCAL_EXPORT __attribute__((visibility("default")))
 #endif
 
-/* Bytes of device scratch the launcher needs for a batch of B items. */
+/* Bytes of device scratch either launcher needs for a batch of B items. */
 ATTNCAL_EXPORT size_t attncal_cuda_workspace_bytes(int64_t B);
 
-/* Calibrates probs[B,H,Q,K] (dtype ATTNCAL_DTYPE_*) into out on `stream`
- * (a cudaStream_t; NULL = the legacy default stream).  out may alias probs
- * (in place); otherwise the input is copied first and the calibrated rows are
- * overwritten.  mask is int64[B,K] on the device.  workspace: device memory of
- * attncal_cuda_workspace_bytes(B) bytes, or NULL to allocate it stream-ordered.
+/* PooledRowCalibration / AllRowsCalibration (params->all_rows): calibrates
+ * probs[B,H,Q,K] (dtype ATTNCAL_DTYPE_*) into out on `stream` (a cudaStream_t;
+ * NULL = the legacy default stream).  out may alias probs (in place: only the
+ * calibrated rows are read and written); otherwise out must not overlap probs,
+ * and one kernel writes every row of out (calibrated rows computed, the others
+ * copied), so the tensor is read and written once with no separate copy.
+ * mask is int64[B,K] on the device.  workspace: device memory of
+ * attncal_cuda_workspace_bytes(B) bytes, or NULL to allocate it stream-ordered
+ * (not needed, and not allocated, when params->strength == 0).
+ * Limits: B, H <= 65535; Q, K < 2^31; ceil(K / basket_size) floats must fit in
+ * the shared memory of one block (else ATTNCAL_ERR_UNSUPPORTED).
  * Returns ATTNCAL_OK or an error code; attncal_cuda_last_error() says why. */
 ATTNCAL_EXPORT int attncal_cuda_calibrate(int dtype, const void* probs, void* out, const int64_t* mask, int64_t B,
                                           int64_t H, int64_t Q, int64_t K, const AttncalParams* params,
                                           void* workspace, void* stream);
+
+/* SoftmaxPooledRowCalibration / SoftmaxAllRowsCalibration (params->all_rows):
+ * out = calibration(Softmax(scores, axis=-1), mask), where scores[B,H,Q,K] are
+ * the attention logits after scaling and the additive mask.  Every row gets the
+ * softmax (max-subtracted, in float32; a row of equal scores gives 1/K); the
+ * rows the calibration spec selects are calibrated as attncal_cuda_calibrate
+ * does on the softmax output, in the same pass.  params->strength == 0 is a
+ * plain softmax.  Same conventions, limits, workspace and errors as
+ * attncal_cuda_calibrate; out may alias scores (in place) or must not overlap it. */
+ATTNCAL_EXPORT int attncal_cuda_softmax_calibrate(int dtype, const void* scores, void* out, const int64_t* mask,
+                                                  int64_t B, int64_t H, int64_t Q, int64_t K,
+                                                  const AttncalParams* params, void* workspace, void* stream);
 
 /* The reason for the last failure on the calling thread ("" when none). */
 ATTNCAL_EXPORT const char* attncal_cuda_last_error(void);

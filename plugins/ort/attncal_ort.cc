@@ -1,6 +1,7 @@
 // ONNX Runtime custom-op library for the calibration op contract:
-// domain ai.attncal, version 1, PooledRowCalibration and AllRowsCalibration,
-// float and float16, on CPUExecutionProvider (always) and
+// domain ai.attncal, version 1, PooledRowCalibration and AllRowsCalibration
+// and their Softmax-fused forms (SoftmaxPooledRowCalibration,
+// SoftmaxAllRowsCalibration: input 0 is the scores), float and float16, on CPUExecutionProvider (always) and
 // CUDAExecutionProvider (when built with CUDA).  Load it with
 // SessionOptions.register_custom_ops_library(path); ORT then runs these
 // kernels instead of inlining the model-local function of the same name.
@@ -160,7 +161,7 @@ using Ort::Custom::OrtLiteCustomOp;
 using Ort::Custom::Tensor;
 
 // The kernel's work units run on ORT's intra-op thread pool (ParallelFor).
-template <typename T>
+template <typename T, bool Softmax>
 struct ParallelJob {
   const attncal::Plan* plan;
   const T* in;
@@ -168,11 +169,17 @@ struct ParallelJob {
   const AttncalParams* params;
   static void Run(void* self, size_t i) {
     auto* job = static_cast<ParallelJob*>(self);
-    job->plan->run(i, job->in, job->out, *job->params);
+    job->plan->template run<Softmax>(i, job->in, job->out, *job->params);
   }
 };
 
-template <typename T, bool AllRows>
+const char* OpName(bool all_rows, bool softmax) {
+  if (softmax) return all_rows ? "SoftmaxAllRowsCalibration" : "SoftmaxPooledRowCalibration";
+  return all_rows ? "AllRowsCalibration" : "PooledRowCalibration";
+}
+
+// Softmax = false: input 0 is probs; true: input 0 is the scores and every row gets its softmax.
+template <typename T, bool AllRows, bool Softmax = false>
 struct CpuCalibration {
   // float16 is handled as its raw bits; the kernel widens each row to float.
   using Raw = typename std::conditional<std::is_same<T, float>::value, float, uint16_t>::type;
@@ -183,7 +190,7 @@ struct CpuCalibration {
 
   Ort::Status Compute(OrtKernelContext* context, const Tensor<T>& probs, const Tensor<int64_t>& mask,
                       Tensor<T>& out) {
-    const char* op = AllRows ? "AllRowsCalibration" : "PooledRowCalibration";
+    const char* op = OpName(AllRows, Softmax);
     if (!attrs.error.empty()) return attncal_ort::AttributeError(attrs, op);
     const std::vector<int64_t> shape = probs.Shape();
     Ort::Status st = attncal_ort::CheckShapes(shape, mask.Shape());
@@ -193,15 +200,17 @@ struct CpuCalibration {
     Raw* dst = reinterpret_cast<Raw*>(out.Allocate(shape));
     attncal_ort::g_computes[0].fetch_add(1);
     if (static_cast<const void*>(dst) == static_cast<const void*>(src)) attncal_ort::g_inplace[0].fetch_add(1);
-    const attncal::Plan plan(mask.Data(), shape[0], shape[1], shape[2], shape[3], attrs.params, dst == src);
+    const attncal::Plan plan(mask.Data(), shape[0], shape[1], shape[2], shape[3], attrs.params,
+                             Softmax || dst != src);
     if (plan.size() == 0) return Ort::Status{nullptr};
-    ParallelJob<Raw> job{&plan, src, dst, &attrs.params};
+    using Job = ParallelJob<Raw, Softmax>;
+    Job job{&plan, src, dst, &attrs.params};
     if (plan.size() == 1) {
-      ParallelJob<Raw>::Run(&job, 0);
+      Job::Run(&job, 0);
       return Ort::Status{nullptr};
     }
     try {
-      Ort::KernelContext(context).ParallelFor(&ParallelJob<Raw>::Run, plan.size(), 0, &job);
+      Ort::KernelContext(context).ParallelFor(&Job::Run, plan.size(), 0, &job);
     } catch (const Ort::Exception& e) {
       return Ort::Status((std::string("attncal ") + op + ": " + e.what()).c_str(), ORT_FAIL);
     }
@@ -225,6 +234,14 @@ std::vector<std::unique_ptr<OrtLiteCustomOp>>& AllOps() {
                                                                                 kVersion));
     v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibration<Ort::Float16_t, true>>("AllRowsCalibration", cpu,
                                                                                          kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibration<float, false, true>>(
+        "SoftmaxPooledRowCalibration", cpu, kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibration<Ort::Float16_t, false, true>>(
+        "SoftmaxPooledRowCalibration", cpu, kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibration<float, true, true>>(
+        "SoftmaxAllRowsCalibration", cpu, kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibration<Ort::Float16_t, true, true>>(
+        "SoftmaxAllRowsCalibration", cpu, kVersion, kVersion));
     attncal_ort::AppendCudaOps(v, kVersion);
     for (auto& op : v) attncal_ort::AllowInplace(op.get());
     return v;

@@ -1,9 +1,20 @@
-// TensorRT IPluginV3 plugin for the calibration op: a thin adapter over the
-// CUDA launcher (kernels/calibration_cuda.h).  Two creators per op type, with
-// the op's name and version "1": one in namespace "" (what the ONNX parser
-// looks up by default) and one in namespace "ai.attncal" (the op's domain, for
-// nodes that carry plugin_namespace="ai.attncal").  TensorRT >= 10.7 prefers a
-// registered plugin over the model-local function of the same op name.
+// TensorRT IPluginV3 plugin for the calibration ops: a thin adapter over the
+// CUDA launchers (kernels/calibration_cuda.h).  Four op types:
+// PooledRowCalibration and AllRowsCalibration (input 0: the attention
+// probabilities; attncal_cuda_calibrate) and SoftmaxPooledRowCalibration and
+// SoftmaxAllRowsCalibration (input 0: the softmax's input scores; the softmax
+// and the calibration in one pass, attncal_cuda_softmax_calibrate).  Two
+// creators per op type, with the op's name and version "1": one in namespace ""
+// (what the ONNX parser looks up by default) and one in namespace "ai.attncal"
+// (the op's domain, for nodes that carry plugin_namespace="ai.attncal"), so 8
+// creators.  TensorRT >= 10.7 prefers a registered plugin over the model-local
+// function of the same op name.
+//
+// The build capability is IPluginV3OneBuildV2 (TensorRT >= 10.3): output 0 may
+// alias input 0 (getAliasedInput(0) == 0), since every launcher works in place.
+// TensorRT only asks, and only aliases, when the builder config enables
+// PreviewFeature::kALIASED_PLUGIN_IO_10_03; otherwise the output is a separate
+// buffer and the launchers run out of place.
 //
 // CI compiles this file against the public TensorRT 10.5.0 and 11.1 headers and
 // runs its TensorRT-facing logic in a host test (tests/test_native_trt.py); no
@@ -23,6 +34,13 @@ namespace {
 
 constexpr char const* kVersion = "1";
 constexpr char const* kDomain = "ai.attncal";
+constexpr char const* kOps[] = {"PooledRowCalibration", "AllRowsCalibration", "SoftmaxPooledRowCalibration",
+                                "SoftmaxAllRowsCalibration"};
+
+bool is_all_rows(char const* op) {
+  return !strcmp(op, "AllRowsCalibration") || !strcmp(op, "SoftmaxAllRowsCalibration");
+}
+bool is_softmax(char const* op) { return !strncmp(op, "Softmax", 7); }
 
 struct FieldSpec {
   char const* name;
@@ -82,9 +100,14 @@ bool parse_fields(PluginFieldCollection const* fc, bool all_rows, AttncalParams*
   return true;
 }
 
-class CalibrationPlugin : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuild, public IPluginV3OneRuntime {
+class CalibrationPlugin : public IPluginV3,
+                          public IPluginV3OneCore,
+                          public IPluginV3OneBuildV2,
+                          public IPluginV3OneRuntime {
  public:
-  CalibrationPlugin(std::string name, std::string ns, AttncalParams p) : name_(std::move(name)), ns_(std::move(ns)), p_(p) {
+  // name: the op type (one of kOps); p.all_rows must match it.
+  CalibrationPlugin(std::string name, std::string ns, AttncalParams p)
+      : name_(std::move(name)), ns_(std::move(ns)), p_(p), softmax_(is_softmax(name_.c_str())) {
     int i = 0;
     for (FieldSpec const& fs : kFields) {
       if (p_.all_rows && !strcmp(fs.name, "pool_last")) continue;
@@ -103,7 +126,7 @@ class CalibrationPlugin : public IPluginV3, public IPluginV3OneCore, public IPlu
   IPluginCapability* getCapabilityInterface(PluginCapabilityType type) noexcept override {
     switch (type) {
       case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-      case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
+      case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
       case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
     }
     return nullptr;
@@ -114,6 +137,11 @@ class CalibrationPlugin : public IPluginV3, public IPluginV3OneCore, public IPlu
   char const* getPluginName() const noexcept override { return name_.c_str(); }
   char const* getPluginVersion() const noexcept override { return kVersion; }
   char const* getPluginNamespace() const noexcept override { return ns_.c_str(); }
+
+  // IPluginV3OneBuildV2: output 0 may be written into input 0's buffer (the
+  // launchers work in place).  Called, and effective, only when the builder
+  // enables PreviewFeature::kALIASED_PLUGIN_IO_10_03.
+  int32_t getAliasedInput(int32_t outputIndex) noexcept override { return outputIndex == 0 ? 0 : -1; }
 
   // IPluginV3OneBuild
   int32_t configurePlugin(DynamicPluginTensorDesc const*, int32_t nbInputs, DynamicPluginTensorDesc const*,
@@ -155,8 +183,9 @@ class CalibrationPlugin : public IPluginV3, public IPluginV3OneCore, public IPlu
                   void* const* outputs, void* workspace, cudaStream_t stream) noexcept override {
     Dims const& d = inputDesc[0].dims;
     const int dtype = inputDesc[0].type == DataType::kHALF ? ATTNCAL_DTYPE_FLOAT16 : ATTNCAL_DTYPE_FLOAT32;
-    return attncal_cuda_calibrate(dtype, inputs[0], outputs[0], static_cast<int64_t const*>(inputs[1]), d.d[0], d.d[1],
-                                  d.d[2], d.d[3], &p_, workspace, stream);
+    return (softmax_ ? attncal_cuda_softmax_calibrate : attncal_cuda_calibrate)(
+        dtype, inputs[0], outputs[0], static_cast<int64_t const*>(inputs[1]), d.d[0], d.d[1], d.d[2], d.d[3], &p_,
+        workspace, stream);
   }
   IPluginV3* attachToContext(IPluginResourceContext*) noexcept override { return clone(); }
   PluginFieldCollection const* getFieldsToSerialize() noexcept override { return &fc_; }
@@ -164,13 +193,14 @@ class CalibrationPlugin : public IPluginV3, public IPluginV3OneCore, public IPlu
  private:
   std::string name_, ns_;
   AttncalParams p_;
+  bool softmax_;  // Softmax* op: input 0 is the scores
   PluginField fields_[16];
   PluginFieldCollection fc_{};
 };
 
 class CalibrationCreator : public IPluginCreatorV3One {
  public:
-  CalibrationCreator(char const* op, char const* ns) : op_(op), ns_(ns), all_rows_(!strcmp(op, "AllRowsCalibration")) {
+  CalibrationCreator(char const* op, char const* ns) : op_(op), ns_(ns), all_rows_(is_all_rows(op)) {
     for (FieldSpec const& fs : kFields) {
       if (all_rows_ && !strcmp(fs.name, "pool_last")) continue;
       names_.emplace_back(fs.name, nullptr, fs.is_float ? PluginFieldType::kFLOAT32 : PluginFieldType::kINT32, 1);
@@ -202,10 +232,14 @@ class CalibrationCreator : public IPluginCreatorV3One {
 extern "C" __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder*) {}
 
 extern "C" __attribute__((visibility("default"))) IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
-  static CalibrationCreator pooled_default("PooledRowCalibration", ""), all_default("AllRowsCalibration", "");
-  static CalibrationCreator pooled_domain("PooledRowCalibration", kDomain), all_domain("AllRowsCalibration", kDomain);
-  static IPluginCreatorInterface* const creators[] = {&pooled_default, &all_default, &pooled_domain, &all_domain};
-  nbCreators = 4;
+  static CalibrationCreator pooled_default(kOps[0], ""), all_default(kOps[1], "");
+  static CalibrationCreator pooled_domain(kOps[0], kDomain), all_domain(kOps[1], kDomain);
+  static CalibrationCreator sm_pooled_default(kOps[2], ""), sm_all_default(kOps[3], "");
+  static CalibrationCreator sm_pooled_domain(kOps[2], kDomain), sm_all_domain(kOps[3], kDomain);
+  static IPluginCreatorInterface* const creators[] = {&pooled_default,    &all_default,    &pooled_domain,
+                                                      &all_domain,        &sm_pooled_default, &sm_all_default,
+                                                      &sm_pooled_domain,  &sm_all_domain};
+  nbCreators = static_cast<int32_t>(sizeof creators / sizeof creators[0]);
   return creators;
 }
 

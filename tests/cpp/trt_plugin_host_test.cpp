@@ -2,11 +2,15 @@
 // (plugins/tensorrt/attncal_trt_plugin.cpp), without libnvinfer or a GPU.
 // Built and run by tests/test_native_trt.py against each TensorRT header set.
 //
-// Covers: the creators (names, version, namespaces, field names), field
-// parsing (every numeric width, missing fields, invalid values), output types
-// and shapes, format combinations, the serialisation round trip, clone, and a
-// clean enqueue error when there is no GPU.  Prints one line per check and
-// exits non-zero on the first failure.
+// Covers, for each of the four op types (PooledRowCalibration,
+// AllRowsCalibration, SoftmaxPooledRowCalibration, SoftmaxAllRowsCalibration):
+// the creators (names, version, namespaces, field names), field parsing (every
+// numeric width, missing fields, invalid values), output types and shapes,
+// format combinations, the build interface (IPluginV3OneBuildV2, output 0
+// aliased to input 0), the serialisation round trip, clone, and a clean enqueue
+// error when there is no GPU (and that the Softmax* ops reach the softmax
+// launcher).  Prints one line per check group and exits non-zero on the first
+// failure.
 #include <NvInferRuntime.h>
 
 #include <cstdint>
@@ -25,9 +29,16 @@ using namespace nvinfer1;
 extern "C" IPluginRegistry* getPluginRegistry() noexcept { return nullptr; }
 extern "C" IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
 
+extern "C" const char* attncal_cuda_last_error(void);
+
 namespace {
 
 int g_checks = 0;
+
+char const* const kOps[] = {"PooledRowCalibration", "AllRowsCalibration", "SoftmaxPooledRowCalibration",
+                            "SoftmaxAllRowsCalibration"};
+
+bool all_rows_op(char const* op) { return std::strstr(op, "AllRows") != nullptr; }
 
 #define CHECK(cond)                                                                 \
   do {                                                                              \
@@ -143,27 +154,31 @@ DynamicPluginTensorDesc dyn(PluginTensorDesc d) {
 
 void test_creators() {
   int32_t n = 0;
-  CHECK(getCreators(n) != nullptr && n == 4);
-  for (char const* op : {"PooledRowCalibration", "AllRowsCalibration"}) {
+  CHECK(getCreators(n) != nullptr && n == 8);
+  int found = 0;
+  for (char const* op : kOps) {
     for (char const* ns : {"", "ai.attncal"}) {
       IPluginCreatorV3One* c = creator(op, ns);
       CHECK(c != nullptr);
+      ++found;
       CHECK(!std::strcmp(c->getPluginVersion(), "1"));
       CHECK(std::string(c->getInterfaceInfo().kind) == "PLUGIN CREATOR_V3ONE");
       PluginFieldCollection const* names = c->getFieldNames();
-      const bool all_rows = !std::strcmp(op, "AllRowsCalibration");
+      const bool all_rows = all_rows_op(op);
       CHECK(names->nbFields == (all_rows ? 10 : 11));
       bool has_pool_last = false;
       for (int32_t i = 0; i < names->nbFields; ++i) has_pool_last |= !std::strcmp(names->fields[i].name, "pool_last");
       CHECK(has_pool_last == !all_rows);
     }
   }
-  std::printf("creators: 2 ops x namespaces {\"\", \"ai.attncal\"}, version 1, field names ok\n");
+  CHECK(found == n);  // every creator is one of the 4 ops x 2 namespaces, no duplicates
+  CHECK(creator("SoftmaxCalibration", "") == nullptr && creator("PooledRowCalibration", "other") == nullptr);
+  std::printf("creators: 4 ops x namespaces {\"\", \"ai.attncal\"} = %d, version 1, field names ok\n", n);
 }
 
 void test_field_parsing() {
-  for (bool all_rows : {false, true}) {
-    char const* op = all_rows ? "AllRowsCalibration" : "PooledRowCalibration";
+  for (char const* op : kOps) {
+    const bool all_rows = all_rows_op(op);
     IPluginCreatorV3One* c = creator(op, "ai.attncal");
     for (bool wide : {false, true}) {
       Fields ok = contract_fields(all_rows, wide);
@@ -200,17 +215,17 @@ void test_field_parsing() {
       CHECK(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD) == nullptr);
     }
   }
-  std::printf("field parsing: int32/int64/float32/float64 accepted; missing and invalid fields rejected\n");
+  std::printf("field parsing (4 ops): int32/int64/float32/float64 accepted; missing and invalid fields rejected\n");
 }
 
-IPluginV3* make(bool all_rows) {
-  Fields f = contract_fields(all_rows, false);
-  return creator(all_rows ? "AllRowsCalibration" : "PooledRowCalibration", "")->createPlugin("n", f.get(),
-                                                                                             TensorRTPhase::kBUILD);
+IPluginV3* make(char const* op, char const* override_name = nullptr, double override_value = 0) {
+  Fields f = contract_fields(all_rows_op(op), false, nullptr, override_name, override_value);
+  return creator(op, "")->createPlugin("n", f.get(), TensorRTPhase::kBUILD);
 }
 
-void test_types_shapes_formats() {
-  std::unique_ptr<IPluginV3> p(make(false));
+void test_types_shapes_formats(char const* op) {
+  std::unique_ptr<IPluginV3> p(make(op));
+  CHECK(p != nullptr);
   auto* build = static_cast<IPluginV3OneBuild*>(p->getCapabilityInterface(PluginCapabilityType::kBUILD));
   CHECK(build != nullptr);
   CHECK(build->getNbOutputs() == 1);
@@ -271,14 +286,37 @@ void test_types_shapes_formats() {
   CHECK(rt->onShapeChange(bad_k, 2, bad_k, 1) != 0);
   PluginTensorDesc bad_b[2] = {desc(DataType::kFLOAT, {2, 4, 8, 8}), desc(DataType::kINT64, {3, 8})};
   CHECK(rt->onShapeChange(bad_b, 2, bad_b, 1) != 0);
-  std::printf("output types (float->float, half->half), shapes (= probs, rank checks), %d of %zu format "
+  std::printf("%s: output types (float->float, half->half), shapes (= input 0, rank checks), %d of %zu format "
               "combinations accepted as expected, shape-change checks ok\n",
-              accepted, sizeof combos / sizeof combos[0]);
+              op, accepted, sizeof combos / sizeof combos[0]);
+}
+
+// The build capability is IPluginV3OneBuildV2 (TensorRT >= 10.3): output 0 may alias input 0.
+void test_aliasing(char const* op) {
+  std::unique_ptr<IPluginV3> p(make(op));
+  CHECK(p != nullptr);
+  IPluginCapability* cap = p->getCapabilityInterface(PluginCapabilityType::kBUILD);
+  CHECK(cap != nullptr);
+  auto* v2 = static_cast<IPluginV3OneBuildV2*>(cap);
+  InterfaceInfo info = v2->getInterfaceInfo();
+  CHECK(std::string(info.kind) == "PLUGIN_V3ONE_BUILD" && info.major == 2 && info.minor == 0);
+  CHECK(v2->getAliasedInput(0) == 0);
+  CHECK(v2->getAliasedInput(1) == -1);
+  CHECK(v2->getAliasedInput(-1) == -1);
+  // The same object through the version-1 view TensorRT < 10.3 would use.
+  auto* v1 = static_cast<IPluginV3OneBuild*>(cap);
+  CHECK(v1->getNbOutputs() == 1);
+  std::unique_ptr<IPluginV3> cl(p->clone());
+  CHECK(cl != nullptr);
+  CHECK(static_cast<IPluginV3OneBuildV2*>(cl->getCapabilityInterface(PluginCapabilityType::kBUILD))
+            ->getAliasedInput(0) == 0);
+  std::printf("%s: build interface PLUGIN_V3ONE_BUILD %d.%d, getAliasedInput(0) = 0, (1) = -1\n", op,
+              static_cast<int>(info.major), static_cast<int>(info.minor));
 }
 
 void test_serialisation_and_clone() {
-  for (bool all_rows : {false, true}) {
-    char const* op = all_rows ? "AllRowsCalibration" : "PooledRowCalibration";
+  for (char const* op : kOps) {
+    const bool all_rows = all_rows_op(op);
     Fields f = contract_fields(all_rows, true, nullptr, "strength", 0.75);
     IPluginCreatorV3One* c = creator(op, "ai.attncal");
     std::unique_ptr<IPluginV3> a(c->createPlugin("n", f.get(), TensorRTPhase::kBUILD));
@@ -318,24 +356,47 @@ void test_serialisation_and_clone() {
     delete attached;
     delete cl;
   }
-  std::printf("serialisation round trip (build -> fields -> runtime plugin) and clone ok\n");
+  std::printf("serialisation round trip (build -> fields -> runtime plugin) and clone ok (4 ops)\n");
 }
 
-void test_enqueue_without_gpu(bool expect_gpu_error) {
-  std::unique_ptr<IPluginV3> p(make(true));
+int32_t enqueue(IPluginV3* p, std::vector<float>& probs, std::vector<float>& result, bool in_place) {
   auto* rt = static_cast<IPluginV3OneRuntime*>(p->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
   PluginTensorDesc in[2] = {desc(DataType::kFLOAT, {1, 1, 4, 4}), desc(DataType::kINT64, {1, 4})};
   PluginTensorDesc out[1] = {desc(DataType::kFLOAT, {1, 1, 4, 4})};
-  std::vector<float> probs(16, 0.25f), result(16, -1.f);
   std::vector<int64_t> mask(4, 1);
   void const* inputs[2] = {probs.data(), mask.data()};
-  void* outputs[1] = {result.data()};
-  const int32_t rc = rt->enqueue(in, out, inputs, outputs, nullptr, nullptr);
-  if (expect_gpu_error) {
+  void* outputs[1] = {in_place ? probs.data() : result.data()};
+  return rt->enqueue(in, out, inputs, outputs, nullptr, nullptr);
+}
+
+// The buffers are host memory: with a GPU (--gpu) only the call that never reaches the GPU runs.
+void test_enqueue_without_gpu(bool expect_gpu_error) {
+  for (char const* op : kOps) {
+    if (!expect_gpu_error) break;
+    std::unique_ptr<IPluginV3> p(make(op));
+    std::vector<float> probs(16, 0.25f), result(16, -1.f);
+    const int32_t rc = enqueue(p.get(), probs, result, false);
     CHECK(rc != 0);  // an error code, not a crash
+    CHECK(std::strlen(attncal_cuda_last_error()) > 0);
     for (float v : result) CHECK(v == -1.f);  // nothing written
+    for (float v : probs) CHECK(v == 0.25f);
+    std::printf("%s: enqueue without a GPU: returned %d (clean error: %s)\n", op, rc, attncal_cuda_last_error());
   }
-  std::printf("enqueue without a GPU: returned %d (clean error)\n", rc);
+  // Dispatch: in place at strength 0 the calibration launcher has nothing to do (success without touching
+  // the GPU), while the Softmax* ops must still compute the softmax (an error without a GPU).
+  for (char const* op : kOps) {
+    const bool softmax = std::strncmp(op, "Softmax", 7) == 0;
+    if (softmax && !expect_gpu_error) continue;
+    std::unique_ptr<IPluginV3> p(make(op, "strength", 0.0));
+    CHECK(p != nullptr);
+    std::vector<float> probs(16, 0.25f), result(16, -1.f);
+    const int32_t rc = enqueue(p.get(), probs, result, true);
+    CHECK(softmax ? rc != 0 : rc == 0);
+    for (float v : probs) CHECK(v == 0.25f);
+    for (float v : result) CHECK(v == -1.f);
+  }
+  std::printf("launcher dispatch: calibration ops in place at strength 0 -> no-op; Softmax* ops -> softmax "
+              "launcher%s\n", expect_gpu_error ? "" : " (GPU-touching enqueues skipped: --gpu)");
 }
 
 }  // namespace
@@ -345,7 +406,10 @@ int main(int argc, char** argv) {
   std::printf("TensorRT headers %d.%d.%d\n", NV_TENSORRT_MAJOR, NV_TENSORRT_MINOR, NV_TENSORRT_PATCH);
   test_creators();
   test_field_parsing();
-  test_types_shapes_formats();
+  for (char const* op : kOps) {
+    test_types_shapes_formats(op);
+    test_aliasing(op);
+  }
   test_serialisation_and_clone();
   test_enqueue_without_gpu(expect_gpu_error);
   std::printf("OK: %d checks\n", g_checks);
