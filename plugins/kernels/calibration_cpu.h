@@ -11,7 +11,8 @@
 //   scalars, and the output is z * g_k on content keys with one constant
 //   g_k = (f_k * scale) / total * lambda + 1 - lambda per basket,
 //   lambda * (share / total) + (1 - lambda) * z on isolated keys, and 0 on
-//   masked keys.  Rows the spec leaves alone are not touched.
+//   masked keys.  Rows the spec leaves alone are not touched.  The row scalars
+//   are row_scalars.h's, shared with the CUDA kernels.
 //
 // Why it is shaped like this:
 // * Each row is two streaming passes over its keys, both per basket: one sum
@@ -41,6 +42,7 @@
 #include <vector>
 
 #include "attncal_params.h"
+#include "row_scalars.h"
 
 namespace attncal {
 
@@ -192,33 +194,13 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
     A[b] = a;
     nonempty += a != 0.f;
   }
-  // Row scalars, in double.
-  const double t = rp.t, inv_t = 1.0 / t;
-  const double x_first = x[s.start], x_last = x[s.end];
-  auto share_of = [&](int mode, float weight, double z) -> double {
-    if (mode == ATTNCAL_MODE_EQUAL) return inv_t;
-    if (mode == ATTNCAL_MODE_ORIGINAL) return z;
-    return static_cast<double>(weight);
-  };
-  const double fs = p.isolate_first ? share_of(p.first_mode, p.first_weight, x_first) : 0.0;
-  const double ls = p.isolate_last ? share_of(p.last_mode, p.last_weight, x_last) : 0.0;
-  const bool non_equal = (p.isolate_first && p.first_mode != ATTNCAL_MODE_EQUAL) ||
-                         (p.isolate_last && p.last_mode != ATTNCAL_MODE_EQUAL);
-  double content_mass = static_cast<double>(nonempty) * inv_t;
-  double scale = 1.0;
-  if (non_equal && content_mass != 0.0) {
-    const double budget = std::max(0.0, 1.0 - (fs + ls));
-    scale = budget / content_mass;
-    content_mass = budget;
-  }
-  double total = content_mass + fs + ls;
-  if (total == 0.0) total = 1.0;  // a zero total skips normalisation
-  const double lam = p.strength, keep = 1.0 - lam;
+  const double t = rp.t;
+  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, x[s.start], x[s.end]);
   // A basket whose mass is below 2^-64 (e.g. subnormal probabilities behind a dominant key) has a
   // multiplier beyond the float range; it is kept scaled by 2^-64 and applied as (x * 2^64) * g'
   // (scaling by a power of two is exact), flagged by a negative sign.
   for (int64_t b = 0; b < n; ++b) {
-    const double gb = A[b] != 0.f ? (scale / (static_cast<double>(A[b]) * t)) / total * lam + keep : keep;
+    const double gb = A[b] != 0.f ? rs.coef / (static_cast<double>(A[b]) * t) + rs.keep : rs.keep;
     g[b] = A[b] != 0.f && A[b] < 0x1p-64f ? -static_cast<float>(gb * 0x1p-64) : static_cast<float>(gb);
   }
   // Pass 2: one scale by a constant per basket; zeros outside the valid span.
@@ -242,8 +224,8 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
       for (int64_t k = 0; k < len; ++k) yb[k] = xb[k] * gb;
     }
   }
-  if (p.isolate_first) y[s.start] = static_cast<float>(lam * (fs / total) + keep * x_first);
-  if (p.isolate_last) y[s.end] = static_cast<float>(lam * (ls / total) + keep * x_last);
+  if (p.isolate_first) y[s.start] = static_cast<float>(rs.first_out);
+  if (p.isolate_last) y[s.end] = static_cast<float>(rs.last_out);
 }
 
 

@@ -40,6 +40,7 @@
 #include <cstring>
 
 #include "calibration_cuda.h"
+#include "row_scalars.h"
 
 namespace {
 
@@ -164,37 +165,17 @@ __device__ __forceinline__ bool plan_row(const int* __restrict__ geom, int64_t b
   return true;
 }
 
-// Row scalars of calibration_cpu.h, in double, from the nonempty basket count
-// and the (masked) probabilities of the first/last valid keys: the content
-// coefficient (g_k = coef / (A_k * t) + 1 - lambda) and the isolated outputs.
-// Divides by `total` rather than multiplying by its reciprocal: a subnormal
-// fixed weight makes total subnormal and 1/total overflow.
+// Row scalars (row_scalars.h, shared with the CPU kernel), in double, from the nonempty basket
+// count and the (masked) probabilities of the first/last valid keys: the content coefficient
+// (g_k = coef / (A_k * t) + 1 - lambda) and the isolated outputs.
 __device__ void row_scalars(const AttncalParams& p, const RowPlan& r, int nonempty, float z_first, float z_last,
                             float* coef, float* first_out, float* last_out) {
-  const double t = static_cast<double>(r.n + p.isolate_first + p.isolate_last), inv_t = 1.0 / t;
-  auto share_of = [&](int mode, float weight, float z) -> double {
-    if (mode == ATTNCAL_MODE_EQUAL) return inv_t;
-    if (mode == ATTNCAL_MODE_ORIGINAL) return static_cast<double>(z);
-    return static_cast<double>(weight);
-  };
-  const double fs = p.isolate_first ? share_of(p.first_mode, p.first_weight, z_first) : 0.0;
-  const double ls = p.isolate_last ? share_of(p.last_mode, p.last_weight, z_last) : 0.0;
-  const bool non_equal = (p.isolate_first && p.first_mode != ATTNCAL_MODE_EQUAL) ||
-                         (p.isolate_last && p.last_mode != ATTNCAL_MODE_EQUAL);
-  double content_mass = static_cast<double>(nonempty) * inv_t;
-  double scale = 1.0;
-  if (non_equal && content_mass != 0.0) {
-    const double budget = fmax(0.0, 1.0 - (fs + ls));
-    scale = budget / content_mass;
-    content_mass = budget;
-  }
-  double total = content_mass + fs + ls;
-  if (total == 0.0) total = 1.0;  // a zero total skips normalisation
-  const double lam = p.strength, keep = 1.0 - lam;
+  const double t = static_cast<double>(r.n + p.isolate_first + p.isolate_last);
+  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, z_first, z_last);
   // Used only when some basket is nonempty; then total >= the content mass and coef <= t * lambda.
-  *coef = static_cast<float>(scale / total * lam);
-  *first_out = static_cast<float>(lam * (fs / total) + keep * static_cast<double>(z_first));
-  *last_out = static_cast<float>(lam * (ls / total) + keep * static_cast<double>(z_last));
+  *coef = static_cast<float>(rs.coef);
+  *first_out = static_cast<float>(rs.first_out);
+  *last_out = static_cast<float>(rs.last_out);
 }
 
 // Turns the basket masses in s_g[0, n) into multipliers g_k; t = baskets + isolated keys.
