@@ -203,7 +203,8 @@ def check_fused_correctness(lib, n_cases: int, seed: int = 1) -> dict:
         cfg, rc, B, H, Q, K, mask = random_case(rng)
         dt = rng.choice([torch.float32, torch.float16])
         name = "float16" if dt == torch.float16 else "float32"
-        logits = torch.randn(B, H, Q, K, generator=gen, dtype=torch.float64) * rng.choice([0.5, 2.0, 6.0, 12.0])
+        # logit ranges that keep valid keys' float32 probabilities normal (as tests/test_fused_softmax.py)
+        logits = torch.randn(B, H, Q, K, generator=gen, dtype=torch.float64) * rng.choice([0.5, 2.0, 6.0])
         if rng.random() < 0.2:
             logits = logits + rng.uniform(-30.0, 30.0)  # an offset: the max subtraction matters
         scores = logits.to(dt).masked_fill(mask[:, None, None, :] == 0, torch.finfo(dt).min)
