@@ -51,6 +51,15 @@ def test_contract_pairs_each_op_with_its_fused_form():
     assert list(fn.input) == ["scores", "attention_mask"] and fn.node[0].op_type == "Softmax"
 
 
+def test_exporter_and_cli_offer_every_registered_placement():
+    """The exporter's light-weight list (used by the CLI without importing the graph modules) is the
+    registry's."""
+    from attncal.export.exporter import PLACEMENTS
+    from attncal.graphs.placements import CHOICES
+
+    assert PLACEMENTS == CHOICES and "fused-softmax" in CHOICES
+
+
 @pytest.mark.parametrize("float16,n_configs,tol", [(False, 120, 1e-6), (True, 60, 2e-3)], ids=["fp32", "fp16"])
 def test_function_body_matches_oracle_of_softmax(float16, n_configs, tol):
     """Without the native library ORT inlines the body: Softmax, then the calibration body."""
