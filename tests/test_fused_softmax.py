@@ -262,7 +262,6 @@ def test_auto_mean_export_fuses_softmax_and_runs_the_native_kernel_in_place(libr
     texts = [synthetic_text(n, seed=i) for i, n in enumerate([15, 70, 140, 220])]
     c0, i0 = counters["compute"](), counters["inplace"]()
     native = Encoder(tmp_path / "fused", providers=["CPUExecutionProvider"], custom_op_library=library).encode(texts)
-    # (the export has no optimized graph here: optimized=False; select_graph's rule is tested below)
     assert counters["compute"]() - c0 == n_layers and counters["inplace"]() - i0 == n_layers
     monkeypatch.setenv(oplib.NATIVE_ENV, "0")
     body = Encoder(tmp_path / "fused", providers=["CPUExecutionProvider"]).encode(texts)
@@ -301,25 +300,3 @@ def test_subnormal_basket_mass_gives_the_oracle_not_inf(library):
     for name, out in got.items():
         assert np.all(np.isfinite(out)), name
         assert np.abs(out.astype(np.float64) - ref).max() <= 1e-6, (name, out[0, 0, 0], ref[0, 0, 0])
-
-
-def test_auto_graph_takes_the_fused_portable_graph_on_cpu_with_the_library(tmp_path):
-    """Encoder(graph="auto"): the portable graph with the Softmax-fused op when the native library
-    runs it on CPU and the export's max_seq_length bounds its probabilities; else the optimized one."""
-    from attncal.runtime.encoder import FUSED_PORTABLE_MAX_LENGTH, select_graph
-
-    (tmp_path / "onnx").mkdir()
-    (tmp_path / "onnx/model_optimized.onnx").write_bytes(b"")
-    portable, optimized = "onnx/model.onnx", "onnx/model_optimized.onnx"
-    meta = {"graphs": {portable: {"placement": "fused-softmax"}, optimized: {"placement": "split"}},
-            "max_seq_length": 256}
-    cpu = ["CPUExecutionProvider"]
-    assert select_graph(tmp_path, meta, "auto", cpu, native_library=True) == portable
-    assert select_graph(tmp_path, meta, "auto", cpu, native_library=False) == optimized  # function body: slower
-    assert select_graph(tmp_path, meta, "auto", ["CUDAExecutionProvider"], native_library=True) == optimized
-    long = {**meta, "max_seq_length": FUSED_PORTABLE_MAX_LENGTH + 1}
-    assert select_graph(tmp_path, long, "auto", cpu, native_library=True) == optimized  # memory
-    split = {**meta, "graphs": {portable: {"placement": "split"}, optimized: {"placement": "split"}}}
-    assert select_graph(tmp_path, split, "auto", cpu, native_library=True) == optimized
-    assert select_graph(tmp_path, meta, "optimized", cpu, native_library=True) == optimized
-    assert select_graph(tmp_path, meta, "portable", cpu, native_library=False) == portable

@@ -132,7 +132,7 @@ def test_split_refusals_and_right_padding_guard(pooled_models, tmp_path):
     out = tmp_path / "e"
     export(pooled_models["bert", "mean"], out, ExportOptions(config=CalibrationConfig(basket_size=BASKET),
                                                              exporter="torchscript", check=False), quiet=True)
-    enc = Encoder(out, graph="optimized")
+    enc = Encoder(out)
     enc.tokenizer.padding_side = "left"
     with pytest.raises(ValueError, match="needs right padding"):
         enc.encode(TEXTS[:3])

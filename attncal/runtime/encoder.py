@@ -23,11 +23,6 @@ from ..artifact import (
 
 GRAPHS = ("auto", "portable", "optimized")
 _ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
-# Up to this max_seq_length a portable graph with the Softmax-fused op, run by the native library on
-# CPU, beats the optimized split graph (README, Native kernels: all-MiniLM-L6-v2, mean pooling,
-# batch 8: 0.98 / 0.97 x `ort` against 1.10 / 1.07 at 128 / 256 tokens, with the same peak memory
-# at 256); beyond it its [B,H,S,S] probabilities cost memory that split placement never allocates.
-FUSED_PORTABLE_MAX_LENGTH = 512
 
 load_metadata = read_metadata  # the validated attncal.json (ArtifactError when missing or damaged)
 
@@ -40,15 +35,11 @@ def default_providers() -> list[str]:
     return [p for p in preferred if p in available]
 
 
-def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str],
-                 native_library: bool = False) -> str:
+def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]) -> str:
     """Which graph of an export to run: `onnx/model.onnx` (portable) or `onnx/model_optimized.onnx`.
 
     `auto` takes the ORT-optimized graph when the export has one and the first provider runs
-    ONNX Runtime's contrib ops natively (CPU, CUDA); TensorRT gets the portable graph.  One
-    exception: on CPU with the native library (`native_library`), a portable graph that carries the
-    Softmax-fused calibration op is faster than the optimized split graph, and is taken when the
-    export's max_seq_length is at most FUSED_PORTABLE_MAX_LENGTH."""
+    ONNX Runtime's contrib ops natively (CPU, CUDA); TensorRT gets the portable graph."""
     if graph not in GRAPHS:
         raise ValueError(f"graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
     optimized = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
@@ -60,15 +51,9 @@ def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]
             raise MissingArtifactError(out_dir / optimized, "missing (export without --no-optimized, on a "
                                                             "BERT-family model)")
         return optimized
-    portable = f"{ONNX_SUBDIR}/{ONNX_FILE}"
     if graph == "auto" and has_opt and providers and providers[0] in _ORT_NATIVE_PROVIDERS:
-        placement = ((meta.get("graphs") or {}).get(portable) or {}).get("placement")
-        max_length = meta.get("max_seq_length")
-        if (native_library and providers[0] == "CPUExecutionProvider" and placement == "fused-softmax"
-                and isinstance(max_length, int) and max_length <= FUSED_PORTABLE_MAX_LENGTH):
-            return portable
         return optimized
-    return portable
+    return f"{ONNX_SUBDIR}/{ONNX_FILE}"
 
 
 def graph_has_custom_op(meta: dict, graph_file: str) -> bool:
@@ -85,9 +70,7 @@ class Encoder:
     `providers` defaults to TensorRT/CUDA when the installed onnxruntime offers
     them, else CPU.  `graph="auto"` runs the export's ORT-optimized graph
     (`onnx/model_optimized.onnx`, fused attention) when it has one and the provider
-    is CPU or CUDA, else the portable `onnx/model.onnx`; on CPU with the native library, a portable
-    graph with the Softmax-fused op (mean pooling, max_seq_length <= 512) is faster and is taken
-    instead (`select_graph`).  When the graph contains
+    is CPU or CUDA, else the portable `onnx/model.onnx`.  When the graph contains
     attncal ops, the native kernel library (plugins/) is registered if it is built
     (`native=None`, the default; `$ATTNCAL_NATIVE=0` or `native=False` turns it off,
     `native=True` requires it); `custom_op_library` names a library explicitly.
@@ -113,10 +96,7 @@ class Encoder:
         self.meta = read_metadata(self.path)
         check_model_files(self.path, self.meta)
         providers = list(providers or default_providers())
-        from . import oplib
-
-        native_library = custom_op_library is not None or oplib.library_available(native)
-        self.graph_file = select_graph(self.path, self.meta, graph, providers, native_library)
+        self.graph_file = select_graph(self.path, self.meta, graph, providers)
         model_file = self.path / self.graph_file
         ExportDir(self.path, self.meta).check_graph(self.graph_file)  # damaged graph -> ArtifactError
         try:
@@ -135,6 +115,8 @@ class Encoder:
             if not lib.exists():
                 raise FileNotFoundError(f"custom-op library {lib} not found")
         elif graph_has_custom_op(self.meta, self.graph_file):
+            from . import oplib
+
             lib = oplib.resolve_library(native)
         if lib is not None:
             so.register_custom_ops_library(str(lib))

@@ -100,13 +100,6 @@ def resolve_library(enabled: bool | None = None) -> Path | None:
     return None
 
 
-def library_available(enabled: bool | None = None) -> bool:
-    """Whether `resolve_library(enabled)` would give a library (asked quietly: no notice, no error)."""
-    if enabled is False or (enabled is None and native_disabled_by_env()):
-        return False
-    return default_library_path() is not None
-
-
 def find_nvcc() -> str | None:
     """nvcc on PATH, or under $CUDA_HOME / /usr/local/cuda."""
     found = shutil.which("nvcc")
