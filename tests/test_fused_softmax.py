@@ -300,3 +300,20 @@ def test_subnormal_basket_mass_gives_the_oracle_not_inf(library):
     for name, out in got.items():
         assert np.all(np.isfinite(out)), name
         assert np.abs(out.astype(np.float64) - ref).max() <= 1e-6, (name, out[0, 0, 0], ref[0, 0, 0])
+
+
+def test_native_fused_op_rejects_bad_shapes_by_name(library):
+    """Wrong rank or a mask that does not match: an ORT error naming the fused op's `scores` input."""
+    spec = op_spec(CalibrationConfig(pooling="mean").resolve(), 0, fused_softmax=True)
+    node = helper.make_node(spec.op_type, ["scores", "attention_mask"], ["out"], domain=DOMAIN, **spec.attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("scores", TensorProto.FLOAT, None),
+                                        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, None)],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, VERSION)],
+                          functions=[make_function(spec.op_type, 18)])
+    m.ir_version = 10
+    sess = session(m, library)
+    with pytest.raises(Exception, match=r"attncal: scores must have rank 4 \[B,H,Q,K\], got rank 3"):
+        sess.run(None, {"scores": np.zeros((2, 3, 3), np.float32), "attention_mask": np.ones((2, 3), np.int64)})
+    with pytest.raises(Exception, match=r"attention_mask must be \[B,K\]=\[1,3\], got \[1,4\]"):
+        sess.run(None, {"scores": np.zeros((1, 2, 3, 3), np.float32), "attention_mask": np.ones((1, 4), np.int64)})

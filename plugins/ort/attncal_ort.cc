@@ -97,10 +97,12 @@ Attributes ReadAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all
   return a;
 }
 
-Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int64_t>& mask) {
+Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int64_t>& mask, const char* input) {
   if (probs.size() != 4) {
-    return Ort::Status(("attncal: probs must have rank 4 [B,H,Q,K], got rank " + std::to_string(probs.size())).c_str(),
-                       ORT_INVALID_ARGUMENT);
+    return Ort::Status(
+        (std::string("attncal: ") + input + " must have rank 4 [B,H,Q,K], got rank " + std::to_string(probs.size()))
+            .c_str(),
+        ORT_INVALID_ARGUMENT);
   }
   if (mask.size() != 2 || mask[0] != probs[0] || mask[1] != probs[3]) {
     std::string got = "[";
@@ -173,11 +175,6 @@ struct ParallelJob {
   }
 };
 
-const char* OpName(bool all_rows, bool softmax) {
-  if (softmax) return all_rows ? "SoftmaxAllRowsCalibration" : "SoftmaxPooledRowCalibration";
-  return all_rows ? "AllRowsCalibration" : "PooledRowCalibration";
-}
-
 // Softmax = false: input 0 is probs; true: input 0 is the scores and every row gets its softmax.
 template <typename T, bool AllRows, bool Softmax = false>
 struct CpuCalibration {
@@ -190,10 +187,10 @@ struct CpuCalibration {
 
   Ort::Status Compute(OrtKernelContext* context, const Tensor<T>& probs, const Tensor<int64_t>& mask,
                       Tensor<T>& out) {
-    const char* op = OpName(AllRows, Softmax);
+    const char* op = attncal_ort::OpName(AllRows, Softmax);
     if (!attrs.error.empty()) return attncal_ort::AttributeError(attrs, op);
     const std::vector<int64_t> shape = probs.Shape();
-    Ort::Status st = attncal_ort::CheckShapes(shape, mask.Shape());
+    Ort::Status st = attncal_ort::CheckShapes(shape, mask.Shape(), Softmax ? "scores" : "probs");
     if (!st.IsOK()) return st;
     // With GetMayInplace ORT may hand back the input's buffer as the output.
     const Raw* src = reinterpret_cast<const Raw*>(probs.Data());

@@ -14,13 +14,21 @@
 
 namespace attncal_ort {
 
+// The contract op type of a kernel (for messages and registration).
+constexpr const char* OpName(bool all_rows, bool softmax) {
+  return softmax ? (all_rows ? "SoftmaxAllRowsCalibration" : "SoftmaxPooledRowCalibration")
+                 : (all_rows ? "AllRowsCalibration" : "PooledRowCalibration");
+}
+
 struct Attributes {
   AttncalParams params;
   std::string error;  // non-empty: the node's attributes break the contract
 };
 
 Attributes ReadAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all_rows);
-Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int64_t>& mask);
+// `input`: the name of input 0 in messages ("probs", or "scores" for the Softmax-fused ops).
+Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int64_t>& mask,
+                        const char* input = "probs");
 Ort::Status AttributeError(const Attributes& a, const char* op);
 
 extern std::atomic<uint64_t> g_computes[2];  // [0] CPU, [1] CUDA

@@ -22,11 +22,6 @@ namespace {
 
 using Ort::Custom::Tensor;
 
-constexpr const char* OpName(bool all_rows, bool softmax) {
-  return softmax ? (all_rows ? "SoftmaxAllRowsCalibration" : "SoftmaxPooledRowCalibration")
-                 : (all_rows ? "AllRowsCalibration" : "PooledRowCalibration");
-}
-
 template <typename T, bool AllRows, bool Softmax>
 struct CudaCalibration {
   Attributes attrs;
@@ -39,7 +34,7 @@ struct CudaCalibration {
     const char* op = OpName(AllRows, Softmax);
     if (!attrs.error.empty()) return AttributeError(attrs, op);
     const std::vector<int64_t> shape = probs.Shape();
-    Ort::Status st = CheckShapes(shape, mask.Shape());
+    Ort::Status st = CheckShapes(shape, mask.Shape(), Softmax ? "scores" : "probs");
     if (!st.IsOK()) return st;
     T* dst = out.Allocate(shape);
     void* stream = Ort::KernelContext(context).GetGPUComputeStream();
