@@ -1,5 +1,6 @@
 """`attncal encode` / `attncal.corpus.encode_corpus`: formats, bad rows, manifest, resume after a kill,
-local workers and a Ray run on a local 2-CPU instance, all against a bare `Encoder.encode`."""
+local workers and Ray runs on one local 2-CPU instance (the bad-row tests run on every engine), all
+against a bare `Encoder.encode`."""
 
 from __future__ import annotations
 
@@ -156,53 +157,6 @@ def bad_jsonl(path: Path, rows: list[dict]) -> tuple[Path, list[int]]:
     return path, sorted(bad) + [27]
 
 
-def test_bad_rows_fail_then_skip(tiny_export, rows, reference, tmp_path):
-    src, bad_lines = bad_jsonl(tmp_path / "bad.jsonl", rows[:40])
-    out = tmp_path / "out"
-    with pytest.raises(CorpusInputError, match=r"7 bad row\(s\), first .*bad\.jsonl:3: invalid JSON"):
-        encode_corpus(tiny_export, src, out, **SMALL)
-    assert not out.exists()  # refused before anything was written
-    code = main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q"])
-    assert code == 2 and not out.exists()
-
-    res = encode_corpus(tiny_export, src, out, on_error="skip", **SMALL)
-    m = load_manifest(out)
-    assert [b["line"] for b in m["skip_list"]] == bad_lines and res.skipped == m["skipped"] == 7
-    reasons = {b["line"]: b["reason"] for b in m["skip_list"]}
-    assert "invalid JSON" in reasons[3] and reasons[7] == "missing field 'text'"
-    assert reasons[11] == "field 'text' is int, not a string" and "not a JSON object" in reasons[15]
-    assert reasons[19] == "missing field 'id'" and reasons[23] == "missing field 'text'"
-    assert reasons[27].startswith("not UTF-8")
-    side = [json.loads(x) for x in (out / "skipped.jsonl").read_text().splitlines()]
-    assert side == m["skip_list"] and side[1]["id"] == "x7"
-    keep = [r for i, r in enumerate(rows[:40]) if i + 1 not in bad_lines[:-1]]  # line 27 was inserted
-    ids, emb = read_embeddings(out)
-    assert ids == [r["id"] for r in keep] and len(ids) == 34
-    ref = {r["id"]: reference[i] for i, r in enumerate(rows)}
-    assert np.abs(emb - np.stack([ref[i] for i in ids])).max() <= TOL
-
-
-def test_bad_rows_csv_and_parquet(tiny_export, tmp_path):
-    c = tmp_path / "bad.csv"
-    c.write_bytes(b'id,text\nc1,hello\nc2\nc3,"two\nlines"\nc4,caf\xe9\nc5,fine\n')
-    with pytest.raises(CorpusInputError, match=r"2 bad row\(s\), first .*bad\.csv:3: missing field 'text'"):
-        encode_corpus(tiny_export, c, tmp_path / "o1", **SMALL)
-    encode_corpus(tiny_export, c, tmp_path / "o1", on_error="skip", **SMALL)
-    m = load_manifest(tmp_path / "o1")
-    assert [(b["line"], b["reason"]) for b in m["skip_list"]] == [(3, "missing field 'text' (1 of 2 columns)"),
-                                                                  (6, "not UTF-8")]
-    assert read_embeddings(tmp_path / "o1")[0] == ["c1", "c3", "c5"]
-    p = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({"id": ["p1", None, "p3"], "text": ["a", "b", None]}), p)
-    encode_corpus(tiny_export, p, tmp_path / "o2", on_error="skip", **SMALL)
-    m = load_manifest(tmp_path / "o2")
-    assert [(b["line"], b["reason"]) for b in m["skip_list"]] == [(2, "missing field 'id'"),
-                                                                  (3, "missing field 'text'")]
-    pq.write_table(pa.table({"id": [1], "body": [b"x"]}), tmp_path / "wrong.parquet")
-    with pytest.raises(CorpusInputError, match="no column 'text'"):
-        encode_corpus(tiny_export, tmp_path / "wrong.parquet", tmp_path / "o3", **SMALL)
-
-
 def test_cli_errors_are_one_line_exit_2(tiny_export, rows, tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", rows[:5])
     model_dir = tiny_export.parent / "m"
@@ -278,35 +232,162 @@ def test_resume_after_sigkill_gives_identical_output(tiny_export, tmp_path):
     assert ids == [r["id"] for r in rows]
 
 
-def test_ray_engine_on_local_2cpu_instance(tiny_export, rows, reference, tmp_path):
-    pytest.importorskip("ray")
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local 2-CPU Ray instance for every Ray run in this module: starting Ray costs seconds, and
+    the engine joins a running instance instead of starting its own.  The Ray tests come last in the
+    file so the instance does not idle beside the other tests."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def run_encode(request, engine: str, export: Path, src, out: Path, **kw):
+    """`encode_corpus` with SMALL options on `engine`; a Ray run joins `ray_session`, and a Ray
+    scheduling deadlock must not hang CI."""
+    if engine != "ray":
+        return encode_corpus(export, src, out, engine=engine, **SMALL, **kw)
+    request.getfixturevalue("ray_session")
+    import faulthandler
+
+    faulthandler.dump_traceback_later(300, exit=True, file=sys.__stderr__)  # capsys's stderr has no fileno
+    try:
+        return encode_corpus(export, src, out, engine="ray", ray_num_cpus=2, **SMALL, **kw)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def assert_same_output(a: Path, b: Path) -> None:
+    """Two engines' outputs of one input: the same skip list (file, line, id, reason) in the manifest
+    and skipped.jsonl, the same shards (rows, ids, order) and embeddings within TOL."""
+    ma, mb = load_manifest(a), load_manifest(b)
+    assert ma["skip_list"] == mb["skip_list"] and ma["skipped"] == mb["skipped"]
+    assert (a / "skipped.jsonl").read_bytes() == (b / "skipped.jsonl").read_bytes()
+    assert [(s["file"], s["rows"], s["first_row"]) for s in ma["shards"]] == \
+        [(s["file"], s["rows"], s["first_row"]) for s in mb["shards"]]
+    for s in ma["shards"]:
+        ta, tb = pq.read_table(a / s["file"]), pq.read_table(b / s["file"])
+        assert ta.schema == tb.schema and ta.column("id").equals(tb.column("id")), s["file"]
+        ea, eb = (np.asarray(t.column("embedding").to_pylist(), dtype=np.float32) for t in (ta, tb))
+        assert np.abs(ea - eb).max() <= TOL, s["file"]
+
+
+ENGINES = ["local", "ray"]  # triton reads with the local readers (`_windows`); its own test needs a server
+
+
+def test_ray_pieces_parse_like_the_local_reader(tmp_path, monkeypatch):
+    """The Ray engine's pieces (byte ranges, row groups, whole CSV files), parsed one by one as Ray's
+    map step does, give exactly the local reader's valid rows and bad rows, however finely cut."""
+    from attncal.corpus import inputs
+    from attncal.corpus.inputs import InputFile, Piece, plan_pieces, read_chunks, read_piece
+
+    src, _ = bad_jsonl(tmp_path / "bad.jsonl", make_rows(60))
+    with open(src, "ab") as f:
+        f.write(b'{"id": 5, "text": "last line, no newline"}')
+    # faults that used to crash every engine: a non-UTF-8 byte (pyarrow's JSON reader lets it through)
+    # and a lone surrogate escape (json.loads accepts it; the tokenizer and Parquet do not)
+    uni = tmp_path / "unicode.jsonl"
+    uni.write_bytes(b'{"id": "a", "text": "ok"}\n{"id": "b", "text": "caf\xe9"}\n{"id": "c", "text": "x\\ud800"}\n')
+    c = tmp_path / "bad.csv"
+    c.write_bytes(b'id,text\nc1,hello\nc2\nc3,"two\nlines"\nc4,caf\xe9\nc5,fine\n')
+    p = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": [f"p{i}" if i % 7 else None for i in range(200)], "text": ["t"] * 200}), p,
+                   row_group_size=30)
+    files = [InputFile(src, "jsonl"), InputFile(uni, "jsonl"), InputFile(c, "csv"), InputFile(p, "parquet")]
+
+    def rows_of(chunks):
+        chunks = list(chunks)
+        return [x for ch in chunks for x in ch.ids], [x for ch in chunks for x in ch.texts], \
+            [b for ch in chunks for b in ch.bad]
+
+    for size in (inputs.JSON_CHUNK_BYTES, 700, 1):
+        monkeypatch.setattr(inputs, "JSON_CHUNK_BYTES", size)
+        for f in files:
+            pieces = [Piece.from_json(x.to_json()) for x in plan_pieces(f)]  # as they travel through Ray
+            assert rows_of(read_chunks(f, "text", "id")) == \
+                rows_of(ch for x in pieces for ch in read_piece(x, "text", "id")), (size, f)
+            assert size > 1 or f.format == "csv" or len(pieces) >= 2
+    ids, _, bad = rows_of(read_chunks(files[1], "text", "id"))
+    assert ids == ["a"] and [(b.line, b.id, b.reason) for b in bad] == [
+        (2, None, "not UTF-8 (byte 24)"), (3, "c", "field 'text' is not valid UTF-8 (lone surrogate)")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bad_rows_fail_then_skip(engine, request, tiny_export, rows, reference, tmp_path, capsys):
+    """One error policy on every engine: `fail` names the same first bad row before anything is
+    written; `skip` leaves out and names the same rows, and the good rows' shards are the same."""
+    src, bad_lines = bad_jsonl(tmp_path / "bad.jsonl", rows[:40])
+    out = tmp_path / "out"
+    with pytest.raises(CorpusInputError, match=r"^7 bad row\(s\), first .*bad\.jsonl:3: invalid JSON"):
+        encode_corpus(tiny_export, src, out, engine=engine, **SMALL)
+    assert not out.exists()  # refused before anything was written
+    code = main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q", "--engine", engine])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not out.exists() and len(err.splitlines()) == 1
+    assert f"7 bad row(s), first {src}:3: invalid JSON" in err
+
+    res = run_encode(request, engine, tiny_export, src, out, on_error="skip")
+    m = load_manifest(out)
+    assert m["engine"]["name"] == engine
+    assert [b["line"] for b in m["skip_list"]] == bad_lines and res.skipped == m["skipped"] == 7
+    reasons = {b["line"]: b["reason"] for b in m["skip_list"]}
+    assert "invalid JSON" in reasons[3] and reasons[7] == "missing field 'text'"
+    assert reasons[11] == "field 'text' is int, not a string" and "not a JSON object" in reasons[15]
+    assert reasons[19] == "missing field 'id'" and reasons[23] == "missing field 'text'"
+    assert reasons[27].startswith("not UTF-8")
+    side = [json.loads(x) for x in (out / "skipped.jsonl").read_text().splitlines()]
+    assert side == m["skip_list"] and side[1]["id"] == "x7"
+    keep = [r for i, r in enumerate(rows[:40]) if i + 1 not in bad_lines[:-1]]  # line 27 was inserted
+    ids, emb = read_embeddings(out)
+    assert ids == [r["id"] for r in keep] and len(ids) == 34
+    ref = {r["id"]: reference[i] for i, r in enumerate(rows)}
+    assert np.abs(emb - np.stack([ref[i] for i in ids])).max() <= TOL
+    if engine != "local":
+        run_encode(request, "local", tiny_export, src, tmp_path / "local", on_error="skip")
+        assert_same_output(tmp_path / "local", out)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bad_rows_csv_and_parquet(engine, request, tiny_export, tmp_path):
+    c = tmp_path / "bad.csv"
+    c.write_bytes(b'id,text\nc1,hello\nc2\nc3,"two\nlines"\nc4,caf\xe9\nc5,fine\n')
+    with pytest.raises(CorpusInputError, match=r"2 bad row\(s\), first .*bad\.csv:3: missing field 'text'"):
+        encode_corpus(tiny_export, c, tmp_path / "o1", engine=engine, **SMALL)
+    p = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": ["p1", None, "p3"], "text": ["a", "b", None]}), p)
+    # both files in one run (the ray engine reads mixed formats too): one Ray pipeline, not two
+    run_encode(request, engine, tiny_export, [c, p], tmp_path / "o1", on_error="skip")
+    m = load_manifest(tmp_path / "o1")
+    assert [(Path(b["file"]).name, b["line"], b["reason"]) for b in m["skip_list"]] == [
+        ("bad.csv", 3, "missing field 'text' (1 of 2 columns)"), ("bad.csv", 6, "not UTF-8"),
+        ("bad.parquet", 2, "missing field 'id'"), ("bad.parquet", 3, "missing field 'text'")]
+    assert read_embeddings(tmp_path / "o1")[0] == ["c1", "c3", "c5", "p1"]
+    if engine != "local":
+        run_encode(request, "local", tiny_export, [c, p], tmp_path / "local", on_error="skip")
+        assert_same_output(tmp_path / "local", tmp_path / "o1")
+    pq.write_table(pa.table({"id": [1], "body": [b"x"]}), tmp_path / "wrong.parquet")
+    with pytest.raises(CorpusInputError, match="no column 'text'"):
+        encode_corpus(tiny_export, tmp_path / "wrong.parquet", tmp_path / "o3", engine=engine, **SMALL)
+
+
+def test_ray_engine_on_local_2cpu_instance(request, tiny_export, rows, reference, tmp_path):
     d = tmp_path / "in"
     d.mkdir()
     write_parquet(d / "a.parquet", rows[:120])
-    write_parquet(d / "b.parquet", rows[120:])
+    write_jsonl(d / "b.jsonl", rows[120:])  # two formats in one run
     out = tmp_path / "ray"
-    import faulthandler
-
-    faulthandler.dump_traceback_later(300, exit=True)  # a Ray scheduling deadlock must not hang CI
-    try:
-        res = encode_corpus(tiny_export, d, out, engine="ray", workers=2, ray_num_cpus=2, **SMALL)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    res = run_encode(request, "ray", tiny_export, d, out, workers=2)
     m = assert_matches(out, rows, reference)
     assert m["engine"]["name"] == "ray" and res.rows == len(rows)
     local = tmp_path / "local"
     encode_corpus(tiny_export, d, local, **SMALL)
-    assert [s["rows"] for s in load_manifest(local)["shards"]] == [s["rows"] for s in m["shards"]]
+    assert_same_output(local, out)
     # JSON lines with integer ids and rows without text: Ray drops the same rows the scan skips
     j = tmp_path / "c.jsonl"
     j.write_text("".join(json.dumps({"id": i, "text": r["text"] if i % 50 else None}) + "\n"
                          for i, r in enumerate(rows)))
-    faulthandler.dump_traceback_later(300, exit=True)
-    try:
-        encode_corpus(tiny_export, j, tmp_path / "ray-json", engine="ray", workers=1, ray_num_cpus=2,
-                      on_error="skip", **SMALL)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    run_encode(request, "ray", tiny_export, j, tmp_path / "ray-json", on_error="skip")
     ids, emb = read_embeddings(tmp_path / "ray-json")
     keep = [i for i in range(len(rows)) if i % 50]
     assert ids == [str(i) for i in keep] and np.abs(emb - reference[keep]).max() <= TOL

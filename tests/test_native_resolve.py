@@ -77,3 +77,33 @@ def test_explicit_library_env(tmp_path, monkeypatch, not_built):
         oplib.resolve_library(True)
     lib.write_bytes(b"x")
     assert oplib.resolve_library() == lib
+
+
+def _header_set(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "NvInferRuntime.h").write_text("// stand-in\n")
+    return path
+
+
+def test_tensorrt_headers_one_setting(tmp_path, monkeypatch):
+    """$ATTNCAL_TENSORRT_HEADERS: unset -> None (tests skip); an include dir, its parent, or a root
+    of <version>/include sets; a wrong path or a missing version is an error naming it."""
+    monkeypatch.delenv(oplib.TENSORRT_HEADERS_ENV, raising=False)
+    assert oplib.tensorrt_headers() is None and oplib.tensorrt_headers("10.5.0") is None
+    inc = _header_set(tmp_path / "one" / "include")
+    monkeypatch.setenv(oplib.TENSORRT_HEADERS_ENV, str(inc))
+    assert oplib.tensorrt_headers() == inc
+    monkeypatch.setenv(oplib.TENSORRT_HEADERS_ENV, str(inc.parent))
+    assert oplib.tensorrt_headers() == inc
+    root = tmp_path / "sets"
+    old, new = _header_set(root / "10.5.0" / "include"), _header_set(root / "11.1" / "include")
+    (root / "9.0").mkdir()  # not a header set: ignored
+    monkeypatch.setenv(oplib.TENSORRT_HEADERS_ENV, str(root))
+    assert oplib.tensorrt_headers() == new  # the newest, by version and not by string order
+    assert oplib.tensorrt_headers("10.5.0") == old
+    with pytest.raises(FileNotFoundError, match=r"no TensorRT 10\.6 headers .*found 10\.5\.0, 11\.1"):
+        oplib.tensorrt_headers("10.6")
+    monkeypatch.setenv(oplib.TENSORRT_HEADERS_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="ATTNCAL_TENSORRT_HEADERS=.*nowhere: no NvInferRuntime.h"):
+        oplib.tensorrt_headers()
+    assert "ATTNCAL_TENSORRT_HEADERS" in oplib.TENSORRT_HEADERS_HELP

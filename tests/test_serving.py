@@ -462,21 +462,24 @@ def test_serve_cli_kill_restart_and_sigterm(exports, encoders, tmp_path):
         text = "".join(lines)
         assert "raw-encoder v1 READY" in text and "raw-tokenizer v1 READY" in text and "127.0.0.1" in text
         ref = encoders["raw"].encode(["restart me"])
-        outcomes: list[tuple[str, float]] = []
+        # Deterministic on any machine speed: the clients run until told to stop (bounded by a
+        # deadline, not by a request count); the server is killed once they have seen
+        # KILL_AFTER_OKS answers, and they are stopped once every client has seen an error.
+        KILL_AFTER_OKS, DEADLINE_S = 20, 60.0
+        outcomes: list[tuple[int, str, float]] = []
         stop = threading.Event()
+        deadline = time.monotonic() + DEADLINE_S
 
-        def loader():
+        def loader(k: int):
             c = grpcclient.InferenceServerClient(url)
             try:
-                for _ in range(400):
-                    if stop.is_set():
-                        break
+                while not stop.is_set() and time.monotonic() < deadline:
                     t0 = time.monotonic()
                     try:
                         _ = c.infer("raw", [_inp(["restart me"])], client_timeout=5)
-                        outcomes.append(("ok", time.monotonic() - t0))
+                        outcomes.append((k, "ok", time.monotonic() - t0))
                     except InferenceServerException:
-                        outcomes.append(("error", time.monotonic() - t0))
+                        outcomes.append((k, "error", time.monotonic() - t0))
                         time.sleep(0.05)
             finally:
                 c.close()
@@ -487,19 +490,29 @@ def test_serve_cli_kill_restart_and_sigterm(exports, encoders, tmp_path):
             i.set_data_from_numpy(arr)
             return i
 
-        threads = [threading.Thread(target=loader, daemon=True) for _ in range(4)]
+        def wait_for(pred) -> bool:
+            while not pred():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.01)
+            return True
+
+        n_clients = 4
+        threads = [threading.Thread(target=loader, args=(k,), daemon=True) for k in range(n_clients)]
         for t in threads:
             t.start()
-        time.sleep(1.5)
-        os.kill(pid, signal.SIGKILL)  # mid-load
-        time.sleep(1.5)
+        assert wait_for(lambda: sum(o == "ok" for _, o, _ in outcomes) >= KILL_AFTER_OKS), \
+            f"clients saw {len(outcomes)} outcomes before the deadline, none of them {KILL_AFTER_OKS} answers"
+        os.kill(pid, signal.SIGKILL)  # mid-load: the clients are still sending
+        all_failed = wait_for(lambda: {k for k, o, _ in outcomes if o == "error"} == set(range(n_clients)))
         stop.set()
         for t in threads:
             t.join(timeout=30)
         assert not any(t.is_alive() for t in threads), "a client hung after the server died"
-        oks = [d for o, d in outcomes if o == "ok"]
-        errs = [d for o, d in outcomes if o == "error"]
-        assert oks and errs, (len(oks), len(errs))
+        assert all_failed, f"not every client saw the dead server within {DEADLINE_S} s: {outcomes[-8:]}"
+        oks = [d for _, o, d in outcomes if o == "ok"]
+        errs = [d for _, o, d in outcomes if o == "error"]
+        assert len(oks) >= KILL_AFTER_OKS and errs, (len(oks), len(errs))
         assert max(errs) < 6.0  # clean errors within the client timeout, no hang
         assert proc.wait(timeout=30) == 1  # the CLI notices the server died
         assert "exited unexpectedly" in "".join(lines)

@@ -14,6 +14,8 @@ which keep the math identical:
   multiplier per basket (`λ * f_k + 1 - λ`), so the blend never materialises
   the calibrated distribution separately.
 * float16 and bfloat16 inputs are computed in float32.
+* A calibrated row holding a NaN or an infinity comes back NaN at every key,
+  as in the oracle (one extra sum over the calibrated rows detects it).
 """
 
 from __future__ import annotations
@@ -176,6 +178,9 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
     S, n_max = g.basket_size, g.n_max
     lam = rc.strength
     z = x.mul_(g.token_mask[:, None, :].to(x.dtype))  # step 4: pads -> 0
+    # NaN in, NaN out (attncal.graphs.contract): a row holding a NaN or an infinity at any key (x * 0
+    # keeps it at a pad) comes back NaN at every key; its NaN never reaches another row.
+    not_finite = ~torch.isfinite(z.sum(-1, keepdim=True))  # [A,R,1]
     start_idx = g.start[:, None, None].expand(A, R, 1)
     end_idx = g.end[:, None, None].expand(A, R, 1)
     z_first = torch.gather(z, -1, start_idx)
@@ -252,4 +257,6 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
         z.scatter_(-1, start_idx, lam * (s_first / total) + (1.0 - lam) * z_first)
     if rc.isolate_last:
         z.scatter_(-1, end_idx, lam * (s_last / total) + (1.0 - lam) * z_last)
+    if bool(not_finite.any()):
+        z.masked_fill_(not_finite, float("nan"))
     return z

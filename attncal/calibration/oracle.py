@@ -24,6 +24,11 @@ def reference(
     Q == K, or Q == 1 for pooled calibration: then the single row is the
     pooling row (its query was computed separately, as in row placement).
     Returns a new tensor of the input dtype; the input is not modified.
+
+    A calibrated row that holds a NaN or an infinity at any of its K keys (masked
+    keys included) comes back NaN at every key; rows that are not calibrated are
+    returned as they are, NaN included (attncal.graphs.contract, "Rows that are
+    fully masked or not finite").
     """
     rc = config.resolve() if isinstance(config, CalibrationConfig) else config
     if probs.dim() != 4:
@@ -69,6 +74,11 @@ def _calibrate_row(
     S = rc.basket_size
     if C <= 0 or (rc.skip_short and C < S):
         return None
+    if not np.all(np.isfinite(a)):
+        # Step 0: NaN in, NaN out.  A row with no softmax (scores all -inf, or holding a NaN or
+        # +inf: ONNX Softmax gives NaN for every key) or otherwise not a probability row is returned
+        # NaN at every key, masked keys included: never partly finite, never finite.
+        return np.full_like(a, np.nan)
     z = np.where(mask, a, 0.0)
     n = -(-C // S)
     t = n + n_iso

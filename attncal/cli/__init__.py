@@ -3,21 +3,32 @@
 Each subcommand lives in its own module and registers itself in `main`.
 User errors (bad paths, bad calibration values, unsupported models) print one
 line and exit with status 2; they never show a traceback.
+
+The commands that run torch, transformers or ONNX Runtime (export, check, bench,
+eval, encode, demo) print only attncal's own lines: those libraries' warnings and
+messages are captured (attncal.console), shown with -v/--verbose, and kept in a
+log file where the command writes a directory (export: OUT/attncal-export.log).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Callable, Sequence
 
+from .. import console
 from ..artifact import ArtifactError
 from ..calibration.config import CalibrationConfig
 from ..calibration.patching import UnsupportedArchitectureError
 from ..modelinfo import ModelNotFoundError, UnsupportedModelError
 
 EXIT_USAGE = 2
+# Commands whose third-party chatter is captured; each gets -v/--verbose.
+CAPTURED_COMMANDS = ("export", "check", "bench", "eval", "encode", "demo")
+VERBOSE_HELP = ("show the warnings and messages of torch, transformers and ONNX Runtime as they come "
+                "(by default they are kept off the console){where}")
 USER_ERRORS = (ArtifactError, ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError,
                UnsupportedModelError, UnsupportedArchitectureError)
 
@@ -95,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text, module in _commands():
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().splitlines()[0])
         module.add_arguments(p)
+        if name in CAPTURED_COMMANDS:
+            where = getattr(module, "LOG_FILE_HELP", "")
+            p.add_argument("-v", "--verbose", action="store_true",
+                           help=VERBOSE_HELP.format(where=f"; either way {where}" if where else ""))
         p.set_defaults(_run=module.run)
     return parser
 
@@ -104,6 +119,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
+    captured = args.command in CAPTURED_COMMANDS
+    with console.capture_third_party(verbose=args.verbose) if captured else contextlib.nullcontext() as capture:
+        args.capture = capture
+        code = _run(args)
+        if code not in (0, 130) and capture is not None and not capture.verbose and capture.third_party_lines:
+            print(f"attncal {args.command}: {capture.third_party_lines} lines of third-party warnings and messages "
+                  "were kept off the console; --verbose shows them", file=sys.stderr)
+        return code
+
+
+def write_command_log(args: argparse.Namespace, path: os.PathLike | str) -> None:
+    """Write the third-party warnings and messages captured so far to `path` (bench --out, eval --out)."""
+    capture = getattr(args, "capture", None)
+    if capture is not None:
+        capture.write_log(path)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except CLIError as exc:

@@ -7,7 +7,10 @@ import json
 import os
 from pathlib import Path
 
-from . import CLIError, add_calibration_args, config_from_args
+from . import CLIError, add_calibration_args, config_from_args, write_command_log
+
+LOG_FILE = "attncal-bench.log"
+LOG_FILE_HELP = f"they are written to OUT/{LOG_FILE}"
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -72,6 +75,7 @@ def run_triton(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "triton.json", json.dumps(result, indent=2))
     write_text_atomic(out / "triton.md", table + "\n")
+    write_command_log(args, out / LOG_FILE)
     print(table)
     return 0
 
@@ -142,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "engines": engines,
             "seq": seqs, "batch": batches, "repeats": args.repeats, "machine": machine_info(args.threads)}
     write_results(out, rows, meta, notes)
+    write_command_log(args, out / LOG_FILE)
     print((out / "results.md").read_text())
-    print(f"wrote {out}/results.json, results.md, latency.png" + (", memory.png" if not args.no_memory else ""))
+    print(f"wrote {out}/results.json, results.md, latency.png" + (", memory.png" if not args.no_memory else "")
+          + f", {LOG_FILE}")
     return 0

@@ -12,6 +12,8 @@ import numpy as np
 
 from . import add_calibration_args, config_from_args
 
+LOG_FILE_HELP = "each export keeps them in its attncal-export.log"
+
 DEMO_TEXTS = [
     "Attention calibration is applied at indexing time.",
     "The pooling token of an encoder attends mostly to the start of a passage. " * 4,

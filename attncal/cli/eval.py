@@ -16,9 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import CLIError, add_calibration_args, config_from_args
+from . import CLIError, add_calibration_args, config_from_args, write_command_log
 
 DEFAULT_STRENGTHS = "0,0.25,0.5,0.75,1"
+LOG_FILE = "attncal-eval.log"
+LOG_FILE_HELP = f"they are written to OUT/{LOG_FILE} (with --out)"
 
 
 def _strengths(text: str) -> list[float]:
@@ -227,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     for n in results["notes"]:
         print(f"note: {n}")
     if args.out:
-        print(f"wrote {args.out} (results.md, results.json{', plots' if not args.no_plots else ''}) "
+        write_command_log(args, Path(args.out) / LOG_FILE)
+        print(f"wrote {args.out} (results.md, results.json{', plots' if not args.no_plots else ''}, {LOG_FILE}) "
               f"in {results['seconds']} s")
     return 0

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
 from . import CLIError, add_calibration_args, config_from_args
+
+LOG_FILE_HELP = "they are written to OUT/attncal-export.log"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,4 +65,7 @@ def run(args: argparse.Namespace) -> int:
         if g.get("parity"):
             line += f", parity vs PyTorch max abs {g['parity']['max_abs']:.3g}"
         print(line)
+    from ..export.exporter import EXPORT_LOG_FILE
+
+    print(f"third-party warnings and messages (torch, transformers, ONNX Runtime): {Path(args.out) / EXPORT_LOG_FILE}")
     return 0

@@ -6,9 +6,13 @@ progress bar, hashes the files for the manifest's input fingerprint and
 collects the bad rows; so bad input with `on_error="fail"` is refused before
 anything is written, and the skip list is complete from the first shard on.
 The encode pass streams the rows again through an engine into the shard
-writer.  Calibration is an indexing-time change, so the model must be an
-attncal export (`attncal export MODEL -o OUT`): exporting is not cheap for
-large models and includes a parity check, so it is never done implicitly.
+writer.  Every engine parses with the readers of `inputs` (the local and
+triton engines through `read_chunks`, Ray through `read_piece` on the same
+byte ranges), so one error policy holds everywhere: the scan's bad rows are
+exactly the rows each engine leaves out.  Calibration is an indexing-time
+change, so the model must be an attncal export (`attncal export MODEL -o
+OUT`): exporting is not cheap for large models and includes a parity check,
+so it is never done implicitly.
 """
 
 from __future__ import annotations
@@ -64,7 +68,6 @@ class ScanResult:
     files: list[dict]  # path, format, size, sha256, rows (valid), bad
     bad: list[BadRow]
     rows: int
-    fallback: bool  # some rows needed the line-by-line parser (Ray's pyarrow readers cannot read them)
     fingerprint: str
 
 
@@ -99,7 +102,7 @@ def scan(files: list[InputFile], text_field: str, id_field: str, show_progress: 
     """Validate and count every row, and fingerprint the input (see the module docstring)."""
     from tqdm.auto import tqdm
 
-    out, bad, total, fallback = [], [], 0, False
+    out, bad, total = [], [], 0
     digest = hashlib.sha256()
     bar = tqdm(total=sum(f.path.stat().st_size for f in files), unit="B", unit_scale=True, desc="scan",
                disable=not show_progress)
@@ -109,7 +112,6 @@ def scan(files: list[InputFile], text_field: str, id_field: str, show_progress: 
             rows += len(chunk.ids)
             file_bad += len(chunk.bad)
             bad += chunk.bad
-            fallback |= chunk.fallback
         size = f.path.stat().st_size
         sha = file_sha256(f.path)
         digest.update(f"{f.path.name}\0{size}\0{sha}\n".encode())
@@ -118,7 +120,7 @@ def scan(files: list[InputFile], text_field: str, id_field: str, show_progress: 
         total += rows
         bar.update(size)
     bar.close()
-    return ScanResult(out, bad, total, fallback, "sha256:" + digest.hexdigest())
+    return ScanResult(out, bad, total, "sha256:" + digest.hexdigest())
 
 
 def _windows(files: list[InputFile], text_field: str, id_field: str, skip: int, shard_size: int,
@@ -255,11 +257,6 @@ def encode_corpus(
                                "(fix them or pass --on-error skip)")
     if sc.rows == 0:
         raise CorpusInputError("the input has no valid rows" + (f" ({len(sc.bad)} bad)" if sc.bad else ""))
-    if engine == "ray" and sc.fallback:
-        first = next((b for b in sc.bad), None)
-        raise CorpusInputError("the ray engine reads with Ray Data's pyarrow readers, which cannot read some rows of "
-                               f"this input ({first.describe() if first else 'see --engine local'}); "
-                               "fix them or use --engine local")
     dim = _dimension(export, meta)
     engine_desc = {"name": engine, "workers": workers}
     fresh = {

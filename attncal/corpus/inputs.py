@@ -18,6 +18,11 @@ Every reader yields `Chunk`s of valid rows (ids as strings, texts) plus the bad
 rows met on the way, so memory is bounded by the chunk size whatever the
 corpus size.  Ids are written as strings: JSON integers become their decimal
 form, CSV fields are kept verbatim.
+
+Engines that read in parallel (Ray) cut each file into `Piece`s with
+`plan_pieces` and parse each piece with `read_piece`, which runs the very
+functions `read_chunks` runs on the same byte ranges (JSON lines), row groups
+(Parquet) or whole file (CSV), so every engine keeps and names the same rows.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import hashlib
 import io
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -122,11 +127,80 @@ def read_chunks(f: InputFile, text_field: str, id_field: str) -> Iterator[Chunk]
     return _read_parquet(f.path, text_field, id_field)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A part of one input file that a parallel reader parses on its own (see `plan_pieces`).
+
+    `first` is the 1-based line (JSON lines) or row number (Parquet) of the piece's first row, so
+    bad rows are named exactly as `read_chunks` names them.  Plain data, so it travels as JSON.
+    """
+
+    path: str
+    format: str  # jsonl | csv | parquet
+    first: int = 1
+    offset: int = 0  # JSON lines: byte range [offset, offset + length) of the file
+    length: int = -1  # -1: to the end of the file
+    row_groups: tuple[int, ...] | None = None  # Parquet: these row groups; None: all
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Piece":
+        d = json.loads(text)
+        if d["row_groups"] is not None:
+            d["row_groups"] = tuple(d["row_groups"])
+        return cls(**d)
+
+
+def plan_pieces(f: InputFile) -> list[Piece]:
+    """Pieces of `f` that together give exactly `read_chunks(f)`'s rows, in order.
+
+    - JSON lines: the byte ranges `read_chunks` itself parses one at a time (cut at line ends by
+      `_byte_chunks`, so the boundaries are the same by construction); the file is read, not parsed.
+    - Parquet: runs of row groups of about `JSON_CHUNK_BYTES` (from the footer; no data read).
+    - CSV: the whole file, one piece: a quoted field may hold line ends, so a row boundary is only
+      known by parsing from the header on (`csv` is sequential).
+    """
+    if f.format == "jsonl":
+        return [Piece(str(f.path), "jsonl", line, offset, len(raw))
+                for line, offset, raw in _byte_chunks(f.path, JSON_CHUNK_BYTES)]
+    if f.format == "parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(f.path).metadata
+        pieces, groups, first, row, size = [], [], 1, 1, 0
+        for g in range(meta.num_row_groups):
+            rg = meta.row_group(g)
+            groups.append(g)
+            row += rg.num_rows
+            size += rg.total_byte_size
+            if size >= JSON_CHUNK_BYTES or g == meta.num_row_groups - 1:
+                pieces.append(Piece(str(f.path), "parquet", first, row_groups=tuple(groups)))
+                groups, first, size = [], row, 0
+        return pieces
+    return [Piece(str(f.path), f.format)]
+
+
+def read_piece(piece: Piece, text_field: str, id_field: str) -> Iterator[Chunk]:
+    """Valid rows and bad rows of one piece, chunk by chunk: the code `read_chunks` runs."""
+    path = Path(piece.path)
+    if piece.format == "jsonl":
+        with open(path, "rb") as fh:
+            fh.seek(piece.offset)
+            raw = fh.read(piece.length if piece.length >= 0 else -1)
+        return iter([_parse_jsonl_piece(path, piece.first, raw, text_field, id_field)])
+    if piece.format == "csv":
+        return _read_csv(path, text_field, id_field)
+    return _read_parquet(path, text_field, id_field, piece.row_groups, piece.first)
+
+
 # -- JSON lines -----------------------------------------------------------------------------------
 
-def _byte_chunks(path: Path, size: int) -> Iterator[tuple[int, bytes]]:
-    """(first line number, bytes ending at a line end) pieces of the file."""
-    line = 1
+def _byte_chunks(path: Path, size: int) -> Iterator[tuple[int, int, bytes]]:
+    """(first line number, byte offset, bytes) pieces of the file, each ending at a line end (the
+    last one may lack its final newline)."""
+    line, offset = 1, 0
     rest = b""
     with open(path, "rb") as fh:
         while True:
@@ -139,16 +213,24 @@ def _byte_chunks(path: Path, size: int) -> Iterator[tuple[int, bytes]]:
                 rest = buf
                 continue
             piece, rest = buf[: cut + 1], buf[cut + 1 :]
-            yield line, piece
+            yield line, offset, piece
             line += piece.count(b"\n")
+            offset += len(piece)
     if rest:
-        yield line, rest + b"\n"
+        yield line, offset, rest
 
 
 def _read_jsonl(path: Path, text_field: str, id_field: str) -> Iterator[Chunk]:
-    for first_line, piece in _byte_chunks(path, JSON_CHUNK_BYTES):
-        chunk = _jsonl_fast(path, first_line, piece, text_field, id_field)
-        yield chunk if chunk is not None else _jsonl_slow(path, first_line, piece, text_field, id_field)
+    for first_line, _, piece in _byte_chunks(path, JSON_CHUNK_BYTES):
+        yield _parse_jsonl_piece(path, first_line, piece, text_field, id_field)
+
+
+def _parse_jsonl_piece(path: Path, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk:
+    """Rows of a piece of whole lines: pyarrow first, line by line when pyarrow refuses it."""
+    if not piece.endswith(b"\n"):
+        piece += b"\n"  # the file's last line without its newline
+    chunk = _jsonl_fast(path, first_line, piece, text_field, id_field)
+    return chunk if chunk is not None else _jsonl_slow(path, first_line, piece, text_field, id_field)
 
 
 def _jsonl_fast(path: Path, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk | None:
@@ -157,6 +239,12 @@ def _jsonl_fast(path: Path, first_line: int, piece: bytes, text_field: str, id_f
     import pyarrow.compute as pc
     import pyarrow.json as pj
 
+    try:
+        # pyarrow's JSON reader does not check UTF-8: a piece with a non-UTF-8 byte would parse and
+        # then fail in to_pylist with a traceback; the line parser names the line instead
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
     try:
         table = pj.read_json(pa.BufferReader(piece),
                              read_options=pj.ReadOptions(use_threads=False, block_size=max(len(piece), 1 << 16)),
@@ -221,6 +309,10 @@ def _jsonl_slow(path: Path, first_line: int, piece: bytes, text_field: str, id_f
             bad(f"missing field {text_field!r}", i)
         elif not isinstance(obj[text_field], str):
             bad(f"field {text_field!r} is {type(obj[text_field]).__name__}, not a string", i)
+        elif not _utf8_ok(i) or not _utf8_ok(obj[text_field]):
+            # a lone surrogate escape ("\ud800") parses but cannot be tokenized or written as UTF-8
+            bad(f"field {(id_field if not _utf8_ok(i) else text_field)!r} is not valid UTF-8 (lone surrogate)",
+                i if _utf8_ok(i) else None)
         else:
             out.ids.append(i)
             out.texts.append(obj[text_field])
@@ -287,7 +379,9 @@ def _read_csv(path: Path, text_field: str, id_field: str) -> Iterator[Chunk]:
 
 # -- Parquet --------------------------------------------------------------------------------------
 
-def _read_parquet(path: Path, text_field: str, id_field: str) -> Iterator[Chunk]:
+def _read_parquet(path: Path, text_field: str, id_field: str, row_groups: tuple[int, ...] | None = None,
+                  first_row: int = 1) -> Iterator[Chunk]:
+    """Rows of the file, or of its `row_groups` (whose first row is row `first_row` of the file)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -305,8 +399,9 @@ def _read_parquet(path: Path, text_field: str, id_field: str) -> Iterator[Chunk]
         raise CorpusInputError(f"{path}: column {text_field!r} is {tt}, not a string")
     if not (pa.types.is_string(it) or pa.types.is_large_string(it) or pa.types.is_integer(it)):
         raise CorpusInputError(f"{path}: column {id_field!r} is {it}, not a string or integer")
-    row = 1
-    for batch in pf.iter_batches(batch_size=PARQUET_CHUNK_ROWS, columns=[id_field, text_field]):
+    row = first_row
+    for batch in pf.iter_batches(batch_size=PARQUET_CHUNK_ROWS, row_groups=row_groups,
+                                 columns=[id_field, text_field]):
         ids = pc.cast(batch.column(id_field), pa.string()).to_pylist()
         texts = batch.column(text_field).to_pylist()
         if batch.column(id_field).null_count == 0 and batch.column(text_field).null_count == 0:

@@ -1,37 +1,53 @@
-"""The `ray` engine: Ray Data `read_*` -> `map_batches` on an actor pool of Encoders -> shards.
+"""The `ray` engine: input pieces -> `map_batches` parsing them -> an actor pool of Encoders -> shards.
 
-The pipeline is `read_parquet | read_csv | read_json` over the input files,
-a stateless `map_batches` that keeps valid rows (drops rows without id or
-text, ids cast to strings, as the local readers do), then `map_batches` with
-a class: Ray starts `workers` actors, each loading one `Encoder` with its
-share of cores (`num_cpus`), and each window-sized batch is sorted by length
-inside the actor.  `preserve_order` keeps the output in input order, so the
-driver writes the same shards (ids, order, manifest) as the other engines.
-The driver writes the Parquet shards itself: one writer keeps the shard
-numbering and the manifest exact, and an embedding (1.5 KB for MiniLM) is
-small next to the cost of computing it.
+The pipeline is `from_items` over the input's `Piece`s (`inputs.plan_pieces`:
+byte ranges of JSON lines cut at line ends, runs of Parquet row groups, whole
+CSV files), a stateless `map_batches` that parses each piece with
+`inputs.read_piece` -- the parser and validation of the local readers, run on
+the same byte ranges -- and keeps its valid rows, then `map_batches` with a
+class: Ray starts `workers` actors, each loading one `Encoder` with its share
+of cores (`num_cpus`), and each window-sized batch is sorted by length inside
+the actor.  `preserve_order` keeps the output in input order, so the driver
+writes the same shards (ids, order, manifest) as the other engines.  The
+driver writes the Parquet shards itself: one writer keeps the shard numbering
+and the manifest exact, and an embedding (1.5 KB for MiniLM) is small next to
+the cost of computing it.
+
+Why not Ray Data's `read_json` / `read_csv` / `read_text`: their pyarrow
+readers stop the whole read at the first invalid JSON line, non-UTF-8 byte or
+short CSV row, and they keep no line numbers, so `--on-error skip` could not
+skip and name the rows the local engine skips; `read_text` also decodes a
+whole file at once and splits on every Unicode line break (a JSON string may
+hold U+2028), not on the newlines that number the lines.  Parsing the local
+readers' own pieces in the map step gives every engine the same rows, and the
+skip list (from the driver's scan, which runs the same code) names them the
+same way.  Parquet is binary, so "read as text" does not apply: a piece is a
+run of row groups, read with `pyarrow.parquet` by the local reader's code,
+which checks the column types and reports a null id or text by its row number
+in the file, as the local engine does.  A CSV file is one piece because a
+quoted field may span lines; CSV files are still read in parallel with each
+other and with encoding.
 
 With `--ray-address` the run joins an existing cluster; the export directory
 and the input files must then be readable at the same path on every node.
-Rows that Ray Data's pyarrow readers cannot parse at all (invalid JSON or
-UTF-8, a CSV row with missing columns) stop a Ray read; the driver's scan
-finds them first, and the engine refuses with one line rather than fail
-mid-run.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from .inputs import InputFile
+from .inputs import InputFile, plan_pieces
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 # Ray's CPU counts are logical reservations.  Actors that reserved every CPU would leave none for
-# Ray Data's file listing (a 1-CPU task) and read tasks, and the pipeline would wait forever, so the
-# actors together reserve one CPU less than the instance has; each actor's ONNX Runtime still runs
-# `cpus_per_worker` threads, which is what decides the physical share of cores.
+# the piece-parsing tasks (and Ray Data's own small tasks), and the pipeline would wait forever, so
+# the actors together reserve one CPU less than the instance has; each actor's ONNX Runtime still
+# runs `cpus_per_worker` threads, which is what decides the physical share of cores.
 READ_CPUS = 0.1
 
 
@@ -39,16 +55,19 @@ class RayEngineError(RuntimeError):
     """Ray could not run the pipeline; the message says what to change."""
 
 
-def _select_valid(batch, text_field: str, id_field: str):
-    """Keep rows with an id and a text; ids as strings (the same rule as the local readers)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+def _parse_pieces(batch: "pa.Table", text_field: str, id_field: str) -> Iterator["pa.Table"]:
+    """Valid rows of each piece in `batch`, one table per reader chunk (so memory stays at a chunk).
 
-    ids = batch.column(id_field) if id_field in batch.column_names else pa.nulls(batch.num_rows)
-    ids = pc.cast(ids, pa.string())
-    texts = pc.cast(batch.column(text_field), pa.string())
-    keep = pc.and_(pc.is_valid(ids), pc.is_valid(texts))
-    return pa.table({"id": pc.filter(ids, keep), "text": pc.filter(texts, keep)})
+    Bad rows are dropped here; the driver's scan, which ran the same code, has already named them.
+    """
+    import pyarrow as pa
+
+    from .inputs import Piece, read_piece
+
+    for spec in batch.column("piece").to_pylist():
+        for chunk in read_piece(Piece.from_json(spec), text_field, id_field):
+            if chunk.ids:
+                yield pa.table({"id": pa.array(chunk.ids, pa.string()), "text": pa.array(chunk.texts, pa.string())})
 
 
 class _EncodeActor:
@@ -73,27 +92,6 @@ class _EncodeActor:
         emb, tokens = encode_window(self.encoder, batch.column("text").to_pylist(), self.batch_size)
         table = embedding_table(ids, emb)
         return table.append_column("tokens", pa.array([tokens] + [0] * (len(ids) - 1), type=pa.int64()))
-
-
-def _read(ray, files: list[InputFile], text_field: str, id_field: str):
-    import pyarrow as pa
-
-    fmt = {f.format for f in files}
-    if len(fmt) > 1:
-        raise RayEngineError("the ray engine reads one input format per run; got " + ", ".join(sorted(fmt)))
-    paths = [str(f.path) for f in files]
-    fmt = fmt.pop()
-    if fmt == "parquet":
-        return ray.data.read_parquet(paths, columns=[id_field, text_field], file_extensions=None, num_cpus=READ_CPUS)
-    if fmt == "csv":
-        import pyarrow.csv as pcsv
-
-        return ray.data.read_csv(paths, file_extensions=None, num_cpus=READ_CPUS, convert_options=pcsv.ConvertOptions(
-            column_types={id_field: pa.string(), text_field: pa.string()}, include_columns=[id_field, text_field]))
-    import pyarrow.json as pj
-
-    return ray.data.read_json(paths, file_extensions=None, num_cpus=READ_CPUS, parse_options=pj.ParseOptions(
-        explicit_schema=pa.schema([(text_field, pa.string())]), unexpected_field_behavior="infer"))
 
 
 class RayEngine:
@@ -121,6 +119,9 @@ class RayEngine:
                      skip_rows: int = 0) -> Iterator[tuple[list[str], np.ndarray, int]]:
         """(ids, embeddings, tokens) in input order, starting after the first `skip_rows` valid rows
         of `files` (which the caller has already dropped whole files from)."""
+        pieces = [p for f in files for p in plan_pieces(f)]
+        if not pieces:  # every file is already written (a resumed run)
+            return
         import ray
 
         started = False
@@ -138,9 +139,9 @@ class RayEngine:
             ctx = ray.data.DataContext.get_current()
             ctx.execution_options.preserve_order = True
             ctx.enable_progress_bars = False
-            ds = _read(ray, files, text_field, id_field)
-            ds = ds.map_batches(_select_valid, fn_kwargs={"text_field": text_field, "id_field": id_field},
-                                batch_format="pyarrow", batch_size=None)
+            ds = ray.data.from_items([{"piece": p.to_json()} for p in pieces], override_num_blocks=len(pieces))
+            ds = ds.map_batches(_parse_pieces, fn_kwargs={"text_field": text_field, "id_field": id_field},
+                                batch_format="pyarrow", batch_size=1, num_cpus=READ_CPUS)
             ds = ds.map_batches(_EncodeActor, batch_format="pyarrow", batch_size=self.window,
                                 fn_constructor_args=(self.export_dir, self.cpus_per_worker, self.max_length,
                                                      self.batch_size),

@@ -7,10 +7,16 @@ and `attncal.json` describing the calibration and the parity measured at export.
 
 Everything is written into a temporary directory beside OUT and renamed into
 place at the end, so a failure never leaves a half-written OUT behind.
+
+Warnings and messages of the libraries the export runs through (torch.onnx,
+transformers, ONNX Runtime's optimizer) are kept off the console and written to
+`attncal-export.log` in OUT, inside the temporary directory before the rename
+(attncal.console); attncal's own step lines stay on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from .. import console
 from ..artifact import (  # noqa: F401  (the layout names are re-exported here for compatibility)
     EXTERNAL_DATA_FILE,
     FORMAT_VERSION,
@@ -45,6 +52,7 @@ DEFAULT_OPSET = 18
 OPTIMIZABLE_TYPES = ("bert", "xlm-roberta")  # model types onnxruntime.transformers.optimizer fuses
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
 _SKIP_DIRS = {"onnx", "openvino", ".git", "__pycache__"}
+EXPORT_LOG_FILE = "attncal-export.log"  # third-party warnings and messages of the export (attncal.console)
 
 
 class ExportError(RuntimeError):
@@ -70,6 +78,7 @@ class ExportOptions:
 
 
 def _log(msg: str, quiet: bool) -> None:
+    console.own_line(f"attncal: {msg}")  # context for the export log
     if not quiet:
         print(f"attncal: {msg}", file=sys.stderr, flush=True)
 
@@ -212,6 +221,22 @@ def _optimized_graph(info: ModelInfo, opts: ExportOptions, ts_raw: Path, config:
     return ir.from_proto(_ort_optimize(placed, info)), result
 
 
+def _fusion_note(model, captured: list[str]) -> str | None:
+    """In attncal's words, what a skipped optional fusion of ONNX Runtime's optimizer means (or None).
+
+    ORT's optimizer prints "failed in shape inference" when its symbolic shape inference cannot
+    handle a graph (a TypeError on an Expand node in onnxruntime 1.32); it then leaves Add + LayerNormalization
+    unfused.  The export is still correct: the parity check measures it."""
+    ops = [n.op_type for n in model.graph]
+    if "SkipLayerNormalization" in ops or ops.count("LayerNormalization") < 2:
+        return None
+    shape_inference = any("shape inference" in ln for ln in captured)
+    why = ("ONNX Runtime's shape inference does not handle this graph" if shape_inference
+           else "ONNX Runtime's optimizer did not match it")
+    return (f"{ONNX_SUBDIR}/{OPTIMIZED_FILE} keeps Add + LayerNormalization unfused ({why}); "
+            "results are unaffected, only that fusion's speed-up is missing")
+
+
 def library_versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -259,6 +284,8 @@ def export(
     layers: list[int] = config.layer_indices(info.num_layers) if config is not None else []  # range errors first
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     t_start = time.perf_counter()
+    captured = contextlib.ExitStack()  # third-party chatter -> EXPORT_LOG_FILE (and --verbose), not the console
+    capture = captured.enter_context(console.capture_third_party())
     try:
         copy_model_files(info, tmp)
         if opts.max_length is not None:
@@ -268,7 +295,8 @@ def export(
         _log(f"[1/4] exporting {info.model_type} ({info.num_layers} layers) with the {opts.exporter} exporter, "
              f"opset {opts.opset}", quiet)
         try:
-            input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16)
+            with console.third_party_output():
+                input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16)
         except Exception as exc:  # torch.onnx failures are long; report the cause in one line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ExportError(f"torch.onnx ({opts.exporter}) failed to export {info.model_type}: "
@@ -295,14 +323,19 @@ def export(
             ts_raw = raw_path
             if opts.exporter != "torchscript":
                 ts_raw = tmp / ".raw-ts" / ONNX_FILE
-                torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
+                with console.third_party_output():
+                    torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
             _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
                  + (f" with {plan.optimized} placement" if plan else ""), quiet)
-            opt_model, _ = _optimized_graph(info, opts, ts_raw, config, plan.optimized if plan else None,
-                                            info.num_layers, ts_raw.parent)
+            with console.third_party_output():
+                opt_model, _ = _optimized_graph(info, opts, ts_raw, config, plan.optimized if plan else None,
+                                                info.num_layers, ts_raw.parent)
             from ..graphs.placement_base import count_fused_attention
 
             n_fused = count_fused_attention(opt_model)
+            note = _fusion_note(opt_model, capture.lines())
+            if note:
+                _log(f"note: {note}", quiet)
             save_onnx(opt_model, tmp / ONNX_SUBDIR / OPTIMIZED_FILE)
             del opt_model
             annotate_for_inplace(tmp / ONNX_SUBDIR / OPTIMIZED_FILE)
@@ -355,9 +388,12 @@ def export(
                     raise ParityError(f"parity check of {graph_file} failed: {report.summary()}")
         else:
             _log("[3/4] parity check skipped (--skip-check)", quiet)
+        capture.write_log(tmp / EXPORT_LOG_FILE)  # inside the export before the rename: part of it
         commit_dir(tmp, out)
         _log(f"[4/4] wrote {out} in {time.perf_counter() - t_start:.1f} s", quiet)
         return meta
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        captured.close()

@@ -1,21 +1,34 @@
-"""A tiny node builder for graph rewrites: nodes are created into a list and inserted together.
+"""A tiny node builder for graph rewrites: nodes and their constants are collected, then added together.
 
 Shared by the row and split placements, which both add a block of nodes beside an attention layer.
+Nothing reaches the graph before `Ops.insert_before`/`Ops.insert_after`: a placement runs every
+refusal first, and a builder that is dropped leaves neither nodes nor orphan initializers behind.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 
 class Ops:
-    """Creates nodes into `self.nodes` (names prefixed), to be inserted into `graph` by the caller."""
+    """Creates nodes into `self.nodes` and constants into `self.initializers` (names prefixed); both are
+    added to `graph` by `insert_before`/`insert_after`.
+
+    Why hold the constants: registering an initializer edits the graph, so a rewrite that creates
+    constants while it is still deciding whether it applies would leave unused weights behind when
+    it refuses."""
 
     def __init__(self, graph: ir.Graph, prefix: str) -> None:
-        self.graph, self.prefix, self.nodes, self.n = graph, prefix, [], 0
+        self.graph, self.prefix = graph, prefix
+        self.nodes: list[ir.Node] = []
+        self.initializers: list[ir.Value] = []
+        self.n = 0
 
-    def __call__(self, op_type: str, *inputs: ir.Value | None, domain: str = "", num_outputs: int = 1, **attrs):
+    def __call__(self, op_type: str, *inputs: ir.Value | None, domain: str = "", num_outputs: int = 1,
+                 **attrs) -> ir.Value | Sequence[ir.Value]:
         self.n += 1
         node = ir.node(op_type, list(inputs), attrs or None, domain=domain, num_outputs=num_outputs,
                        name=f"{self.prefix}/{op_type}_{self.n}")
@@ -25,10 +38,25 @@ class Ops:
         return node.outputs[0] if num_outputs == 1 else node.outputs
 
     def const(self, name: str, array: np.ndarray) -> ir.Value:
-        """An initializer of the main graph (visible inside subgraphs too)."""
+        """A constant that becomes an initializer of the main graph (visible inside subgraphs too) when
+        the nodes are inserted."""
         v = ir.Value(name=f"{self.prefix}/{name}", const_value=ir.tensor(np.asarray(array)))
-        self.graph.register_initializer(v)
+        self.initializers.append(v)
         return v
+
+    def insert_before(self, anchor: ir.Node) -> None:
+        """Register the constants, then insert the nodes before `anchor`."""
+        self._register()
+        self.graph.insert_before(anchor, self.nodes)
+
+    def insert_after(self, anchor: ir.Node) -> None:
+        """Register the constants, then insert the nodes after `anchor`."""
+        self._register()
+        self.graph.insert_after(anchor, self.nodes)
+
+    def _register(self) -> None:
+        for v in self.initializers:
+            self.graph.register_initializer(v)
 
 
 def graph_input(graph: ir.Graph, name: str, error: type[Exception]) -> ir.Value:

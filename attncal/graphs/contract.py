@@ -19,6 +19,36 @@ every exported node.
   `<op>(Softmax(scores, axis=-1), attention_mask)` with `<op>`'s attributes.
   Why: a separate op costs one more read and write of the probabilities; fused,
   the calibration rides on the softmax's own pass over the row.
+
+Rows that are fully masked or not finite.  The ops follow the graph they
+replace.  The function body, the native CPU kernels (in place and out of
+place) and the PyTorch path `attncal.calibration.apply` give what the float64
+oracle `attncal.calibration.reference` gives, row kind by row kind
+(`tests/test_masked_rows.py`); the CUDA kernels follow the same rules
+(`plugins/kernels/calibration_cuda.h`; compiled in CI, never run here):
+
+* Scores all -inf (a fully masked row of an additive -inf mask), or holding a
+  NaN or +inf: ONNX Softmax has no value for such a row; ONNX Runtime's Softmax
+  and torch.softmax give NaN at every key.  So do the Softmax-fused ops, for
+  every key of the row, calibrated or not: exactly Softmax followed by the
+  separate op.
+* Scores all the dtype's lowest finite value (how transformers masks): the
+  softmax is the uniform row, 1/K at each of the K keys, masked keys included;
+  a calibrated such row is then calibrated as usual (masked keys are excluded
+  by `attention_mask`, not by the scores: they come out 0).  Scores partly
+  -inf with the valid keys finite are ordinary rows (exp(-inf) = 0).
+* Separate ops: a calibrated row that holds a NaN or an infinity at any of its
+  K keys, masked keys included, comes back NaN at every key (no probability
+  row holds either; the ones after a fully masked Softmax are all NaN).  A row
+  that is not calibrated (another query row, a padding query row, an item too
+  short to calibrate, strength 0) is returned as it is, NaN included.
+* No op turns a NaN into a finite value or a finite row into NaN, and one
+  row's NaN never reaches another row or head.
+
+A future one-pass attention op (Softmax and the product with V in one kernel)
+must state its own rule for a fully masked row: FlashAttention returns 0 for
+it, ONNX Runtime's MultiHeadAttention and torch's scaled_dot_product_attention
+differ by backend, so "the graph it replaces" does not decide it by itself.
 """
 
 from __future__ import annotations

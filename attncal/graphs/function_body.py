@@ -10,8 +10,15 @@ has no other reader, so ONNX Runtime updates it in place and the calibrated
 graph keeps no second full-size copy of the attention probabilities.
 
 The math is the calibration core's (steps 1-10), in float32 for float16 inputs:
-basket sums come from aligning each item's content span at offset 0 (a
-GatherElements over the row) and reshaping the key axis into (n, basket_size).
+basket sums come from one MatMul of the rows against a per-item basket
+membership matrix (see `_body`).
+
+Rows that are not finite (contract.py): the membership MatMul also sums each
+calibrated row, and `row sum * 0` (0, or NaN when the row holds a NaN or an
+infinity) is added to the row's multipliers, so such a row comes back NaN at
+every key; rows that are not calibrated keep multiplier 1, NaN included.  The
+Softmax-fused bodies start with ONNX Softmax, which gives NaN for a row of
+-inf scores: their output is exactly Softmax followed by the separate op.
 """
 
 from __future__ import annotations
@@ -119,7 +126,7 @@ def _body(b: _Builder, all_rows: bool) -> str:
     ends = b.op("Unsqueeze", b.op("Concat", start_c, end_c, axis=1), ax1)  # [B,1,2]
     E = b.op("Cast", b.op("Equal", b.op("Unsqueeze", b.op("Unsqueeze", pos, ax0), ax_last), ends), to=f32)
     ones_col = b.op("Expand", one_f, b.op("Concat", b.op("Shape", rel), b.axes(1), axis=0))  # [B,K,1]
-    P_read = b.op("Unsqueeze", b.op("Concat", P, E, axis=2), ax1)  # [B,1,K,n+2]
+    P_read = b.op("Unsqueeze", b.op("Concat", P, E, ones_col, axis=2), ax1)  # [B,1,K,n+3]
     P_ext = b.op("Concat", P, ones_col, axis=2)  # [B,K,n+1]
     P_write = b.op("Unsqueeze", b.op("Transpose", P_ext, perm=[0, 2, 1]), ax1)  # [B,1,n+1,K]
 
@@ -142,12 +149,16 @@ def _body(b: _Builder, all_rows: bool) -> str:
         row_active = b.op("Unsqueeze", active, ax_12)  # [B,1,1,1]
     x = b.op("Cast", x_native, to=f32)
 
-    # --- basket masses and the isolated tokens' probabilities in one MatMul (steps 4, 6)
-    read = b.op("MatMul", x, P_read)  # [B,H,R,n+2]; pads never enter (P is 0 there)
+    # --- basket masses, the isolated tokens' probabilities and the row sum in one MatMul (steps 4, 6)
+    read = b.op("MatMul", x, P_read)  # [B,H,R,n+3]; pads enter the row sum only
     n_1d = b.op("Unsqueeze", n_max, ax0)
     mass = b.op("Slice", read, b.axes(0), n_1d, ax_last)
     z_first = b.op("Slice", read, n_1d, b.op("Add", n_1d, b.axes(1)), ax_last)
     z_last = b.op("Slice", read, b.op("Add", n_1d, b.axes(1)), b.op("Add", n_1d, b.axes(2)), ax_last)
+    row_sum = b.op("Slice", read, b.op("Add", n_1d, b.axes(2)), b.op("Add", n_1d, b.axes(3)), ax_last)
+    # NaN in, NaN out (contract.py): 0 for a row of finite probabilities, NaN for a row holding a NaN
+    # or an infinity at any key (pads included); added to the calibrated rows' multipliers below.
+    poison = b.op("Mul", row_sum, zero_f)  # [B,H,R,1]
     t4 = b.op("Unsqueeze", t, ax_12)  # [B,1,1,1]
     nz = b.op("Not", b.op("Equal", mass, zero_f))
     # Multipliers are kept scaled by 2^-32 and x by 2^32 (powers of two: exact), so a basket whose
@@ -184,10 +195,10 @@ def _body(b: _Builder, all_rows: bool) -> str:
     mult = b.op("Add", b.op("Mul", b.op("Div", b.op("Mul", f, scale), total), lam),
                 b.op("Mul", one_minus, down))  # [B,H,R,n], times 2^-32
     # Calibrated rows: content gets its basket's multiplier, everything else 0 (pads; isolated tokens
-    # are written below).  Other rows get multiplier 1 (2^-32 here) through the ones column:
-    # bit-identical.
-    col_shape = b.op("Concat", b.op("Slice", b.op("Shape", mult), b.axes(0), b.axes(3)), b.axes(1), axis=0)
-    keep_col = b.op("Expand", b.op("Where", row_active, zero_f, down), col_shape)  # [B,H,R,1]
+    # are written below), plus the poison through the ones column (every key of a non-finite row
+    # becomes NaN).  Other rows get multiplier 1 (2^-32 here) through the ones column: bit-identical,
+    # NaN included.
+    keep_col = b.op("Where", row_active, poison, down)  # [B,H,R,1], as poison
     coef = b.op("Concat", b.op("Where", row_active, mult, zero_f), keep_col, axis=-1)  # [B,H,R,n+1]
     out = b.op("Mul", b.op("Mul", x, up), b.op("MatMul", coef, P_write))
     # Isolated tokens: out = λ·share/total + (1-λ)·z at their position, in calibrated rows only.
@@ -202,7 +213,8 @@ def _body(b: _Builder, all_rows: bool) -> str:
                                                           axis=0)), axis=1)  # [B,1,n+1]
         m_at = b.op("ReduceSum", b.op("Mul", coef, b.op("Unsqueeze", p_row, ax1)), ax_last, keepdims=1)
         current = b.op("Mul", b.op("Mul", z_p, up), m_at)
-        value = b.op("Add", b.op("Mul", lam, b.op("Div", s, total)), b.op("Mul", one_minus, z_p))
+        value = b.op("Add", b.op("Add", b.op("Mul", lam, b.op("Div", s, total)), b.op("Mul", one_minus, z_p)),
+                     poison)
         use = b.op("And", row_active, b.op("Equal", iso, one_i))
         out = b.op("ScatterElements", out, idx, b.op("Where", use, value, current), axis=3)
     out_native = b.op("CastLike", out, "probs")

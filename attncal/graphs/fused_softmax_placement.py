@@ -8,8 +8,9 @@ two cores).  Fused, the native kernel calibrates each row while the softmax has 
 calibration adds no memory traffic.  The op's function body is `Softmax` followed by the separate
 op's body, so a runtime without the native kernel runs exactly the softmax placement's graph.
 
-The placement is the softmax placement plus one rewrite: a calibration op whose input is a
-last-axis Softmax read by nothing else (not a graph output) absorbs that Softmax.
+The placement is the softmax placement plus one rewrite, `fuse_softmax`: a calibration op whose
+input is a last-axis Softmax read by nothing else (not a graph output) absorbs that Softmax.
+`check` runs both rewrites' refusals before either edits the graph.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from ..calibration.config import CalibrationConfig
 from . import softmax_placement
 from .contract import DOMAIN, takes_scores, with_softmax
 from .function_body import make_function
-from .placement_base import PlacementResult
-from .rewrite import model_opset
+from .placement_base import PlacementResult, count_fused_attention
+from .rewrite import CalibrationPlan, apply_calibration, model_opset
 from .softmax_pattern import SoftmaxPatternError
 
 NAME = "fused-softmax"
@@ -36,47 +37,78 @@ def _last_axis_softmax(node: ir.Node | None) -> bool:
     return axis == -1 or (rank is not None and axis == rank - 1)
 
 
+def _why_not_absorbable(softmax: ir.Node | None, graph: ir.Graph) -> str | None:
+    """Why a calibration op could not absorb `softmax`, the producer of its probabilities (None: it
+    can).  Readers other than the calibration op itself are the caller's to count."""
+    if softmax is None:
+        return "the probabilities have no producer"
+    if softmax.op_type != "Softmax" or softmax.domain not in ("", "ai.onnx"):
+        return f"{softmax.op_type} {softmax.name} is not an ONNX Softmax"
+    if not _last_axis_softmax(softmax):
+        shape = softmax.outputs[0].shape
+        return (f"it is not over the last axis (axis {softmax.attributes.get_int('axis', -1)}, output rank "
+                f"{shape.rank() if shape is not None else 'unknown'})")
+    if any(v is softmax.outputs[0] for v in graph.outputs):
+        return f"its output {softmax.outputs[0].name} is also a graph output, which needs the plain probabilities"
+    return None
+
+
 def fuse_softmax(model: ir.Model) -> int:
     """Replace each `Softmax -> calibration op` pair by the fused op, in place; returns how many.
 
     A pair is fused only when the Softmax works on the last axis and its output feeds the op
-    alone, so no other reader loses the plain probabilities."""
+    alone, so no other reader loses the plain probabilities.  The pairs and the fused ops' bodies
+    are found first; the graph is edited only once nothing is left that can fail."""
     graph = model.graph
-    outputs = set(id(v) for v in graph.outputs)
-    fused_types: set[str] = set()
+    opset = model_opset(model)
+    pairs: list[tuple[ir.Node, ir.Node]] = []
     plain_types: set[str] = set()
-    count = 0
-    for node in list(graph):
+    for node in graph:
         if node.domain != DOMAIN or takes_scores(node.op_type):
             continue
         probs = node.inputs[0]
         softmax = probs.producer()
-        if not _last_axis_softmax(softmax) or id(probs) in outputs or len(list(probs.uses())) != 1:
+        if _why_not_absorbable(softmax, graph) is not None or len(list(probs.uses())) != 1:
             plain_types.add(node.op_type)
             continue
+        pairs.append((node, softmax))
+    functions = [ir.serde.deserialize_function(make_function(op_type, opset))
+                 for op_type in sorted({with_softmax(node.op_type) for node, _ in pairs})]
+    for node, softmax in pairs:
         op_type = with_softmax(node.op_type)
         fused = ir.Node(DOMAIN, op_type, [softmax.inputs[0], node.inputs[1]],
                         attributes=list(node.attributes.values()),
                         name=(node.name or "attncal").replace(node.op_type, op_type), num_outputs=1)
         out = fused.outputs[0]
         out.name, out.type, out.shape = node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape
-        node.outputs[0].replace_all_uses_with(out)
+        # Same name, so a calibrated output that is also a graph output stays one.
+        node.outputs[0].replace_all_uses_with(out, replace_graph_outputs=True)
         graph.insert_after(node, fused)
         graph.remove([node, softmax], safe=True)
-        fused_types.add(op_type)
-        count += 1
-    opset = model_opset(model)
-    for op_type in fused_types:
-        fn = ir.serde.deserialize_function(make_function(op_type, opset))
+    for fn in functions:
         model.functions[fn.identifier()] = fn
     for key in [k for k in model.functions if k[0] == DOMAIN and not takes_scores(k[1]) and k[1] not in plain_types]:
         del model.functions[key]  # the separate op's body is no longer used
-    return count
+    return len(pairs)
+
+
+def check(model: ir.Model, config: CalibrationConfig, num_layers: int) -> CalibrationPlan:
+    """Every refusal of the fused-softmax placement, before any edit: the softmax placement's, and
+    for each calibrated layer a Softmax that the op can absorb.
+
+    After the softmax placement the op is its Softmax's only reader (every reader is moved to the
+    op), except for a graph output, which keeps the plain probabilities."""
+    plan = softmax_placement.check(model, config, num_layers)
+    for att in plan.softmaxes:
+        why = _why_not_absorbable(att.softmax, model.graph)
+        if why is not None:
+            raise SoftmaxPatternError(f"fused-softmax placement: layer {att.layer}'s Softmax {att.softmax.name} cannot "
+                                      f"be fused with the calibration: {why}; use --placement softmax")
+    return plan
 
 
 def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> PlacementResult:
-    r = softmax_placement.place(model, config, num_layers)
-    if fuse_softmax(model) != len(r.layers):
-        raise SoftmaxPatternError("fused-softmax placement: a calibrated layer's Softmax has other readers or is "
-                                  "not on the last axis; use --placement softmax")
-    return PlacementResult(r.layers, with_softmax(r.op_type), r.attrs, r.fused_attention)
+    r = apply_calibration(model, check(model, config, num_layers))
+    fused = fuse_softmax(model)
+    assert fused == len(r.layers), f"check() accepted every calibrated layer, yet {fused} of {len(r.layers)} fused"
+    return PlacementResult(r.layers, with_softmax(r.op_type), r.attrs, count_fused_attention(model))

@@ -6,13 +6,21 @@ the plain export (standard ONNX, any runtime) or ONNX Runtime's optimized graph 
 `com.microsoft::Attention` nodes).  `OPTIMIZE_FIRST` says how the optimized graph is made: True
 means "optimize the uncalibrated export, then place" (row, split: they keep the fusions), False means
 "place on the plain graph, then optimize" (softmax: calibrated layers stay unfused).
+
+Every placement checks before it edits: all of its refusals, for every calibrated layer, run before
+the first change to the model, so a refused placement leaves the graph exactly as it was (and a caller
+may fall back to another placement).  The helpers here only read the graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -56,9 +64,10 @@ def fused_layers(model: ir.Model, num_layers: int, mask_input: str, error: type[
     return atts, graph_input(graph, mask_input, error)
 
 
-def fused_attention_parts(att: ir.Node, error: type[Exception]):
+def fused_attention_parts(att: ir.Node, error: type[Exception]) -> tuple[ir.Value, np.ndarray, np.ndarray, int, float]:
     """(x, packed QKV weight [hidden, 3*hidden], bias [3*hidden], num_heads, scale) of an ORT-fused
-    `com.microsoft::Attention` encoder node; raises `error` for anything else."""
+    `com.microsoft::Attention` encoder node; raises `error` for anything else (the placements
+    rebuild the layer from these alone, so anything they do not carry would be lost)."""
     import numpy as np
 
     x, w, bias = att.inputs[0], att.inputs[1], att.inputs[2]

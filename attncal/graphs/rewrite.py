@@ -1,5 +1,11 @@
 """The graph-rewrite pass: insert an `ai.attncal` calibration node after the attention softmax
-of the selected layers, and attach the model-local function bodies."""
+of the selected layers, and attach the model-local function bodies.
+
+Rewrites:
+* `insert_calibration`: `plan_calibration` (every refusal, no edit) then `apply_calibration` (the
+  edit, which cannot refuse); the fused-softmax placement adds its own check between the two.
+* `remove_calibration`: the inverse, used before recalibrating (`replace=True`).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,11 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig
+from ..calibration.config import CalibrationConfig, ResolvedCalibration
 from .builder import graph_input
 from .contract import DOMAIN, VERSION, op_spec, takes_scores
 from .function_body import MIN_OPSET, make_function
-from .softmax_pattern import SoftmaxPatternError, find_attention_softmaxes
+from .softmax_pattern import AttentionSoftmax, SoftmaxPatternError, find_attention_softmaxes
 
 
 class AlreadyCalibratedError(ValueError):
@@ -34,14 +40,21 @@ def model_opset(model: ir.Model) -> int:
 
 def remove_calibration(model: ir.Model) -> int:
     """Remove every attncal node (re-wiring its consumers to its `probs` input, or to a plain Softmax
-    of the scores for a Softmax-fused op); returns how many."""
+    of the scores for a Softmax-fused op); returns how many.
+
+    Refuses (`SoftmaxPatternError`, or `ValueError` for an unknown op type) before the first edit."""
     graph = model.graph
+    nodes = [node for node in graph if node.domain == DOMAIN]
+    fused = [takes_scores(node.op_type) for node in nodes]
+    outputs = {id(v) for v in graph.outputs}
+    for node in nodes:
+        if id(node.outputs[0]) in outputs:
+            raise SoftmaxPatternError(f"the output {node.outputs[0].name} of calibration node {node.name} is a graph "
+                                      "output; removing the node would leave that output without a producer")
     removed = 0
-    for node in list(graph):
-        if node.domain != DOMAIN:
-            continue
+    for node, takes in zip(nodes, fused):
         probs = node.inputs[0]
-        if takes_scores(node.op_type):
+        if takes:
             softmax = ir.Node("", "Softmax", [probs], attributes=[ir.AttrInt64("axis", -1)], num_outputs=1)
             probs = softmax.outputs[0]
             probs.name, probs.type, probs.shape = f"{node.outputs[0].name}_probs", node.outputs[0].type, \
@@ -56,41 +69,80 @@ def remove_calibration(model: ir.Model) -> int:
     return removed
 
 
-def insert_calibration(
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What `apply_calibration` will do to a model, decided (or refused) before its first edit."""
+
+    rc: ResolvedCalibration
+    num_layers: int
+    selected: list[int]
+    mask: ir.Value
+    # The selected layers' softmaxes; empty when `remove_first`, since removing a Softmax-fused op
+    # creates the Softmax (they are found again after the removal).
+    softmaxes: list[AttentionSoftmax]
+    remove_first: bool  # the model carries calibration nodes and `replace` was asked for
+    function: ir.Function  # the op's model-local body
+
+
+def _selected(softmaxes: list[AttentionSoftmax], selected: list[int]) -> list[AttentionSoftmax]:
+    return [att for att in softmaxes if att.layer in selected]
+
+
+def plan_calibration(
     model: ir.Model,
     config: CalibrationConfig,
     num_layers: int,
     *,
     replace: bool = False,
     mask_input: str = "attention_mask",
-) -> RewriteResult:
-    """Calibrate `model` in place. `config.pooling` must be concrete (cls, last or mean)."""
+) -> CalibrationPlan:
+    """Every refusal of `insert_calibration`, without editing `model`; `config.pooling` must be concrete.
+
+    With `replace`, the pattern search that would follow the removal of the old calibration runs on
+    a copy of the model (tensors shared), so a graph that cannot be recalibrated keeps its old
+    calibration rather than losing it."""
     rc = config.resolve()
     graph = model.graph
     opset = model_opset(model)
     if opset < MIN_OPSET:
         raise SoftmaxPatternError(f"the model uses opset {opset}; attncal needs opset >= {MIN_OPSET}")
-    if any(node.domain == DOMAIN for node in graph):
-        if not replace:
-            raise AlreadyCalibratedError(
-                "the model already contains attncal calibration nodes; pass replace=True (CLI: --overwrite on a "
-                "fresh export) to recalibrate"
-            )
-        remove_calibration(model)
+    calibrated = any(node.domain == DOMAIN for node in graph)
+    if calibrated and not replace:
+        raise AlreadyCalibratedError(
+            "the model already contains attncal calibration nodes; pass replace=True (CLI: --overwrite on a "
+            "fresh export) to recalibrate"
+        )
     mask = graph_input(graph, mask_input, SoftmaxPatternError)
     selected = config.layer_indices(num_layers)
-    softmaxes = find_attention_softmaxes(graph, num_layers)
+    if calibrated:
+        probe = model.clone()
+        remove_calibration(probe)
+        find_attention_softmaxes(probe.graph, num_layers)
+        softmaxes: list[AttentionSoftmax] = []
+    else:
+        softmaxes = _selected(find_attention_softmaxes(graph, num_layers), selected)
+    # layer_indices() is never empty; the op type does not depend on the layer.
+    function = ir.serde.deserialize_function(make_function(op_spec(rc, selected[0]).op_type, opset))
+    return CalibrationPlan(rc, num_layers, selected, mask, softmaxes, calibrated, function)
+
+
+def apply_calibration(model: ir.Model, plan: CalibrationPlan) -> RewriteResult:
+    """Insert the calibration nodes `plan` (from `plan_calibration` on this model) describes."""
+    graph = model.graph
+    softmaxes = plan.softmaxes
+    if plan.remove_first:
+        remove_calibration(model)
+        # The same search succeeded on a copy of the model in plan_calibration.
+        softmaxes = _selected(find_attention_softmaxes(graph, plan.num_layers), plan.selected)
     spec = None
     for att in softmaxes:
-        if att.layer not in selected:
-            continue
-        spec = op_spec(rc, att.layer)
+        spec = op_spec(plan.rc, att.layer)
         probs = att.softmax.outputs[0]
         uses = list(probs.uses())
         node = ir.Node(
             DOMAIN,
             spec.op_type,
-            [probs, mask],
+            [probs, plan.mask],
             attributes=[ir.AttrInt64(k, v) if isinstance(v, int) else ir.AttrFloat32(k, v) for k, v in spec.attrs.items()],
             name=f"attncal_{spec.op_type}_layer{att.layer}",
             num_outputs=1,
@@ -104,7 +156,21 @@ def insert_calibration(
         graph.insert_after(att.softmax, node)
     assert spec is not None  # layer_indices() is never empty and every layer has a softmax
     model.opset_imports[DOMAIN] = VERSION
-    fn = ir.serde.deserialize_function(make_function(spec.op_type, opset))
-    model.functions[fn.identifier()] = fn
+    model.functions[plan.function.identifier()] = plan.function
     attrs = {k: v for k, v in spec.attrs.items() if k != "layer"}
-    return RewriteResult(layers=selected, op_type=spec.op_type, attrs=attrs)
+    return RewriteResult(layers=plan.selected, op_type=spec.op_type, attrs=attrs)
+
+
+def insert_calibration(
+    model: ir.Model,
+    config: CalibrationConfig,
+    num_layers: int,
+    *,
+    replace: bool = False,
+    mask_input: str = "attention_mask",
+) -> RewriteResult:
+    """Calibrate `model` in place. `config.pooling` must be concrete (cls, last or mean).
+
+    Every refusal (`SoftmaxPatternError`, `AlreadyCalibratedError`) comes before the first edit."""
+    return apply_calibration(model, plan_calibration(model, config, num_layers, replace=replace,
+                                                     mask_input=mask_input))

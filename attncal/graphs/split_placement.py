@@ -25,16 +25,25 @@ scattered back into the context.  An `original` share needs the row's probabilit
 token, which fused attention does not expose; for the pooling row it is recomputed from one row of
 scores, for all rows (mean pooling with an `original` isolated token, not a default) split placement
 refuses and the softmax placement applies.
+
+Two rewrites, chosen by `place` from the graph:
+* `insert_split_calibration_fused`: the ORT-optimized graph, as above;
+* `insert_split_calibration_plain`: a plain graph, standard ONNX only (the basket terms as one
+  batched MatMul → Softmax → MatMul per layer).
+Each runs every refusal, for every calibrated layer, before its first edit.
 """
 
 from __future__ import annotations
+
 
 import numpy as np
 import onnx_ir as ir
 
 from ..calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+from .attention_chain import PlainAttention, inferred_shapes, replay_chain, side_inputs, walk_layer
 from .builder import Ops, graph_input
 from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, fused_layers, has_fused_attention
+from .softmax_pattern import AttentionSoftmax, find_attention_softmaxes
 
 MS_DOMAIN = "com.microsoft"
 i64 = np.int64
@@ -194,8 +203,19 @@ def _basket_loop(ops: Ops, g: _Geometry, q: ir.Value, k: ir.Value, v: ir.Value, 
     return out
 
 
-def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g: _Geometry, mask: ir.Value) -> None:
-    x, W, bvec, heads, scale = fused_attention_parts(att, SplitPlacementError)
+def _check_fused_layer(graph: ir.Graph, att: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray, int, float]:
+    """Every refusal for one fused layer; returns its `fused_attention_parts`."""
+    parts = fused_attention_parts(att, SplitPlacementError)
+    if any(o is att.outputs[0] for o in graph.outputs):
+        raise SplitPlacementError(f"the context of {att.name} is a graph output; cannot rewire it (the fused node "
+                                  "is replaced, and a graph output would be left without its producer)")
+    return parts
+
+
+def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g: _Geometry, mask: ir.Value,
+           parts: tuple[ir.Value, np.ndarray, np.ndarray, int, float]) -> None:
+    """One checked fused layer rebuilt as split attention (`parts`: `fused_attention_parts` of `att`)."""
+    x, W, bvec, heads, scale = parts
     hidden = W.shape[1] // 3
     head = hidden // heads
     ops = Ops(graph, f"attncal_split_layer{layer}")
@@ -258,10 +278,7 @@ def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g
     out.name = f"{ops.prefix}/context"
     for user, i in list(ctx.uses()):
         user.replace_input_with(i, out)
-    for out_value in graph.outputs:
-        if out_value is ctx:
-            raise SplitPlacementError(f"the context of {att.name} is a graph output; cannot rewire it")
-    graph.insert_after(att, ops.nodes)
+    ops.insert_after(att)
     graph.remove(att, safe=True)
 
 
@@ -279,7 +296,9 @@ def _row_probs(ops: Ops, q_row: ir.Value, k: ir.Value, g: _Geometry, heads: int,
 
 def insert_split_calibration_fused(model: ir.Model, config: CalibrationConfig, num_layers: int,
                                    mask_input: str = "attention_mask") -> list[int]:
-    """Split placement on an ORT-optimized graph: one fused Attention node per layer; returns the calibrated layers."""
+    """Split placement on an ORT-optimized graph: one fused Attention node per layer; returns the calibrated layers.
+
+    Every refusal, for every selected layer, comes before the first edit."""
     rc = config.resolve()
     check_supported(rc)
     graph = model.graph
@@ -288,13 +307,12 @@ def insert_split_calibration_fused(model: ir.Model, config: CalibrationConfig, n
     selected = config.layer_indices(num_layers)
     if not selected or rc.strength == 0.0:
         return selected
+    parts = {layer: _check_fused_layer(graph, atts[layer]) for layer in selected}
     gops = Ops(graph, "attncal_split_geometry")
     geometry = _Geometry(gops, mask, rc)
-    first = atts[selected[0]]
-    graph.insert_before(first, gops.nodes)
-    for layer, att in enumerate(atts):
-        if layer in selected:
-            _layer(graph, att, layer, rc, geometry, mask)
+    gops.insert_before(atts[selected[0]])
+    for layer in selected:
+        _layer(graph, atts[layer], layer, rc, geometry, mask, parts[layer])
     for name, value in list(graph.initializers.items()):  # the replaced nodes' packed QKV weights
         if not list(value.uses()) and not any(value is o for o in graph.outputs):
             del graph.initializers[name]
@@ -306,6 +324,36 @@ def insert_split_calibration_fused(model: ir.Model, config: CalibrationConfig, n
 # ---------------------------------------------------------------------------------------------
 # The plain graph: standard ONNX only, for every architecture and exporter (TensorRT and others)
 # ---------------------------------------------------------------------------------------------
+def _basket_side(val: ir.Value, node: ir.Node) -> str:
+    """How the chain's side input `val` (of `node`) reaches the basket scores [B,H,n,Q,S]: "baskets"
+    (a rank-4 per-key mask, gathered into basket layout), "unsqueeze" (rank 4 with one key column)
+    or "as-is" (a scalar, a vector or a constant, which broadcast).  Any other computed input is
+    refused: its key axis is unknown, so it cannot be cut into baskets."""
+    if val.shape is not None and val.shape.rank() == 4:
+        last = val.shape[3]
+        return "unsqueeze" if isinstance(last, int) and last == 1 else "baskets"
+    if val.shape is not None and val.shape.rank() not in (0, 1) and val.const_value is None:
+        raise SplitPlacementError(f"unsupported rank-{val.shape.rank()} input {val.name} of {node.name}: only "
+                                  "rank-4 masks, scalars, vectors and constants can follow the scores into baskets")
+    return "as-is"
+
+
+def _check_plain_layer(graph: ir.Graph, att: AttentionSoftmax) -> PlainAttention:
+    """Every refusal for one layer of a plain graph (shapes inferred)."""
+    walked = walk_layer(att, SplitPlacementError)
+    if att.softmax.inputs[0].dtype not in (ir.DataType.FLOAT, None):
+        raise SplitPlacementError(f"split placement on the plain graph is float32 only ({att.softmax.name} works on "
+                                  f"{att.softmax.inputs[0].dtype.name}: the blend coefficients are float32); "
+                                  "drop --fp16")
+    for val, node, _ in side_inputs(walked.chain, walked.scores_mm.outputs[0]):
+        _basket_side(val, node)
+    ctx = walked.value_mm.outputs[0]
+    if any(o is ctx for o in graph.outputs):
+        raise SplitPlacementError(f"the attention context {ctx.name} is a graph output; cannot rewire it (the output "
+                                  "would keep the uncalibrated context)")
+    return walked
+
+
 def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, num_layers: int,
                                    mask_input: str = "attention_mask") -> list[int]:
     """Split placement on a graph with explicit attention (Softmax between two MatMuls), standard ops only.
@@ -315,22 +363,20 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
     scale/mask chain replayed on the basket scores (causal and sliding-window masks included),
     Softmax over each basket, MatMul with the basket values.  That is the MatMul → Softmax → MatMul
     shape other runtimes fuse into their attention kernels; no custom op and no function body.
+    Every refusal, for every selected layer, comes before the first edit (shape inference, which
+    the checks need, is undone on a refusal).
     """
-    from onnx_ir.passes.common import ShapeInferencePass
-
-    from .attention_chain import replay_chain, scores_chain, value_path
-    from .softmax_pattern import find_attention_softmaxes
-
     rc = config.resolve()
     graph = model.graph
     if any(n.domain == "ai.attncal" for n in graph):
         raise SplitPlacementError("the graph already contains attncal calibration nodes")
     mask = graph_input(graph, mask_input, SplitPlacementError)
-    ShapeInferencePass()(model)
-    selected = config.layer_indices(num_layers)
-    if rc.strength == 0.0:
-        return selected
-    softmaxes = find_attention_softmaxes(graph, num_layers)
+    with inferred_shapes(model):
+        selected = config.layer_indices(num_layers)
+        if rc.strength == 0.0:
+            return selected
+        layers = [_check_plain_layer(graph, att) for att in find_attention_softmaxes(graph, num_layers)
+                  if att.layer in selected]
     gops = Ops(graph, "attncal_split_geometry")
     g = _Geometry(gops, mask, rc)
     c = gops.const
@@ -351,15 +397,10 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
         sel = gops("Equal", gops("Unsqueeze", kpos, c("u0_k", np.array([0], i64))),
                    gops("Unsqueeze", row, c("u1_k", np.array([1], i64))))  # [B,Q]
         rows = gops("Unsqueeze", gops("Cast", sel, to=ir.DataType.FLOAT), c("u13", np.array([1, 3], i64)))
-    graph.insert_before(next(iter(graph)), gops.nodes)
+    gops.insert_before(next(iter(graph)))
     neg = f32(np.finfo(np.float32).min)
-    for att in softmaxes:
-        if att.layer not in selected:
-            continue
-        scores_mm, chain = scores_chain(att.softmax, SplitPlacementError)
-        post, value_mm = value_path(att.softmax, SplitPlacementError)
-        if att.softmax.inputs[0].dtype not in (ir.DataType.FLOAT, None):
-            raise SplitPlacementError("split placement on the plain graph is float32 only; drop --fp16")
+    for att in layers:
+        scores_mm, chain, post, value_mm = att.scores_mm, att.chain, att.post, att.value_mm
         ops = Ops(graph, f"attncal_split_layer{att.layer}")
         c = ops.const
         qx, kt, v = scores_mm.inputs[0], scores_mm.inputs[1], value_mm.inputs[1]
@@ -403,18 +444,14 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
         cur = ops("MatMul", ops("Unsqueeze", qx, c("u2q", np.array([2], i64))), k5)  # [B,H,n,Q,S]
         def side(val: ir.Value, node: ir.Node, kk: int) -> ir.Value:
             """Rank-4 side inputs (masks) go to the basket layout; scalars and vectors broadcast as they are."""
-            if val.shape is not None and val.shape.rank() == 4:
-                last = val.shape[3]
-                if isinstance(last, int) and last == 1:
-                    return ops("Unsqueeze", val, c(f"side{kk}_u", np.array([2], i64)))
+            kind = _basket_side(val, node)
+            if kind == "unsqueeze":
+                return ops("Unsqueeze", val, c(f"side{kk}_u", np.array([2], i64)))
+            if kind == "baskets":
                 return to_baskets(align(val, 3, f"side{kk}"), 3, f"side{kk}_5")
-            if val.shape is not None and val.shape.rank() not in (0, 1) and val.const_value is None:
-                raise SplitPlacementError(f"unsupported rank-{val.shape.rank()} input {val.name} of {node.name}")
             return val
 
-        cur, prev = replay_chain(ops, chain, scores_mm.outputs[0], cur, side)
-        if prev is not att.softmax.inputs[0]:
-            raise SplitPlacementError(f"unexpected graph between the scores MatMul and {att.softmax.name}")
+        cur = replay_chain(ops, chain, scores_mm.outputs[0], cur, side)
         negc = c("neg", neg)
         cur = ops("Where", inside5, ops("Max", cur, negc), negc)  # -inf masks clamped; non-content slots out
         ne = ops("Cast", ops("Greater", ops("ReduceMax", cur, c("axm1", np.array([-1], i64)), keepdims=1),
@@ -454,7 +491,5 @@ def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, n
         out.name = f"{ops.prefix}/context"
         for user, i in uses:
             user.replace_input_with(i, out)
-        if any(o is ctx for o in graph.outputs):
-            raise SplitPlacementError(f"the attention context {ctx.name} is a graph output; cannot rewire it")
-        graph.insert_after(value_mm, ops.nodes)
+        ops.insert_after(value_mm)
     return selected

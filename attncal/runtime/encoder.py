@@ -106,7 +106,12 @@ class Encoder:
                                 f"({type(exc).__name__}: {_first_line(exc)})") from None
         self.tokenizer.padding_side = self.meta.get("padding_side", "right")
         self.max_length = self.meta.get("max_seq_length")
-        so = session_options or ort.SessionOptions()
+        so = session_options
+        if so is None:
+            from .. import console
+
+            so = ort.SessionOptions()
+            so.log_severity_level = console.ort_log_severity()  # ORT's C++ warnings only with --verbose
         if intra_op_threads is not None:
             so.intra_op_num_threads = intra_op_threads
         lib: Path | None = None

@@ -35,9 +35,49 @@ _OFF_VALUES = frozenset({"0", "off", "false", "no"})
 _REPO = Path(__file__).resolve().parents[2]
 PLUGINS_DIR = _REPO / "plugins"
 
+TENSORRT_HEADERS_ENV = "ATTNCAL_TENSORRT_HEADERS"
+"""The one setting for TensorRT's public headers, read by the CMake build and the tests: a
+directory holding `NvInferRuntime.h`, its parent (`<dir>/include`), or a root of per-version
+sets `<root>/<version>/include` (laid out as ../shared/third_party/README.md says)."""
+TENSORRT_HEADERS_HELP = (
+    f"set {TENSORRT_HEADERS_ENV} to TensorRT's public headers (a folder of <version>/include sets, "
+    "e.g. /tmp/trt-headers/10.5.0/include, fetched from NVIDIA/TensorRT's include/ as "
+    "../shared/third_party/README.md describes), or pass -DATTNCAL_TENSORRT_INCLUDE_DIR=... to CMake"
+)
+
 
 class BuildError(RuntimeError):
     """The native build failed; the message ends with the tail of the build log."""
+
+
+def _version_key(name: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else -1 for p in name.split("."))
+
+
+def tensorrt_headers(version: str | None = None) -> Path | None:
+    """The TensorRT include directory named by $ATTNCAL_TENSORRT_HEADERS, or None when unset.
+
+    With a root of per-version sets, `version` picks one (None: the newest).  A set path that
+    lacks `NvInferRuntime.h` raises FileNotFoundError naming it: a wrong setting is an error,
+    not a silent skip."""
+    env = os.environ.get(TENSORRT_HEADERS_ENV)
+    if not env:
+        return None
+    root = Path(env)
+    for inc in (root, root / "include"):
+        if (inc / "NvInferRuntime.h").is_file():
+            return inc  # a single header set: its version is whatever it is
+    sets = {d.name: d / "include" for d in root.iterdir() if (d / "include" / "NvInferRuntime.h").is_file()} \
+        if root.is_dir() else {}
+    if not sets:
+        raise FileNotFoundError(f"{TENSORRT_HEADERS_ENV}={env}: no NvInferRuntime.h there, in include/ "
+                                "or in <version>/include/")
+    if version is None:
+        return sets[max(sets, key=_version_key)]
+    if version not in sets:
+        raise FileNotFoundError(f"{TENSORRT_HEADERS_ENV}={env}: no TensorRT {version} headers "
+                                f"({root / version / 'include'}); found {', '.join(sorted(sets))}")
+    return sets[version]
 
 
 def default_build_dir() -> Path:
@@ -175,6 +215,9 @@ def build_library(
             f"-DATTNCAL_CUDA_ARCHS={';'.join(str(a) for a in cuda_archs)}",
             "-DATTNCAL_ORT_HEADER_CACHE=" + str(_REPO / "build" / "ort-headers"),
         ]
+        # Always passed, so the CMake cache follows the setting when it is unset again.
+        trt_headers = tensorrt_headers() if tensorrt != "off" else None
+        configure.append(f"-DATTNCAL_TENSORRT_INCLUDE_DIR={trt_headers or ''}")
         nvcc = find_nvcc()
         if nvcc and cuda != "off":
             configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")

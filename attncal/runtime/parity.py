@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import console
 from ..artifact import OPTIMIZED_GRAPH, PORTABLE_GRAPH, read_metadata
 from ..calibration.config import CalibrationConfig
 from .encoder import Encoder
@@ -127,7 +128,8 @@ def check_parity(
     graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized"}.get(graph, graph)
     enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native)
     got = enc.encode(texts, batch_size=batch_size, sort_by_length=False, show_progress=not quiet)
-    ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"), attn_implementation="eager")
+    with console.third_party_output():  # transformers' weight-loading bar and load-time messages
+        ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"), attn_implementation="eager")
     if config is None and ref_enc.info.pooling != meta["pooling"]:
         config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
     expected = ref_enc.encode(texts, config, batch_size=batch_size, show_progress=not quiet)

@@ -32,6 +32,24 @@
 //   a branch-free Cephes-style polynomial (about 1 ulp) so the row loop
 //   vectorises; on x86-64 GCC/Clang compile it for AVX-512, AVX2 and baseline
 //   and pick one at load time (target_clones).
+//
+// Rows that are fully masked or not finite (the contract, attncal/graphs/contract.py;
+// tests/test_masked_rows.py checks every op against the oracle):
+// * softmax_row is ONNX Softmax(axis=-1): scores that are all the dtype's lowest finite value
+//   (how transformers masks) give 1/K at every key, and a calibrated such row is then calibrated
+//   as usual (masked keys are excluded by attention_mask, not by the scores); scores that are all
+//   -inf, or hold a NaN or +inf, give NaN at every key, as ONNX Runtime's Softmax and
+//   torch.softmax do, whether the row is calibrated or not.  Partly -inf rows are ordinary
+//   (exp(-inf) = 0).
+// * calibrate_row_f32 (both op families): a calibrated row holding a NaN or an infinity at any
+//   of its K keys comes back NaN at every key, masked keys included (a probe of the keys outside
+//   the content plus the basket masses, before the first write).  Rows that are not calibrated
+//   (other query rows, padding query rows, short items, strength 0) are not touched in place and
+//   copied bit for bit out of place, NaN included.  No NaN turns finite, no finite row turns NaN,
+//   and a row's NaN never reaches another row.
+// * A future one-pass attention op (softmax and the product with V in one kernel) must state its
+//   own rule: FlashAttention returns 0 for a fully masked row, ORT's MultiHeadAttention and torch
+//   SDPA differ by backend.
 #ifndef ATTNCAL_CALIBRATION_CPU_H_
 #define ATTNCAL_CALIBRATION_CPU_H_
 
@@ -39,6 +57,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "attncal_params.h"
@@ -173,7 +192,21 @@ inline float sum_masked_lanes(const float* x, const float* m, int64_t n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
 }
 
-// Calibrates one float row x into y (y may alias x).
+// Sum of x[k] * 0 over n floats in 8 lanes (vectorised): 0 when every x[k] is finite, NaN when
+// one is NaN or infinite.
+inline float nonfinite_probe(const float* x, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * 0.f;
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) tail += x[i] * 0.f;
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+}
+
+// Calibrates one float row x into y (y may alias x).  A row holding a NaN or an infinity at any of
+// its K keys comes back NaN at every key (the contract's "NaN in, NaN out"; see the file comment).
 inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
                               Scratch& sc) {
   const Span& s = it.s;
@@ -193,6 +226,15 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
     const float a = m ? sum_masked_lanes(x + lo, m + lo, len) : sum_lanes(x + lo, len);
     A[b] = a;
     nonempty += a != 0.f;
+  }
+  // NaN in, NaN out: pass 1 summed the content keys (a NaN or an infinity there, holes included,
+  // makes its basket's mass NaN or infinite); the keys outside the content are probed here, all
+  // before the first write (y may alias x).
+  float probe = nonfinite_probe(x, rp.c0) + nonfinite_probe(x + c_end, K - c_end);
+  for (int64_t b = 0; b < n; ++b) probe += A[b] * 0.f;
+  if (probe != probe) {
+    std::fill(y, y + K, std::numeric_limits<float>::quiet_NaN());
+    return;
   }
   const double t = rp.t;
   const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, x[s.start], x[s.end]);
@@ -237,11 +279,13 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
 #endif
 
 // exp(x) for x <= 0 (x - row max), subnormal results included (like expf and ONNX Runtime's
-// Softmax); exactly 0 below -104 (under half the smallest subnormal).  n = round(x log2 e) by
-// the 1.5 * 2^23 trick, r = x - n ln 2 in two parts, a degree-6 polynomial for e^r on
-// [-ln2/2, ln2/2] (Cephes expf), times 2^n as two normal powers of two (n >= -150).
+// Softmax); exactly 0 below -104 (under half the smallest subnormal) and for -inf; NaN for NaN
+// (x - max is NaN for a NaN score and for a row of -inf or with +inf scores: ONNX Softmax gives
+// NaN there).  n = round(x log2 e) by the 1.5 * 2^23 trick, r = x - n ln 2 in two parts, a
+// degree-6 polynomial for e^r on [-ln2/2, ln2/2] (Cephes expf), times 2^n as two normal powers of
+// two (n >= -150).  The clamp maps NaN to -104, so the integer conversion sees a finite value.
 inline float exp_nonpos(float x) {
-  const float xc = std::max(x, -104.0f);
+  const float xc = x > -104.0f ? x : -104.0f;
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
   float q = 1.9875691500e-4f;
@@ -254,12 +298,14 @@ inline float exp_nonpos(float x) {
   const int32_t ni = static_cast<int32_t>(n), n1 = ni >> 1, n2 = ni - n1;
   const float p1 = __builtin_bit_cast(float, (n1 + 127) << 23), p2 = __builtin_bit_cast(float, (n2 + 127) << 23);
   const float v = (e * p1) * p2;
-  return x >= -104.0f ? v : 0.0f;
+  return x < -104.0f ? 0.0f : (x == x ? v : x);
 }
 
-// y = exp(x - max(x)) / sum over a row of n > 0 floats (y may alias x).  Returns nothing: the
-// row is a probability row afterwards, like ONNX Softmax(axis=-1) of it.  A row whose entries
-// are all equal (e.g. fully masked with the dtype's lowest value) becomes uniform.
+// y = exp(x - max(x)) / sum over a row of n > 0 floats (y may alias x): ONNX Softmax(axis=-1) of
+// it.  A row whose entries are all equal (e.g. fully masked with the dtype's lowest value) becomes
+// uniform, 1/n at every key.  A row with no finite maximum (all -inf) or holding a NaN or +inf
+// becomes NaN at every key, as ONNX Runtime's Softmax and torch.softmax give: x - max is NaN at
+// some key, exp_nonpos keeps it, and the NaN sum spreads it over the row.
 ATTNCAL_CLONES static void softmax_row(const float* x, float* y, int64_t n) {
   float mx[8];
   for (int j = 0; j < 8; ++j) mx[j] = x[0];
@@ -272,7 +318,7 @@ ATTNCAL_CLONES static void softmax_row(const float* x, float* y, int64_t n) {
   for (; i < n; ++i) m = x[i] > m ? x[i] : m;
   for (i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);  // a straight map: vectorised
   const float sum = sum_lanes(y, n);
-  const float inv = 1.0f / sum;  // sum >= 1: the max term is exp(0)
+  const float inv = 1.0f / sum;  // sum >= 1 (the max term is exp(0)), or NaN
   for (i = 0; i < n; ++i) y[i] *= inv;
 }
 

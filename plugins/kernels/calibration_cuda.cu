@@ -29,6 +29,21 @@
 //     is read three times (max, sums, write) and written once; the re-reads are
 //     served by L1/L2 (a row is at most a few KiB in practice).
 //
+// Rows that are fully masked or not finite (attncal/graphs/contract.py; the CPU
+// kernel does the same and tests/test_masked_rows.py checks it there):
+//  * the softmax is ONNX Softmax: the row max is an fmaxf reduction (NaN
+//    ignored) starting at -inf, so scores that are all the lowest finite value
+//    give exp(0) / K = 1/K at every key; scores that are all -inf give
+//    expf(-inf - -inf) = NaN, and a NaN or +inf score gives a NaN term: the sum
+//    is NaN and so is every key of the row, as ONNX Runtime's Softmax and
+//    torch.softmax give.  A plain row gets that through exp / sum; a
+//    calibrated row checks the (block-uniform) sum and writes NaN at every key.
+//  * calibrate_kernel: a calibrated row holding a NaN or an infinity at any
+//    key comes back NaN at every key: pass 1 also sums x * 0 over the keys
+//    outside the content, the holes and the basket masses (0, or NaN), reduced
+//    over the block before the first write.  Rows that are not calibrated are
+//    not touched (in place) or copied bit for bit, NaN included.
+//
 // Aliasing: a block reads and writes only its own row; it finishes every read
 // another thread depends on before the first write (each key is written by the
 // thread that last reads it), so out == in is safe.  Partial overlap is not.
@@ -201,6 +216,13 @@ __device__ __forceinline__ float apply_multiplier(float z, float g) {
   return g >= 0.f ? z * g : (z * 0x1p64f) * -g;
 }
 
+// Writes NaN at every key of a row (a calibrated row that is not finite).
+template <typename T>
+__device__ __forceinline__ void write_nan_row(T* y, int64_t K) {
+  const float nan = __int_as_float(0x7fc00000);
+  for (int64_t k = threadIdx.x; k < K; k += blockDim.x) y[k] = from_f<T>(nan);
+}
+
 // Copies one row of K elements (rows of distinct, non-overlapping tensors).
 template <typename T>
 __device__ __forceinline__ void copy_row(const T* src, T* dst, int64_t K) {
@@ -259,6 +281,7 @@ __global__ void __launch_bounds__(kMaxThreads) calibrate_kernel(const T* in, T* 
                                                                 int64_t K, AttncalParams p, int every_row) {
   extern __shared__ float s_g[];  // n basket masses, then multipliers
   __shared__ int s_redi[kMaxWarps];
+  __shared__ float s_redf[kMaxWarps];
   __shared__ float s_sc[3];
 
   const int64_t b = blockIdx.z, h = blockIdx.y;
@@ -282,30 +305,47 @@ __global__ void __launch_bounds__(kMaxThreads) calibrate_kernel(const T* in, T* 
 
   const int64_t* mrow = mask + b * K;
   const int64_t S = p.basket_size, c_end = r.c0 + r.C;
-  // Pass 1: contiguous segmented reduction of the content keys into baskets.
+  // Pass 1: contiguous segmented reduction of the content keys into baskets.  A hole adds x * 0
+  // (0, or NaN when it is not finite), and `probe` sums x * 0 over the keys outside the content
+  // and the masses: NaN when the row holds a NaN or an infinity anywhere.
   int nonempty = 0;
+  float probe = 0.f;
+  for (int64_t i = threadIdx.x; i < K - r.C; i += blockDim.x) probe += to_f(x[i < r.c0 ? i : i + r.C]) * 0.f;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   if (S >= 32) {
     for (int64_t k = warp; k < r.n; k += nw) {  // warp-uniform bounds: full-mask shuffles are safe
       const int64_t lo = r.c0 + k * S, hi = min(lo + S, c_end);
       float acc = 0.f;
-      for (int64_t j = lo + lane; j < hi; j += 32) acc += (r.holes && mrow[j] == 0) ? 0.f : to_f(x[j]);
+      for (int64_t j = lo + lane; j < hi; j += 32) {
+        const float v = to_f(x[j]);
+        acc += (r.holes && mrow[j] == 0) ? v * 0.f : v;
+      }
       for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
       if (lane == 0) {
         s_g[k] = acc;
         nonempty += acc != 0.f;
+        probe += acc * 0.f;
       }
     }
   } else {
     for (int64_t k = threadIdx.x; k < r.n; k += blockDim.x) {
       const int64_t lo = r.c0 + k * S, hi = min(lo + S, c_end);
       float acc = 0.f;
-      for (int64_t j = lo; j < hi; ++j) acc += (r.holes && mrow[j] == 0) ? 0.f : to_f(x[j]);
+      for (int64_t j = lo; j < hi; ++j) {
+        const float v = to_f(x[j]);
+        acc += (r.holes && mrow[j] == 0) ? v * 0.f : v;
+      }
       s_g[k] = acc;
       nonempty += acc != 0.f;
+      probe += acc * 0.f;
     }
   }
   nonempty = block_reduce(nonempty, SumOp(), s_redi);  // also publishes s_g
+  probe = block_reduce(probe, SumOp(), s_redf);  // the same value in every thread
+  if (isnan(probe)) {  // NaN in, NaN out; every read of the row is done (block_reduce syncs)
+    write_nan_row(y, K);
+    return;
+  }
 
   if (threadIdx.x == 0) {
     // start and end are valid keys by definition of the span.
@@ -384,6 +424,10 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
   const float sum = block_reduce(acc, SumOp(), s_redf);  // also publishes s_g
+  if (isnan(sum)) {  // no softmax (all -inf, a NaN or +inf score): NaN at every key, as ONNX Softmax
+    write_nan_row(y, K);
+    return;
+  }
 
   // Basket masses of the softmax row: A_k = E_k / sum.
   int nonempty = 0;

@@ -1,5 +1,23 @@
 /* Host-callable C ABI of the CUDA calibration kernels (used by the ORT CUDA
- * kernels, the TensorRT plugin and, through ctypes, benchmarks/gpu_check.py). */
+ * kernels, the TensorRT plugin and, through ctypes, benchmarks/gpu_check.py).
+ *
+ * Rows that are fully masked or not finite (the op contract,
+ * attncal/graphs/contract.py): the ops follow the graph they replace.
+ *  - attncal_cuda_softmax_calibrate computes ONNX Softmax: scores that are all
+ *    the dtype's lowest finite value (how transformers masks) give 1/K at every
+ *    key, and a calibrated such row is then calibrated as usual (masked keys are
+ *    excluded by the mask, not by the scores); scores that are all -inf, or
+ *    hold a NaN or +inf, give NaN at every key (ONNX Runtime's Softmax and
+ *    torch.softmax do the same), calibrated row or not.  Partly -inf rows are
+ *    ordinary: exp(-inf) = 0.
+ *  - attncal_cuda_calibrate: a calibrated row holding a NaN or an infinity at
+ *    any key comes back NaN at every key, masked keys included; rows that are
+ *    not calibrated are left as they are (in place) or copied bit for bit,
+ *    NaN included.
+ *  No NaN becomes finite, no finite row becomes NaN, and no row's NaN reaches
+ *  another row.  A future one-pass attention kernel (softmax and the product
+ *  with V fused) must state its own rule: FlashAttention returns 0 for a fully
+ *  masked row; ORT's MultiHeadAttention and torch SDPA differ by backend. */
 #ifndef ATTNCAL_CALIBRATION_CUDA_H_
 #define ATTNCAL_CALIBRATION_CUDA_H_
 
@@ -40,7 +58,8 @@ ATTNCAL_EXPORT int attncal_cuda_calibrate(int dtype, const void* probs, void* ou
 /* SoftmaxPooledRowCalibration / SoftmaxAllRowsCalibration (params->all_rows):
  * out = calibration(Softmax(scores, axis=-1), mask), where scores[B,H,Q,K] are
  * the attention logits after scaling and the additive mask.  Every row gets the
- * softmax (max-subtracted, in float32; a row of equal scores gives 1/K); the
+ * softmax (max-subtracted, in float32; a row of equal finite scores gives 1/K,
+ * a row of -inf scores NaN, as above); the
  * rows the calibration spec selects are calibrated as attncal_cuda_calibrate
  * does on the softmax output, in the same pass.  params->strength == 0 is a
  * plain softmax.  Same conventions, limits, workspace and errors as
