@@ -152,7 +152,9 @@ def library_logger():
 
 def test_capture_records_warnings_logs_and_fd_output(tmp_path, capfd):
     log_path = tmp_path / "x.log"
-    with library_logger() as lib_logger, console.capture_third_party(verbose=False, log_path=log_path) as cap:
+    with warnings.catch_warnings(), library_logger() as lib_logger, \
+            console.capture_third_party(verbose=False, log_path=log_path) as cap:
+        warnings.simplefilter("always")  # whatever filters the run has (-W ignore, an earlier "once")
         warnings.warn("a library's warning", UserWarning)
         lib_logger.getChild("sub").warning("a library's log record")
         with console.third_party_output():

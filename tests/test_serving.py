@@ -434,7 +434,15 @@ def _start_cli(repo, ports):
     if not ready.is_set():
         proc.kill()
         pytest.fail("attncal serve did not become ready: " + "".join(lines[-20:]))
-    time.sleep(0.3)  # let the model list print
+    # The model list follows the ready line: wait for all of it (a bounded poll, not a fixed sleep).
+    n_models = len(list(Path(repo).glob("*/config.pbtxt")))
+
+    def listed() -> int:
+        text = "".join(lines)
+        return len(re.findall(r"^  \S+ v\S+ \S+$", text.split("ready:", 1)[1], re.M))
+
+    while listed() < n_models and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     pid = int(re.search(r"tritonserver \(pid (\d+)", "".join(lines)).group(1))
     return proc, pid, lines
 
