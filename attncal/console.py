@@ -30,7 +30,7 @@ overlapping captures or calls from several threads share one redirection; while 
 `third_party_output()` call runs, other threads' writes to fd 1/2 go to the log
 too.  An `Encoder` used from threads needs none of this (it prints nothing).
 
-Layering: the bottom layer, beside `artifact`; it imports nothing from attncal.
+Layering: the bottom layer, beside `artifact` (whose atomic write it uses); nothing else from attncal.
 """
 
 from __future__ import annotations
@@ -265,14 +265,10 @@ class Capture:
     def write_log(self, path: str | os.PathLike) -> Path:
         """Write the lines captured since this capture began to `path` (atomically)."""
         path = Path(path)
-        text = LOG_HEADER + f"# {time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(ln + "\n" for ln in self.lines())
-        tmp = path.with_name(f".{path.name}.writing-{os.getpid()}")
-        try:
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        from .artifact import write_text_atomic  # the export format's own atomic write
+
+        write_text_atomic(path, LOG_HEADER + f"# {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                          + "".join(ln + "\n" for ln in self.lines()))
         return path
 
 
