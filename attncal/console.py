@@ -77,6 +77,7 @@ class _Recorder:
             self.term_fd: int | None = os.dup(2)  # the terminal's stderr, also while fd 2 is redirected
         except OSError:
             self.term_fd = None
+        self.term = None  # a text stream on term_fd, made on first use (attncal's own progress bars)
 
     def add(self, kind: str, text: str) -> None:
         """Record third-party `text` (one or more lines) of `kind`: warning, log or output."""
@@ -105,7 +106,18 @@ class _Recorder:
         with contextlib.suppress(Exception):
             (sys.__stderr__ or sys.stderr).write(text)
 
+    def terminal(self):
+        """A text stream on the terminal's stderr that a `third_party_output()` window does not capture."""
+        if self.term is None and self.term_fd is not None:
+            with contextlib.suppress(OSError):
+                self.term = os.fdopen(os.dup(self.term_fd), "w", buffering=1, encoding="utf-8", errors="replace")
+        return self.term if self.term is not None else sys.stderr
+
     def close(self) -> None:
+        if self.term is not None:
+            with contextlib.suppress(Exception):
+                self.term.close()
+            self.term = None
         if self.term_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self.term_fd)
@@ -398,6 +410,24 @@ def active() -> Capture | None:
     """The active capture (as seen from now), or None."""
     with _lock:
         return Capture(_recorder) if _recorder is not None else None
+
+
+def terminal():
+    """Where attncal's own progress bars write: the terminal's stderr, also inside a
+    `third_party_output()` window that spans them (the Ray engine's pipeline); sys.stderr without a
+    capture."""
+    with _lock:
+        rec = _recorder
+    return rec.terminal() if rec is not None else sys.stderr
+
+
+def adopt_loggers() -> None:
+    """Route the console handlers that a library installed after the capture began (Ray does, on
+    import) into the capture.  Does nothing without an active capture."""
+    with _lock:
+        rec = _recorder
+        if rec is not None and rec.logs is not None:
+            rec.logs.adopt()
 
 
 def verbose() -> bool:

@@ -211,3 +211,23 @@ def test_an_applications_own_logger_is_left_alone():
         assert "still mine" in stream.getvalue()
     finally:
         app.removeHandler(handler)
+
+
+def test_encode_on_ray_prints_only_attncal_lines(quiet_export, tmp_path):
+    """Ray's logger, its C++ core worker and its deprecation notes stay off the console; attncal's scan
+    and encode bars and its summary still reach it (they write to console.terminal())."""
+    pytest.importorskip("ray")
+    out, _ = quiet_export
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(f'{{"id": "r{i}", "text": "text number {i} "}}\n' for i in range(20))
+                   + '{"id": "bad", "text": \n', encoding="utf-8")
+    proc = attncal("encode", out, "--input", src, "--output", tmp_path / "idx", "--engine", "ray",
+                   "--workers", "1", "--on-error", "skip")
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout + proc.stderr
+    assert not re.search(r"\bINFO\b|\bWARNING\b|core_worker|deprecated|Ray instance", text), text
+    for line in text.splitlines():
+        updates = [u for u in line.split("\r") if u.strip()]
+        assert all(u.startswith(("scan", "encode", "encoded 20 rows")) for u in updates), f"not attncal's: {line!r}"
+    assert "encoded 20 rows" in text and "1 skipped" in text
+    assert re.search(r"encode: 100%.*20/20", proc.stderr), proc.stderr

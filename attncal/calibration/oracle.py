@@ -118,3 +118,30 @@ def _calibrate_row(
     out = rc.strength * cal + (1.0 - rc.strength) * z
     out[~mask] = 0.0
     return out
+
+
+def attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: CalibrationConfig | ResolvedCalibration,
+    num_heads: int,
+    scale: float = 0.0,
+) -> torch.Tensor:
+    """The calibrated attention ops' contract (attncal.graphs.contract) in float64: `reference` applied
+    to the softmax of scale·Q·Kᵀ plus float32's lowest finite value at masked keys, times V.
+
+    `query` [B,S_q,N*D], `key` [B,S_k,N*D], `value` [B,S_k,N*D_v], `attention_mask` [B,S_k];
+    returns the float64 context [B,S_q,N*D_v]."""
+    B, S_q, _ = query.shape
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().cpu().double().reshape(B, x.shape[1], num_heads, -1).transpose(1, 2)
+
+    q, k, v = heads(query), heads(key), heads(value)
+    s = float(scale) if scale != 0 else 1.0 / float(np.sqrt(q.shape[-1]))
+    bias = torch.where(attention_mask.cpu() != 0, 0.0, float(np.finfo(np.float32).min)).double()
+    probs = torch.softmax(s * (q @ k.transpose(-1, -2)) + bias[:, None, None, :], -1)
+    out = reference(probs, attention_mask.cpu(), config) @ v  # [B,N,S_q,D_v]
+    return out.transpose(1, 2).reshape(B, S_q, -1)

@@ -11,12 +11,14 @@ class Progress:
     def __init__(self, total: int, done: int, show: bool, desc: str = "encode") -> None:
         from tqdm.auto import tqdm
 
+        from ..console import terminal
+
         self.rows = 0
         self.tokens = 0
         self.tokens_known = True
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total, initial=done, unit="row", desc=desc, disable=not show, smoothing=0.05,
-                        dynamic_ncols=True)
+                        dynamic_ncols=True, file=terminal())  # on the terminal even while Ray's output is captured
 
     def update(self, rows: int, tokens: int | None) -> None:
         self.rows += rows

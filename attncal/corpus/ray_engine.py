@@ -122,7 +122,18 @@ class RayEngine:
         pieces = [p for f in files for p in plan_pieces(f)]
         if not pieces:  # every file is already written (a resumed run)
             return
+        from .. import console
+
+        # Ray talks a lot (its logger, the C++ core worker, deprecation notes): under the CLI that goes
+        # to the capture (shown with --verbose), and attncal's own bar writes to console.terminal().
+        with console.third_party_output():
+            yield from self._encode_files(pieces, text_field, id_field, skip_rows)
+
+    def _encode_files(self, pieces: list, text_field: str, id_field: str,
+                      skip_rows: int) -> Iterator[tuple[list[str], np.ndarray, int]]:
         import ray
+
+        from .. import console
 
         started = False
         if not ray.is_initialized():
@@ -135,6 +146,7 @@ class RayEngine:
                 where = self.address or "a local instance"
                 raise RayEngineError(f"cannot start Ray on {where}: {str(exc).strip().splitlines()[0]}") from None
             started = True
+        console.adopt_loggers()  # the handler Ray installed on its logger when imported
         try:
             ctx = ray.data.DataContext.get_current()
             ctx.execution_options.preserve_order = True
@@ -145,7 +157,7 @@ class RayEngine:
             ds = ds.map_batches(_EncodeActor, batch_format="pyarrow", batch_size=self.window,
                                 fn_constructor_args=(self.export_dir, self.cpus_per_worker, self.max_length,
                                                      self.batch_size),
-                                concurrency=self.workers, num_cpus=self._actor_cpus())
+                                compute=ray.data.ActorPoolStrategy(size=self.workers), num_cpus=self._actor_cpus())
             to_skip = skip_rows
             for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
                 ids = batch.column("id").to_pylist()

@@ -1,5 +1,16 @@
 """The module that is exported: encoder + pooling + normalisation, so the graph returns
-`sentence_embedding` directly, pooled exactly like `encode_torch`."""
+`sentence_embedding` directly, pooled exactly like `encode_torch`.
+
+The pooling head is written with ops whose output shapes ONNX Runtime's symbolic shape
+inference (onnxruntime/tools/symbolic_shape_infer.py, run by its transformer optimizer) knows.
+It has no handler for ReduceL2 / ReduceMin / ReduceMax, and ONNX's single-node inference it
+falls back to cannot read their opset-18 `axes` input (a Constant node): their outputs get no
+shape, and the next Expand (`F.normalize`'s `expand_as`) or Unsqueeze (`amin(...)[:, None]`)
+raises a TypeError.  The optimizer then disables shape inference and leaves Add +
+LayerNormalization unfused (no SkipLayerNormalization).  ReduceSum, ArgMin and ArgMax it
+infers, so the head below uses those; results are the same as `attncal.calibration.encode.pool`
+and `F.normalize` (the same positions are gathered; the norm is sqrt(sum(x*x))).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +18,32 @@ import torch
 from torch import nn
 
 from ..calibration.encode import pool
+
+_NORM_EPS = 1e-12  # F.normalize's default eps
+
+
+def export_pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """`attncal.calibration.encode.pool`, with ArgMin/ArgMax instead of ReduceMin/ReduceMax for cls / last."""
+    if pooling not in ("cls", "last"):
+        return pool(hidden, attention_mask, pooling)  # mean: ReduceSum only; others raise there
+    mask = attention_mask != 0
+    seq = mask.shape[1]
+    pos = torch.arange(seq, device=mask.device)
+    if pooling == "cls":
+        # pool: where(mask, pos, S).amin(-1).clamp(max=S-1), i.e. the first valid position, S-1 when none.
+        # The valid positions are distinct, so argmin finds the minimum; on the reversed row, ties (no valid
+        # token: every entry S) resolve to the first entry there, i.e. position S-1.
+        idx = (seq - 1) - torch.where(mask, pos, seq).flip(-1).argmin(-1)
+    else:
+        # pool: where(mask, pos, -1).amax(-1).clamp(min=0): the last valid position (its value is its index),
+        # 0 when none (every entry -1, argmax takes the first).
+        idx = torch.where(mask, pos, -1).argmax(-1)
+    return torch.gather(hidden, 1, idx[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
+
+
+def export_normalize(emb: torch.Tensor) -> torch.Tensor:
+    """`F.normalize(emb, p=2, dim=-1)` as emb / max(sqrt(sum(emb * emb)), eps) (ReduceSum, no ReduceL2 / Expand)."""
+    return emb / (emb * emb).sum(-1, keepdim=True).sqrt().clamp_min(_NORM_EPS)
 
 
 class SentenceEmbeddingModule(nn.Module):
@@ -26,7 +63,7 @@ class SentenceEmbeddingModule(nn.Module):
         if self.decoder:
             kwargs["use_cache"] = False
         hidden = self.model(**kwargs).last_hidden_state
-        emb = pool(hidden, attention_mask, self.pooling)
+        emb = export_pool(hidden, attention_mask, self.pooling)
         if self.normalize:
-            emb = nn.functional.normalize(emb, p=2, dim=-1)
+            emb = export_normalize(emb)
         return hidden, emb

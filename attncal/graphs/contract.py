@@ -45,10 +45,53 @@ oracle `attncal.calibration.reference` gives, row kind by row kind
 * No op turns a NaN into a finite value or a finite row into NaN, and one
   row's NaN never reaches another row or head.
 
-A future one-pass attention op (Softmax and the product with V in one kernel)
-must state its own rule for a fully masked row: FlashAttention returns 0 for
-it, ONNX Runtime's MultiHeadAttention and torch's scaled_dot_product_attention
+A one-pass attention op (Softmax and the product with V in one kernel) must
+state its own rule for a fully masked row: FlashAttention returns 0 for it,
+ONNX Runtime's MultiHeadAttention and torch's scaled_dot_product_attention
 differ by backend, so "the graph it replaces" does not decide it by itself.
+The calibrated attention ops below state theirs.
+
+Calibrated attention (issue 20): `PooledRowCalibratedAttention` and
+`AllRowsCalibratedAttention`, the whole attention of one layer with the
+calibration of `PooledRowCalibration` / `AllRowsCalibration` inside.  Contract
+and function body only so far: no native kernel and no placement writes them.
+
+* Inputs (ONNX Runtime `com.microsoft::MultiHeadAttention`'s unpacked layout,
+  BSNH stored as BSD): `query` T[B,S_q,N*D], `key` T[B,S_k,N*D], `value`
+  T[B,S_k,N*D_v], `attention_mask` int64[B,S_k] (1 = valid key, 0 = padding,
+  as the other ops take it); T is float or float16.  `AllRowsCalibratedAttention`
+  needs S_q == S_k (self-attention: query row q is token q);
+  `PooledRowCalibratedAttention` S_q == S_k or S_q == 1 (the single query is
+  the pooling token's, as row placement computes it).
+* Attributes: every attribute of the calibration op (`pool_last` on the pooled
+  op only), plus `num_heads` (N >= 1; the last dimension of `query` and `key`
+  is N·D, of `value` N·D_v) and `scale` (0 means 1/sqrt(D)).
+* Output: `context` T[B,S_q,N*D_v], heads merged in the same layout.
+* Semantics, per batch item b and head h (q, k, v: that head's D or D_v
+  columns), computed in float32 for both T (float16 inputs are cast to float32
+  exactly, only the context is rounded to float16; the calibration math is in
+  float32 for float16 inputs as in every body):
+      scores[b,h] = scale·q·kᵀ + mask_bias[b]            float32 [S_q,S_k]
+      mask_bias[b,k] = 0 for a valid key, float32's lowest finite value
+                       (-3.4028235e38) for a masked key, added (as
+                       transformers masks, in its compute dtype)
+      probs = <Softmax-fused op>(scores, attention_mask)   (same attributes)
+      context[b,:,h] = probs[b,h]·v
+  The middle step is exactly `SoftmaxPooledRowCalibration` /
+  `SoftmaxAllRowsCalibration` on the [B,N,S_q,S_k] scores: the same rows are
+  calibrated, with the same rules for fully masked and non-finite rows.
+* Fully masked rows.  With the lowest-finite additive mask, a row whose keys are
+  all masked (an item with no valid key: every row of it) has all scores equal
+  to the lowest value (s + lowest rounds to lowest for any |s| < 1e31), so its
+  softmax is the uniform row 1/S_k and its context is the mean of v over all
+  S_k keys; it is never calibrated (an item without a valid token has no
+  calibrated row).  Not 0 as in FlashAttention, not NaN.  A padding query row
+  (the query at a padding position, with valid keys) is an ordinary row: plain
+  attention over the valid keys, not calibrated.  A row whose scores hold a NaN
+  or +inf (a NaN or an infinity in that query row or in a key it meets) gives
+  NaN at every key, hence a NaN context row.  A NaN or an infinity in `value`
+  reaches every context row of that item and head that multiplies it, masked
+  keys included (0·NaN = NaN), as the unfused graph's MatMul does.
 """
 
 from __future__ import annotations
@@ -64,10 +107,18 @@ ALL_ROWS_OP = "AllRowsCalibration"
 SOFTMAX_POOLED_OP = "SoftmaxPooledRowCalibration"
 SOFTMAX_ALL_ROWS_OP = "SoftmaxAllRowsCalibration"
 OP_TYPES = (POOLED_OP, ALL_ROWS_OP, SOFTMAX_POOLED_OP, SOFTMAX_ALL_ROWS_OP)
+ATTENTION_POOLED_OP = "PooledRowCalibratedAttention"
+ATTENTION_ALL_ROWS_OP = "AllRowsCalibratedAttention"
+# Contract and function body only: no native kernel and no placement writes these yet (issue 20).
+ATTENTION_OP_TYPES = (ATTENTION_POOLED_OP, ATTENTION_ALL_ROWS_OP)
+ALL_OP_TYPES = OP_TYPES + ATTENTION_OP_TYPES
 _WITH_SOFTMAX = {POOLED_OP: SOFTMAX_POOLED_OP, ALL_ROWS_OP: SOFTMAX_ALL_ROWS_OP}
-_CALIBRATION_OF = {v: k for k, v in _WITH_SOFTMAX.items()}
+_WITH_ATTENTION = {POOLED_OP: ATTENTION_POOLED_OP, ALL_ROWS_OP: ATTENTION_ALL_ROWS_OP}
+_CALIBRATION_OF = {v: k for k, v in (*_WITH_SOFTMAX.items(), *_WITH_ATTENTION.items())}
+ATTENTION_INPUTS = ("query", "key", "value", "attention_mask")
 
-# name -> ("int" | "float", meaning); `pool_last` only on PooledRowCalibration.
+# name -> ("int" | "float", meaning); `pool_last` only on the pooled-row ops, `num_heads` and `scale`
+# only on the calibrated attention ops.
 ATTRIBUTES: dict[str, tuple[str, str]] = {
     "pool_last": ("int", "0 = row of the first valid token, 1 = row of the last valid token"),
     "basket_size": ("int", ">= 1"),
@@ -80,22 +131,31 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     "last_weight": ("float", "used by fixed"),
     "skip_short": ("int", "0 or 1"),
     "layer": ("int", "informational"),
+    "num_heads": ("int", ">= 1; calibrated attention ops only"),
+    "scale": ("float", "score scale; 0 = 1/sqrt(head_size); calibrated attention ops only"),
 }
+_ATTENTION_ONLY = ("num_heads", "scale")
 
 
 def _check(op_type: str) -> str:
-    if op_type not in OP_TYPES:
-        raise ValueError(f"unknown calibration op {op_type!r}; the {DOMAIN} ops are {', '.join(OP_TYPES)}")
+    if op_type not in ALL_OP_TYPES:
+        raise ValueError(f"unknown calibration op {op_type!r}; the {DOMAIN} ops are {', '.join(ALL_OP_TYPES)}")
     return op_type
 
 
 def takes_scores(op_type: str) -> bool:
     """True for the ops fused with the Softmax (first input: scores, not probabilities)."""
-    return _check(op_type) in _CALIBRATION_OF
+    return _check(op_type) in _WITH_SOFTMAX.values()
+
+
+def is_attention(op_type: str) -> bool:
+    """True for the calibrated attention ops (inputs query, key, value, attention_mask)."""
+    return _check(op_type) in ATTENTION_OP_TYPES
 
 
 def calibration_of(op_type: str) -> str:
-    """The calibration a (fused or plain) op applies: PooledRowCalibration or AllRowsCalibration."""
+    """The calibration a (fused, attention or plain) op applies: PooledRowCalibration or
+    AllRowsCalibration."""
     return _CALIBRATION_OF.get(_check(op_type), op_type)
 
 
@@ -104,18 +164,32 @@ def with_softmax(op_type: str) -> str:
     return _WITH_SOFTMAX[calibration_of(op_type)]
 
 
+def with_attention(op_type: str) -> str:
+    """The calibrated attention op that applies the same calibration."""
+    return _WITH_ATTENTION[calibration_of(op_type)]
+
+
 def is_all_rows(op_type: str) -> bool:
     return calibration_of(op_type) == ALL_ROWS_OP
 
 
 def first_input(op_type: str) -> str:
+    if is_attention(op_type):
+        return ATTENTION_INPUTS[0]
     return "scores" if takes_scores(op_type) else "probs"
+
+
+def input_names(op_type: str) -> list[str]:
+    """The op's inputs in order."""
+    return list(ATTENTION_INPUTS) if is_attention(op_type) else [first_input(op_type), "attention_mask"]
 
 
 def attribute_names(op_type: str) -> list[str]:
     names = list(ATTRIBUTES)
     if is_all_rows(op_type):
         names.remove("pool_last")
+    if not is_attention(op_type):
+        names = [n for n in names if n not in _ATTENTION_ONLY]
     return names
 
 
@@ -147,6 +221,15 @@ def op_spec(rc: ResolvedCalibration, layer: int, *, fused_softmax: bool = False)
     else:
         spec = OpSpec(POOLED_OP, {"pool_last": int(rc.pool_last), **attrs})
     return OpSpec(with_softmax(spec.op_type), spec.attrs) if fused_softmax else spec
+
+
+def attention_op_spec(rc: ResolvedCalibration, layer: int, num_heads: int, scale: float = 0.0) -> OpSpec:
+    """The calibrated attention node for `rc` in layer `layer`: `op_spec`'s attributes plus
+    `num_heads` and `scale` (0 = 1/sqrt(head_size))."""
+    if int(num_heads) < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    spec = op_spec(rc, layer)
+    return OpSpec(with_attention(spec.op_type), {**spec.attrs, "num_heads": int(num_heads), "scale": float(scale)})
 
 
 def resolved_from_attrs(op_type: str, attrs: dict[str, int | float]) -> ResolvedCalibration:

@@ -19,6 +19,11 @@ infinity) is added to the row's multipliers, so such a row comes back NaN at
 every key; rows that are not calibrated keep multiplier 1, NaN included.  The
 Softmax-fused bodies start with ONNX Softmax, which gives NaN for a row of
 -inf scores: their output is exactly Softmax followed by the separate op.
+
+The calibrated attention bodies (`_attention_body`) split the heads, compute the
+float32 scores scale·Q·Kᵀ + mask bias, run the Softmax-fused body on them
+(`_softmax_body`, the same nodes as the Softmax-fused ops'), multiply by V and
+merge the heads.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import itertools
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from .contract import DOMAIN, OP_TYPES, attribute_names, first_input, is_all_rows, takes_scores
+from .contract import ALL_OP_TYPES, DOMAIN, attribute_names, input_names, is_all_rows, is_attention, takes_scores
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
 
@@ -223,25 +228,77 @@ def _body(b: _Builder, all_rows: bool) -> str:
     return b.op("ScatterElements", "probs", row_idx, out_native, axis=2)
 
 
+def _softmax_body(b: _Builder, scores: str, all_rows: bool) -> str:
+    """The Softmax-fused ops' body: `Softmax(scores, axis=-1)` (named `probs`) followed by the
+    calibration body.  Returns the output tensor's name."""
+    b.nodes.append(helper.make_node("Softmax", [scores], ["probs"], axis=-1))
+    return _body(b, all_rows)
+
+
+def _attention_body(b: _Builder, all_rows: bool) -> str:
+    """The calibrated attention ops' body (contract.py).  Inputs `query` [B,S_q,N*D], `key`
+    [B,S_k,N*D], `value` [B,S_k,N*D_v], `attention_mask` [B,S_k]; returns the context
+    [B,S_q,N*D_v] in the inputs' type.
+
+    Everything is float32 (float16 inputs are cast exactly): the scores scale·Q·Kᵀ plus the additive
+    mask bias (float32's lowest finite value at masked keys), then `_softmax_body` on them, the
+    product with V, and the heads merged; only the context is cast back to the inputs' type."""
+    f32 = TensorProto.FLOAT
+    N = b.op("Unsqueeze", b.attr("num_heads", "int"), b.axes(0))  # [1]
+    scale_attr = b.attr("scale", "float")
+    q_shape = b.op("Shape", "query")  # [B, S_q, N*D]
+    bs_q = b.op("Slice", q_shape, b.axes(0), b.axes(2))
+    D = b.op("Div", b.op("Slice", q_shape, b.axes(2), b.axes(3)), N)  # [1]
+    bs_k = b.op("Slice", b.op("Shape", "key"), b.axes(0), b.axes(2))
+    v_shape = b.op("Shape", "value")
+    D_v = b.op("Div", b.op("Slice", v_shape, b.axes(2), b.axes(3)), N)
+
+    def heads(x: str, bs: str, d: str, perm: list[int]) -> str:
+        """[B,S,N*d] -> float32, split into heads and transposed by `perm` from [B,S,N,d]."""
+        split = b.op("Reshape", b.op("Cast", x, to=f32), b.op("Concat", bs, N, d, axis=0))
+        return b.op("Transpose", split, perm=perm)
+
+    q = heads("query", bs_q, D, [0, 2, 1, 3])  # [B,N,S_q,D]
+    k_t = heads("key", bs_k, D, [0, 2, 3, 1])  # [B,N,D,S_k]
+    v = heads("value", bs_k, D_v, [0, 2, 1, 3])  # [B,N,S_k,D_v]
+    zero_f = b.const_f(0.0)
+    default_scale = b.op("Div", b.const_f(1.0), b.op("Sqrt", b.op("Cast", b.op("Squeeze", D), to=f32)))
+    scale = b.op("Where", b.op("Equal", scale_attr, zero_f), default_scale, scale_attr)
+    # Masked keys: float32's lowest finite value added (transformers' additive mask), [B,1,1,S_k].
+    valid = b.op("Not", b.op("Equal", "attention_mask", b.const_i(0)))
+    bias = b.op("Where", valid, zero_f, b.const_f(float(-3.4028234663852886e38)))
+    bias = b.op("Unsqueeze", bias, b.axes(1, 2))
+    scores = b.op("Add", b.op("MatMul", b.op("Mul", q, scale), k_t), bias)  # [B,N,S_q,S_k]
+    probs = _softmax_body(b, scores, all_rows)  # the Softmax-fused ops' body, float32
+    context = b.op("Transpose", b.op("MatMul", probs, v), perm=[0, 2, 1, 3])  # [B,S_q,N,D_v]
+    out_shape = b.op("Concat", bs_q, b.op("Slice", v_shape, b.axes(2), b.axes(3)), axis=0)
+    return b.op("CastLike", b.op("Reshape", context, out_shape), "query")
+
+
 def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
     """The model-local FunctionProto for `op_type`, using ONNX domain opset `opset`.
 
     The Softmax-fused ops are `Softmax(scores, axis=-1)` followed by the same body, so a runtime
-    without the native kernel runs exactly the graph of a separate Softmax and calibration op."""
-    if op_type not in OP_TYPES:
+    without the native kernel runs exactly the graph of a separate Softmax and calibration op.  The
+    calibrated attention ops compute their scores and run the Softmax-fused body on them."""
+    if op_type not in ALL_OP_TYPES:
         raise ValueError(f"unknown calibration op {op_type!r}")
     if opset < MIN_OPSET:
         raise ValueError(f"the calibration function body needs opset >= {MIN_OPSET}, got {opset}")
     b = _Builder()
-    if takes_scores(op_type):
-        b.nodes.append(helper.make_node("Softmax", ["scores"], ["probs"], axis=-1))
-    out = _body(b, all_rows=is_all_rows(op_type))
-    b.nodes.append(helper.make_node("Identity", [out], ["calibrated"]))
+    if is_attention(op_type):
+        out = _attention_body(b, all_rows=is_all_rows(op_type))
+    elif takes_scores(op_type):
+        out = _softmax_body(b, "scores", all_rows=is_all_rows(op_type))
+    else:
+        out = _body(b, all_rows=is_all_rows(op_type))
+    output = "context" if is_attention(op_type) else "calibrated"
+    b.nodes.append(helper.make_node("Identity", [out], [output]))
     return helper.make_function(
         DOMAIN,
         op_type,
-        inputs=[first_input(op_type), "attention_mask"],
-        outputs=["calibrated"],
+        inputs=input_names(op_type),
+        outputs=[output],
         nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)],
         attributes=attribute_names(op_type),

@@ -5,25 +5,32 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from .contract import DOMAIN, VERSION, OpSpec, first_input
+from .contract import DOMAIN, VERSION, OpSpec, first_input, input_names, is_attention
 from .function_body import make_function
 
 
 def single_op_model(spec: OpSpec, opset: int = 18, float16: bool = False, with_function: bool = True) -> onnx.ModelProto:
     """`calibrated = <op>(probs, attention_mask)` with dynamic [B,H,Q,K] / [B,K] inputs (the first
-    input is named `scores` for the Softmax-fused ops)."""
+    input is named `scores` for the Softmax-fused ops).  For the calibrated attention ops:
+    `context = <op>(query, key, value, attention_mask)` with dynamic [B,S_q,N*D], [B,S_k,N*D],
+    [B,S_k,N*D_v], [B,S_k] inputs and a [B,S_q,N*D_v] output."""
     dtype = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
-    x = first_input(spec.op_type)
-    node = helper.make_node(spec.op_type, [x, "attention_mask"], ["calibrated"], domain=DOMAIN, **spec.attrs)
-    graph = helper.make_graph(
-        [node],
-        "attncal_single_op",
-        [
-            helper.make_tensor_value_info(x, dtype, ["B", "H", "Q", "K"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "K"]),
-        ],
-        [helper.make_tensor_value_info("calibrated", dtype, ["B", "H", "Q", "K"])],
-    )
+    names = input_names(spec.op_type)
+    if is_attention(spec.op_type):
+        output = "context"
+        inputs = [helper.make_tensor_value_info("query", dtype, ["B", "S_q", "ND"]),
+                  helper.make_tensor_value_info("key", dtype, ["B", "S_k", "ND"]),
+                  helper.make_tensor_value_info("value", dtype, ["B", "S_k", "ND_v"]),
+                  helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S_k"])]
+        outputs = [helper.make_tensor_value_info(output, dtype, ["B", "S_q", "ND_v"])]
+    else:
+        output = "calibrated"
+        x = first_input(spec.op_type)
+        inputs = [helper.make_tensor_value_info(x, dtype, ["B", "H", "Q", "K"]),
+                  helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "K"])]
+        outputs = [helper.make_tensor_value_info(output, dtype, ["B", "H", "Q", "K"])]
+    node = helper.make_node(spec.op_type, names, [output], domain=DOMAIN, **spec.attrs)
+    graph = helper.make_graph([node], "attncal_single_op", inputs, outputs)
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, VERSION)],

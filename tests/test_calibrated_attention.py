@@ -1,0 +1,353 @@
+"""The calibrated attention ops (PooledRowCalibratedAttention, AllRowsCalibratedAttention; issue 20):
+their contract and standard-ONNX function body, run by ONNX Runtime on the CPU, against the float64
+oracle composed with the attention math (`attncal.calibration.oracle.attention_reference`: the
+calibration oracle applied to the softmax of scale·Q·Kᵀ plus the additive mask, times V).
+
+Contract and function body only: no native kernel and no placement writes these ops yet."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from attncal.calibration import CalibrationConfig
+from attncal.calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL
+from attncal.calibration.oracle import attention_reference
+from attncal.graphs.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTION_OP_TYPES, ATTENTION_POOLED_OP,
+                                     ATTRIBUTES, DOMAIN, OP_TYPES, POOLED_OP, SOFTMAX_ALL_ROWS_OP,
+                                     SOFTMAX_POOLED_OP, VERSION, attention_op_spec, attribute_names, calibration_of,
+                                     input_names, is_all_rows, is_attention, op_spec, resolved_from_attrs,
+                                     takes_scores, with_attention)
+from attncal.graphs.function_body import make_function
+from attncal.graphs.single_op import single_op_model
+from test_calibration_math import random_config
+
+LOWEST = float(np.finfo(np.float32).min)
+
+
+def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def feeds(q, k, v, mask) -> dict:
+    return {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(), "attention_mask": mask.numpy()}
+
+
+def item_mask(rng: random.Random, B: int, K: int) -> torch.Tensor:
+    """Each item its own length (0 included: an item with no valid key) and padding side."""
+    mask = torch.zeros(B, K, dtype=torch.long)
+    for b in range(B):
+        n = rng.randint(0, K)
+        if rng.random() < 0.5:
+            mask[b, K - n:] = 1
+        else:
+            mask[b, :n] = 1
+    return mask
+
+
+def random_qkv(gen: torch.Generator, B: int, S_q: int, S_k: int, N: int, D: int, D_v: int, dtype, temp: float,
+               dead: tuple[int, int] | None = None):
+    """Q [B,S_q,N*D] (times `temp`), K [B,S_k,N*D], V [B,S_k,N*D_v] uniform in [-2, 2] (|context| < 2,
+    so a float16 context is within 2^-11 of the exact one).  `dead`: keys [lo, hi) whose scores are
+    exactly -3e4·scale in every head, far below every other key's (the last column of each head of q
+    is 1; k is (0, ..., 0, -3e4) there, its last column 0 elsewhere): exp gives exactly 0 in float32
+    and float64, so their baskets are empty (an item whose valid keys are all dead: uniform over them)."""
+    q = torch.randn(B, S_q, N, D, generator=gen, dtype=torch.float64) * temp
+    k = torch.randn(B, S_k, N, D, generator=gen, dtype=torch.float64)
+    v = torch.rand(B, S_k, N * D_v, generator=gen, dtype=torch.float64) * 4 - 2
+    if dead is not None and D >= 2:
+        q[..., -1] = 1.0
+        k[..., -1] = 0.0
+        k[:, dead[0]:dead[1]] = 0.0
+        k[:, dead[0]:dead[1], :, -1] = -3e4  # their scores are exactly -3e4·scale (no rounding)
+    return (q.reshape(B, S_q, N * D).to(dtype), k.reshape(B, S_k, N * D).to(dtype), v.to(dtype))
+
+
+def score_rounding(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, N: int, scale: float) -> torch.Tensor:
+    """[B]: a first-order bound δ on the float32 rounding error of the body's scores at the valid keys,
+    2^-24·((D + 1)·Σ_i |q_i·scale|·|k_i| + |s|): the scaled query (one rounding per term), the dot
+    product of D terms (γ_D) and the scale itself when it is 1/sqrt(D).  The body computes the scores
+    in float32 (the contract), the oracle in float64 from the same inputs; every calibrated weight is
+    a ratio of exponentials of these scores (softmax, basket masses, the blend's normalisations), so
+    each moves by a relative ≤ ~6δ and the context, a convex combination of V, by ≤ 6δ·2·max|v|."""
+    B, S_q, _ = q.shape
+    qh = q.double().reshape(B, S_q, N, -1).transpose(1, 2)
+    kh = k.double().reshape(B, k.shape[1], N, -1).transpose(1, 2)
+    D = qh.shape[-1]
+    qh = qh * (scale if scale != 0 else 1.0 / np.sqrt(D))
+    bound = (D + 1) * (qh.abs() @ kh.abs().transpose(-1, -2)) + (qh @ kh.transpose(-1, -2)).abs()
+    bound = bound.masked_fill(mask[:, None, None, :] == 0, 0.0)
+    return bound.amax(dim=(1, 2, 3)) * 2.0 ** -24
+
+
+# ------------------------------------------------------------------ the contract
+def test_contract_names_inputs_and_attributes():
+    assert OP_TYPES == (POOLED_OP, ALL_ROWS_OP, SOFTMAX_POOLED_OP, SOFTMAX_ALL_ROWS_OP)  # unchanged
+    assert ATTENTION_OP_TYPES == (ATTENTION_POOLED_OP, ATTENTION_ALL_ROWS_OP)
+    assert ATTENTION_OP_TYPES == ("PooledRowCalibratedAttention", "AllRowsCalibratedAttention")
+    assert [with_attention(o) for o in OP_TYPES] == list(ATTENTION_OP_TYPES) * 2
+    assert [calibration_of(o) for o in ATTENTION_OP_TYPES] == [POOLED_OP, ALL_ROWS_OP]
+    assert [is_all_rows(o) for o in ATTENTION_OP_TYPES] == [False, True]
+    assert not any(takes_scores(o) for o in ATTENTION_OP_TYPES) and all(map(is_attention, ATTENTION_OP_TYPES))
+    assert not any(is_attention(o) for o in OP_TYPES)
+    for op in ATTENTION_OP_TYPES:
+        assert input_names(op) == ["query", "key", "value", "attention_mask"]
+        names = attribute_names(op)
+        assert names == attribute_names(calibration_of(op)) + ["num_heads", "scale"]
+        assert set(names) <= set(ATTRIBUTES)
+    for op in OP_TYPES:  # the other ops do not get the attention attributes
+        assert "num_heads" not in attribute_names(op) and "scale" not in attribute_names(op)
+    rc = CalibrationConfig(pooling="last", variant="cls-hard").resolve()
+    spec = attention_op_spec(rc, 3, num_heads=4, scale=0.125)
+    assert spec.op_type == ATTENTION_POOLED_OP
+    assert spec.attrs == {**op_spec(rc, 3).attrs, "num_heads": 4, "scale": 0.125}
+    assert resolved_from_attrs(spec.op_type, spec.attrs) == rc
+    assert attention_op_spec(CalibrationConfig(pooling="mean").resolve(), 0, 2).op_type == ATTENTION_ALL_ROWS_OP
+    with pytest.raises(ValueError, match="num_heads must be >= 1"):
+        attention_op_spec(rc, 0, 0)
+    with pytest.raises(ValueError, match="unknown calibration op 'CalibratedAttention'"):
+        is_attention("CalibratedAttention")
+
+
+def _op_types(nodes) -> list[str]:
+    return [n.op_type for n in nodes]
+
+
+@pytest.mark.parametrize("op_type", ATTENTION_OP_TYPES)
+@pytest.mark.parametrize("opset", [18, 20, 21])
+def test_function_body_is_standard_onnx_reads_attributes_and_reuses_the_fused_body(op_type, opset):
+    pooling = "mean" if is_all_rows(op_type) else "cls"
+    model = single_op_model(attention_op_spec(CalibrationConfig(pooling=pooling).resolve(), 0, 2), opset=opset)
+    onnx.checker.check_model(model, full_check=True)
+    (fn,) = model.functions
+    assert (fn.domain, fn.name) == (DOMAIN, op_type)
+    assert list(fn.input) == ["query", "key", "value", "attention_mask"] and list(fn.output) == ["context"]
+    assert {o.domain: o.version for o in fn.opset_import} == {"": opset}
+    assert all(n.domain == "" for n in fn.node)  # standard ONNX only
+    refs = {a.ref_attr_name for n in fn.node for a in n.attribute if a.ref_attr_name}
+    assert refs == set(fn.attribute) - {"layer"} and {"num_heads", "scale"} <= refs
+    # The middle of the body is the Softmax-fused op's body, node for node (minus its final Identity).
+    fused = _op_types(make_function(SOFTMAX_ALL_ROWS_OP if is_all_rows(op_type) else SOFTMAX_POOLED_OP,
+                                    opset).node)[:-1]
+    ops = _op_types(fn.node)
+    start = ops.index("Softmax")
+    assert ops.count("Softmax") == 1 and ops[start:start + len(fused)] == fused
+    tail = [o for o in ops[start + len(fused):] if o != "Constant"]
+    assert tail == ["MatMul", "Transpose", "Slice", "Concat", "Reshape", "CastLike", "Identity"]  # ·V, merge
+    # The Softmax reads the float32 masked scores: Add(MatMul(Mul(q, scale), kᵀ), bias).
+    producer = {o: n for n in fn.node for o in n.output}
+    softmax = fn.node[start]
+    assert producer[softmax.input[0]].op_type == "Add"
+    assert producer[producer[softmax.input[0]].input[0]].op_type == "MatMul"
+
+
+# ------------------------------------------------------------------ against the oracle
+@pytest.mark.parametrize("float16,n_configs,tol", [(False, 100, 1e-6), (True, 50, 2e-3)], ids=["fp32", "fp16"])
+def test_function_body_matches_oracle(float16, n_configs, tol):
+    """A case is one batch item (its own mask, padding side, length; sometimes none valid) under one
+    attribute set; every context row is compared with the float64 oracle, calibrated or not.  Random
+    weight modes, isolation, pooling (cls, last, mean), strength (0 and 1 included), skip_short,
+    basket sizes, heads, head sizes, scale (0 = 1/sqrt(D)), Q = 1 for the pooled op, and keys whose
+    probability is exactly 0 (empty baskets).
+
+    The bound per item is `tol` plus 12·δ·max|v| (`score_rounding`): the contract computes the scores
+    in float32, so their rounding (up to ~5e-6 for the largest logits here, |s| ≈ 50) is part of the
+    op; the rest of the body (softmax, calibration, ·V) must stay within `tol`."""
+    rng = random.Random(2001 + float16)
+    gen = torch.Generator().manual_seed(20)
+    dtype = torch.float16 if float16 else torch.float32
+    cases, worst, runs, worst_ratio, worst_small = 0, 0.0, 0, 0.0, 0.0
+    seen = {k: 0 for k in ("cls", "last", "mean", "left", "right", "empty_item", "partial", "empty_basket", "q1",
+                           "lambda0", "lambda1", "skip_short", "no_iso", "iso_first", "iso_last", "equal",
+                           "original", "fixed", "scale0", "small_rounding")}
+    for _ in range(n_configs):
+        S = rng.choice([1, 2, 3, 4, 5, 8])
+        N, D, D_v = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 6)
+        scale = rng.choice([0.0, 0.0, 0.125, 0.5, 1.0])
+        rc = random_config(rng, S).resolve()
+        spec = attention_op_spec(rc, layer=rng.randint(0, 30), num_heads=N, scale=scale)
+        sess = plain_session(single_op_model(spec, opset=rng.choice([18, 20]), float16=float16))
+        for _ in range(3):
+            K = rng.randint(1, 16 if rc.all_rows else 40)
+            B = rng.randint(4, 12)
+            mask = item_mask(rng, B, K)
+            q1 = not rc.all_rows and rng.random() < 0.3  # the single query is the pooling token's
+            lo = rng.randrange(K)
+            dead = (lo, lo + 2 * S) if rng.random() < 0.25 and D >= 2 else None
+            q, k, v = random_qkv(gen, B, 1 if q1 else K, K, N, D, D_v, dtype, temp=rng.choice([0.5, 1.0, 3.0]),
+                                 dead=dead)
+            (out,) = sess.run(None, feeds(q, k, v, mask))
+            ref = attention_reference(q, k, v, mask, rc, N, scale).numpy()
+            assert out.shape == ref.shape and out.dtype == (np.float16 if float16 else np.float32)
+            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2))
+            rounding = (12 * score_rounding(q, k, mask, N, scale) * float(v.abs().max())).numpy()
+            bound = tol + rounding
+            assert np.all(err <= bound), (float(err.max()), spec, K, int(np.argmax(err / bound)), bound.max())
+            worst, cases, runs = max(worst, float(err.max())), cases + B, runs + 1
+            worst_ratio = max(worst_ratio, float((err / bound).max()))
+            small = rounding <= 0.1 * tol  # items whose score rounding is negligible: `tol` alone
+            worst_small = max(worst_small, float(err[small].max()) if small.any() else 0.0)
+            seen["small_rounding"] += int(small.sum())
+            lengths = mask.sum(1)
+            seen["mean" if rc.all_rows else "last" if rc.pool_last else "cls"] += B
+            seen["left"] += int(((mask[:, -1] == 1) & (mask[:, 0] == 0)).sum())
+            seen["right"] += int(((mask[:, 0] == 1) & (mask[:, -1] == 0)).sum())
+            seen["empty_item"] += int((lengths == 0).sum())
+            seen["partial"] += int(((lengths - rc.n_isolated > 0) & ((lengths - rc.n_isolated) % S != 0)).sum())
+            seen["empty_basket"] += B * (dead is not None)
+            seen["q1"] += B * q1
+            seen["lambda0"] += B * (rc.strength == 0)
+            seen["lambda1"] += B * (rc.strength == 1)
+            seen["skip_short"] += B * rc.skip_short
+            seen["scale0"] += B * (scale == 0)
+            seen["no_iso"] += B * (rc.n_isolated == 0)
+            for enabled, mode, name in ((rc.isolate_first, rc.first_mode, "iso_first"),
+                                        (rc.isolate_last, rc.last_mode, "iso_last")):
+                if enabled:
+                    seen[name] += B
+                    seen[{MODE_EQUAL: "equal", MODE_ORIGINAL: "original", MODE_FIXED: "fixed"}[mode]] += B
+    print(f"\ncalibrated attention body {'fp16' if float16 else 'fp32'}: {cases} cases in {runs} runs, "
+          f"max abs err {worst:.3g} (at most {worst_ratio:.2f} of the bound; {worst_small:.3g} where the "
+          f"score rounding is negligible), {seen}")
+    assert min(seen.values()) >= (20 if float16 else 40), seen
+
+
+# ------------------------------------------------------------------ edge cases
+MASK = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [0] * 7, [0] * 2 + [1] * 5], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pooling", ["cls", "last", "mean"])
+def test_fully_masked_item_gives_mean_of_value_and_padding_rows_plain_attention(pooling, float16):
+    """Item 2 has no valid key: every row's scores are float32's lowest value, its softmax is the
+    uniform row, its context the mean of V over all keys (not 0, not NaN), never calibrated.  The
+    padding query rows of items 1 and 3 are plain attention over their valid keys."""
+    rc = CalibrationConfig(pooling=pooling, basket_size=2, strength=0.8, skip_short=False).resolve()
+    N, D, D_v = 2, 3, 4
+    spec = attention_op_spec(rc, 0, N)
+    dtype = torch.float16 if float16 else torch.float32
+    tol = 2e-3 if float16 else 1e-6
+    q, k, v = random_qkv(torch.Generator().manual_seed(5), 4, 7, 7, N, D, D_v, dtype, temp=2.0)
+    (out,) = plain_session(single_op_model(spec, float16=float16)).run(None, feeds(q, k, v, MASK))
+    out = out.astype(np.float64)
+    ref = attention_reference(q, k, v, MASK, rc, N).numpy()
+    assert np.all(np.isfinite(out)) and np.abs(out - ref).max() <= tol
+    mean_v = v[2].double().mean(0).numpy()  # [N*D_v]: per head, the mean over all 7 keys
+    assert np.abs(out[2] - mean_v[None, :]).max() <= tol
+    assert np.abs(ref[2] - mean_v[None, :]).max() <= 1e-12
+    # Plain attention (no calibration) over the valid keys, float64.
+    qh = q.double().reshape(4, 7, N, D).transpose(1, 2)
+    kh = k.double().reshape(4, 7, N, D).transpose(1, 2)
+    vh = v.double().reshape(4, 7, N, D_v).transpose(1, 2)
+    s = (qh @ kh.transpose(-1, -2)) / np.sqrt(D)
+    plain = torch.softmax(s.masked_fill(MASK[:, None, None, :] == 0, float("-inf")), -1) @ vh
+    plain = plain.transpose(1, 2).reshape(4, 7, N * D_v).numpy()
+    for b, rows in ((1, [4, 5, 6]), (3, [0, 1])):  # padding query rows
+        assert np.abs(out[b, rows] - plain[b, rows]).max() <= tol
+    calibrated = {"cls": [(0, 0), (1, 0), (3, 2)], "last": [(0, 6), (1, 3), (3, 6)],
+                  "mean": [(0, 3), (1, 2), (3, 4)]}[pooling]
+    for b, row in calibrated:  # and the calibration is on: the selected rows are not plain attention
+        assert np.abs(out[b, row] - plain[b, row]).max() > 1e-2
+
+
+@pytest.mark.parametrize("op_type", ATTENTION_OP_TYPES)
+def test_nan_query_row_gives_nan_context_row_only(op_type):
+    """A NaN in one head of one query row: that head's context row is NaN at every column (Softmax of a
+    row holding a NaN is NaN; calibrated or not), nothing else is: the other head of the same row and
+    every other row match the oracle."""
+    pooling = "mean" if is_all_rows(op_type) else "cls"
+    rc = CalibrationConfig(pooling=pooling, basket_size=2, strength=0.8, skip_short=False).resolve()
+    N, D, D_v = 2, 3, 4
+    q, k, v = random_qkv(torch.Generator().manual_seed(6), 4, 7, 7, N, D, D_v, torch.float32, temp=2.0)
+    ref = attention_reference(q, k, v, MASK, rc, N).numpy()
+    row = 2 if is_all_rows(op_type) else 0  # item 3's first valid token: calibrated by either op
+    q[3, row, 1] = float("nan")  # head 0
+    (out,) = plain_session(single_op_model(attention_op_spec(rc, 0, N))).run(None, feeds(q, k, v, MASK))
+    assert np.all(np.isnan(out[3, row, :D_v]))
+    nan = np.zeros(out.shape, bool)
+    nan[3, row, :D_v] = True
+    assert np.all(np.isfinite(out[~nan])) and np.abs(out[~nan] - ref[~nan]).max() <= 1e-6
+
+
+def test_q1_pooled_row_is_the_pooling_row_of_the_full_op():
+    """S_q = 1 (row placement's single query): the context equals the pooling row of the full op."""
+    for pooling in ("cls", "last"):
+        rc = CalibrationConfig(pooling=pooling, basket_size=2, strength=0.9, skip_short=False).resolve()
+        spec = attention_op_spec(rc, 0, 2, scale=0.3)
+        q, k, v = random_qkv(torch.Generator().manual_seed(7), 4, 7, 7, 2, 4, 3, torch.float32, temp=2.0)
+        sess = plain_session(single_op_model(spec))
+        (full,) = sess.run(None, feeds(q, k, v, MASK))
+        pool = [int(m.nonzero()[-1 if pooling == "last" else 0]) if m.any() else 0 for m in MASK]
+        q1 = torch.stack([q[b, p] for b, p in enumerate(pool)])[:, None]
+        (one,) = sess.run(None, feeds(q1, k, v, MASK))
+        assert one.shape == (4, 1, 6)
+        ref = attention_reference(q1, k, v, MASK, rc, 2, 0.3).numpy()
+        assert np.abs(one - ref).max() <= 1e-6
+        for b, p in enumerate(pool):
+            if MASK[b].any():
+                assert np.abs(one[b, 0] - full[b, p]).max() <= 1e-6
+
+
+def test_node_copied_with_other_attributes_computes_its_own_contract():
+    """Two nodes with different attributes (num_heads and scale included) share one FunctionProto."""
+    cfg_a = CalibrationConfig(pooling="mean", basket_size=2, strength=0.9, isolate_first=True,
+                              first_weight="original")
+    cfg_b = CalibrationConfig(pooling="mean", basket_size=3, strength=0.4, isolate_last=True, last_weight=0.2,
+                              skip_short=False)
+    spec_a = attention_op_spec(cfg_a.resolve(), 0, num_heads=2)
+    spec_b = attention_op_spec(cfg_b.resolve(), 1, num_heads=3, scale=0.2)
+    names = input_names(ATTENTION_ALL_ROWS_OP)
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node(ATTENTION_ALL_ROWS_OP, names, ["a"], domain=DOMAIN, **spec_a.attrs),
+         helper.make_node(ATTENTION_ALL_ROWS_OP, names, ["b"], domain=DOMAIN, **spec_b.attrs)], "two",
+        [helper.make_tensor_value_info("query", f, ["B", "S", 12]), helper.make_tensor_value_info("key", f, ["B", "S", 12]),
+         helper.make_tensor_value_info("value", f, ["B", "S", 6]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"])],
+        [helper.make_tensor_value_info("a", f, ["B", "S", 6]), helper.make_tensor_value_info("b", f, ["B", "S", 6])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, VERSION)],
+                              functions=[make_function(ATTENTION_ALL_ROWS_OP, 18)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    gen = torch.Generator().manual_seed(8)
+    mask = item_mask(random.Random(8), 5, 16)
+    q, k = torch.randn(5, 16, 12, generator=gen) * 2, torch.randn(5, 16, 12, generator=gen)
+    v = torch.rand(5, 16, 6, generator=gen) * 4 - 2
+    a, b = plain_session(model).run(None, feeds(q, k, v, mask))
+    assert np.abs(a - attention_reference(q, k, v, mask, cfg_a, 2).numpy()).max() <= 1e-6
+    assert np.abs(b - attention_reference(q, k, v, mask, cfg_b, 3, 0.2).numpy()).max() <= 1e-6
+    assert np.abs(a - b).max() > 1e-2
+
+
+def test_strength_0_is_ort_multi_head_attention_on_the_same_inputs():
+    """The layout is ORT MultiHeadAttention's (unpacked Q, K, V as [B,S,N*D], key padding mask
+    [B,S_k]): with strength 0 and a valid key in every item, both give the same context."""
+    rc = CalibrationConfig(pooling="mean", strength=0.0).resolve()
+    N, D, D_v, S = 3, 4, 2, 9
+    mask = torch.ones(3, S, dtype=torch.int64)
+    mask[1, 6:] = 0
+    mask[2, :3] = 0
+    q, k, v = random_qkv(torch.Generator().manual_seed(9), 3, S, S, N, D, D_v, torch.float32, temp=2.0)
+    (ours,) = plain_session(single_op_model(attention_op_spec(rc, 0, N, scale=0.4))).run(None, feeds(q, k, v, mask))
+    f = TensorProto.FLOAT
+    mha = helper.make_node("MultiHeadAttention", ["query", "key", "value", "", "key_padding_mask"], ["context"],
+                           domain="com.microsoft", num_heads=N, scale=0.4)
+    g = helper.make_graph([mha], "mha", [helper.make_tensor_value_info("query", f, ["B", "S", N * D]),
+                                         helper.make_tensor_value_info("key", f, ["B", "S", N * D]),
+                                         helper.make_tensor_value_info("value", f, ["B", "S", N * D_v]),
+                                         helper.make_tensor_value_info("key_padding_mask", TensorProto.INT32,
+                                                                       ["B", "S"])],
+                          [helper.make_tensor_value_info("context", f, ["B", "S", N * D_v])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    (theirs,) = plain_session(m).run(None, {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(),
+                                            "key_padding_mask": mask.numpy().astype(np.int32)})
+    assert np.abs(ours - theirs).max() <= 1e-5
