@@ -1,7 +1,8 @@
 """The calibration op contract: a fixed interface shared by the function body, the ORT custom-op
 library and the TensorRT plugin.
 
-Domain `ai.attncal`, version 1, four op types:
+Domain `ai.attncal`, version 1: four calibration op types (`OP_TYPES`, below) and
+two calibrated attention ops (`ATTENTION_OP_TYPES`, at the end of this text).
 
 * `PooledRowCalibration`: calibrates the pooling row only (cls or last pooling).
 * `AllRowsCalibration`: calibrates every valid query row (mean pooling).
@@ -88,10 +89,12 @@ and function body only so far: no native kernel and no placement writes them.
   calibrated row).  Not 0 as in FlashAttention, not NaN.  A padding query row
   (the query at a padding position, with valid keys) is an ordinary row: plain
   attention over the valid keys, not calibrated.  A row whose scores hold a NaN
-  or +inf (a NaN or an infinity in that query row or in a key it meets) gives
-  NaN at every key, hence a NaN context row.  A NaN or an infinity in `value`
-  reaches every context row of that item and head that multiplies it, masked
-  keys included (0·NaN = NaN), as the unfused graph's MatMul does.
+  or +inf (a NaN in its query or in any key of the item, masked keys included,
+  gives one) has the Softmax-fused op's all-NaN probabilities, hence a NaN
+  context row; scores that are -inf at some keys only make an ordinary row
+  (exp(-inf) = 0).  A NaN or an infinity in `value` makes that item's and
+  head's context non-finite in every row (0·NaN and 0·inf are NaN at keys of
+  probability 0), as the unfused graph's MatMul does.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ Each runs every refusal, for every calibrated layer, before its first edit.
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx_ir as ir
 
