@@ -225,8 +225,11 @@ def _fusion_note(model, captured: list[str]) -> str | None:
     """In attncal's words, what a skipped optional fusion of ONNX Runtime's optimizer means (or None).
 
     ORT's optimizer prints "failed in shape inference" when its symbolic shape inference cannot
-    handle a graph (a TypeError on an Expand node in onnxruntime 1.32); it then leaves Add + LayerNormalization
-    unfused.  The export is still correct: the parity check measures it."""
+    handle a graph; it then leaves Add + LayerNormalization unfused.  attncal's own pooling head is
+    written so that it can (attncal.export.wrapper: a ReduceL2/ReduceMin/ReduceMax output it cannot
+    shape made the next Expand/Unsqueeze raise a TypeError in onnxruntime 1.32), so this is a safety
+    net for graphs where it still fails; silent when the fusion happened.  The export is still
+    correct either way: the parity check measures it."""
     ops = [n.op_type for n in model.graph]
     if "SkipLayerNormalization" in ops or ops.count("LayerNormalization") < 2:
         return None

@@ -42,7 +42,12 @@ def export_pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str
 
 
 def export_normalize(emb: torch.Tensor) -> torch.Tensor:
-    """`F.normalize(emb, p=2, dim=-1)` as emb / max(sqrt(sum(emb * emb)), eps) (ReduceSum, no ReduceL2 / Expand)."""
+    """`F.normalize(emb, p=2, dim=-1)` as emb / max(sqrt(sum(emb * emb)), eps) (ReduceSum, no ReduceL2 / Expand).
+
+    Half precision keeps F.normalize: a float16 sum of squares can overflow, and no ORT-optimized
+    graph is written for fp16 exports (exporter.optimized_graph_applies)."""
+    if emb.dtype in (torch.float16, torch.bfloat16):
+        return nn.functional.normalize(emb, p=2, dim=-1)
     return emb / (emb * emb).sum(-1, keepdim=True).sqrt().clamp_min(_NORM_EPS)
 
 
