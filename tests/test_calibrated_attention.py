@@ -27,6 +27,7 @@ from attncal.graphs.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTI
 from attncal.graphs.function_body import make_function
 from attncal.graphs.single_op import single_op_model
 from test_calibration_math import random_config
+from test_native_kernel import mixed_mask
 
 LOWEST = float(np.finfo(np.float32).min)
 
@@ -42,15 +43,8 @@ def feeds(q, k, v, mask) -> dict:
 
 
 def item_mask(rng: random.Random, B: int, K: int) -> torch.Tensor:
-    """Each item its own length (0 included: an item with no valid key) and padding side."""
-    mask = torch.zeros(B, K, dtype=torch.long)
-    for b in range(B):
-        n = rng.randint(0, K)
-        if rng.random() < 0.5:
-            mask[b, K - n:] = 1
-        else:
-            mask[b, :n] = 1
-    return mask
+    """Each item its own length (0 included: an item with no valid key) and padding side, no holes."""
+    return mixed_mask(rng, B, K, holes=0.0)
 
 
 def random_qkv(gen: torch.Generator, B: int, S_q: int, S_k: int, N: int, D: int, D_v: int, dtype, temp: float,

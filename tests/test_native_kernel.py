@@ -85,8 +85,9 @@ def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
     return out
 
 
-def mixed_mask(rng: random.Random, B: int, K: int) -> torch.Tensor:
-    """Each item its own length and padding side (left or right); sometimes holes inside the span."""
+def mixed_mask(rng: random.Random, B: int, K: int, holes: float = 0.1) -> torch.Tensor:
+    """Each item its own length (0 included) and padding side (left or right); with probability
+    `holes` a hole inside the span (no random draw for it when `holes` is 0)."""
     mask = torch.zeros(B, K, dtype=torch.long)
     for b in range(B):
         n = rng.randint(0, K)
@@ -94,7 +95,7 @@ def mixed_mask(rng: random.Random, B: int, K: int) -> torch.Tensor:
             mask[b, K - n:] = 1
         else:
             mask[b, :n] = 1
-        if n > 4 and rng.random() < 0.1:
+        if holes and n > 4 and rng.random() < holes:
             idx = mask[b].nonzero().flatten()
             mask[b, int(idx[rng.randrange(1, n - 1)])] = 0
     return mask
