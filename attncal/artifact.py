@@ -39,11 +39,17 @@ from typing import Any, Iterable
 ONNX_SUBDIR = "onnx"
 ONNX_FILE = "model.onnx"
 OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized graph
+# The ORT-optimized graph with the calibrated attention op (attention placement): run where the attncal
+# native library is loaded; the calibrated export writes it beside model_optimized.onnx (split placement,
+# no custom op), which runs everywhere else.
+NATIVE_FILE = "model_optimized_native.onnx"
 EXTERNAL_DATA_FILE = "model.onnx_data"
 METADATA_FILE = "attncal.json"
 CONFIG_FILE = "config.json"
 PORTABLE_GRAPH = f"{ONNX_SUBDIR}/{ONNX_FILE}"
 OPTIMIZED_GRAPH = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
+NATIVE_GRAPH = f"{ONNX_SUBDIR}/{NATIVE_FILE}"
+GRAPH_FILES = (PORTABLE_GRAPH, OPTIMIZED_GRAPH, NATIVE_GRAPH)
 FORMAT_VERSION = 2
 SUPPORTED_FORMATS = (1, 2)
 DIGEST_KEY = "attncal.digest"
@@ -239,8 +245,8 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
         except (TypeError, ValueError) as exc:
             raise ArtifactError(path, f"key 'config': {exc}") from None
     for rel, info in (meta.get("graphs") or {}).items():
-        if rel not in (PORTABLE_GRAPH, OPTIMIZED_GRAPH):
-            raise ArtifactError(path, f"key 'graphs' names {rel!r}; expected {PORTABLE_GRAPH} or {OPTIMIZED_GRAPH}")
+        if rel not in GRAPH_FILES:
+            raise ArtifactError(path, f"key 'graphs' names {rel!r}; expected one of {', '.join(GRAPH_FILES)}")
         if not isinstance(info, dict):
             raise ArtifactError(path, f"key 'graphs' entry {rel!r} must be an object, got {info!r:.60}")
     for rel in meta.get("files", ()):
@@ -472,6 +478,6 @@ __all__ = [
     "ArtifactError", "MissingArtifactError", "commit_dir", "ExportDir", "open_export", "read_metadata", "write_metadata",
     "validate_metadata", "check_model_files", "load_onnx_checked", "save_onnx", "save_onnx_proto", "stamp_onnx",
     "graph_digest", "graph_files", "looks_like_export", "loader_files", "check_dir", "read_json",
-    "ONNX_SUBDIR", "ONNX_FILE", "OPTIMIZED_FILE", "EXTERNAL_DATA_FILE", "METADATA_FILE", "CONFIG_FILE",
+    "ONNX_SUBDIR", "ONNX_FILE", "OPTIMIZED_FILE", "NATIVE_FILE", "NATIVE_GRAPH", "GRAPH_FILES", "EXTERNAL_DATA_FILE", "METADATA_FILE", "CONFIG_FILE",
     "PORTABLE_GRAPH", "OPTIMIZED_GRAPH", "FORMAT_VERSION", "SUPPORTED_FORMATS",
 ]

@@ -22,9 +22,21 @@ onnxruntime-gpu nor TensorRT.  It:
      torch.softmax + the separate calibration; and the separate calibration out of
      place vs in place (AllRows and pooled);
   6. times the torch efficient calibration vs uncalibrated at batch 8 x 2048 on
-     the synthetic long model (XLM-R, 4 layers, hidden 256, 4 heads).
+     the synthetic long model (XLM-R, 4 layers, hidden 256, 4 heads);
+  7. the calibrated attention ops (PooledRowCalibratedAttention /
+     AllRowsCalibratedAttention, plugins/kernels/calibrated_attention_cuda.cu):
+     the tiled kernel and the per-row kernel against the float64 oracle
+     `attention_reference` (float32, float16, bfloat16; both padding sides, holes,
+     partial and empty baskets, Q = 1 for pooled, fully masked items, head sizes on
+     every load path) and against each other; deterministic edge cases (NaN rules,
+     rows the tiled kernel queues for the per-row kernel); against torch SDPA + the
+     split identity (attncal.calibration.split); time and peak memory against torch's
+     flash SDPA at B=8, S=8192, 12 heads x 64, float16 (targets <= 1.15x, <= 1.05x).
 
-    python benchmarks/gpu_check.py [--json out.json] [--cases 400] [--fused-cases 200]
+None of this has run on a GPU yet (no GPU was lent when it was written): every expected
+figure in comments is a design expectation, not a measurement.
+
+    python benchmarks/gpu_check.py [--json out.json] [--cases 400] [--fused-cases 200] [--attention-cases 150]
     python benchmarks/gpu_check.py --compile-only     # step 1 only (works without a GPU)
 """
 
@@ -67,6 +79,16 @@ def load(path: Path):
     lib.attncal_cuda_last_error.restype = ctypes.c_char_p
     lib.attncal_cuda_workspace_bytes.restype = ctypes.c_size_t
     lib.attncal_cuda_workspace_bytes.argtypes = [ctypes.c_int64]
+    # The calibrated attention launchers (calibrated_attention_cuda.h).
+    i64 = ctypes.c_int64
+    lib.attncal_cuda_calibrated_attention.restype = ctypes.c_int
+    lib.attncal_cuda_calibrated_attention.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [i64] * 6 + [
+        ctypes.c_float, ctypes.POINTER(Params), ctypes.c_void_p, ctypes.c_void_p]
+    lib.attncal_cuda_calibrated_attention_reference.restype = ctypes.c_int
+    lib.attncal_cuda_calibrated_attention_reference.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [i64] * 6 + [
+        ctypes.c_float, ctypes.POINTER(Params), ctypes.c_void_p]
+    lib.attncal_cuda_attention_workspace_bytes.restype = ctypes.c_size_t
+    lib.attncal_cuda_attention_workspace_bytes.argtypes = [i64, i64, i64]
     return lib
 
 
@@ -457,6 +479,447 @@ def split_long_context(batch: int = 8, seq: int = 8192, rounds: int = 3) -> dict
     return out
 
 
+# ------------------------------------------------------------------ calibrated attention (issue 20)
+# Tolerances against the float64 oracle, beyond the float32 rounding of the scores themselves (added per
+# case, `score_bound`): float32 is computed in float32 throughout (1e-6, as every float32 op here).  The
+# 16-bit tiled kernel multiplies P rounded to the input type by V on the tensor cores, as FlashAttention
+# does: each weight moves by a relative 2^-11 (float16) / 2^-8 (bfloat16), the context (|v| <= 2) by at
+# most 2 * 2^-11 * 2 = 2e-3 / 1.6e-2 in the worst case, on top of the output's own rounding (half an ulp
+# below 2: 4.9e-4 / 3.9e-3).  Hence 3e-3 (float16) and 2e-2 (bfloat16).
+ATTN_TOL = {"float32": 1e-6, "float16": 3e-3, "bfloat16": 2e-2}
+ATTN_DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def attention_launch(lib, q, k, v, mask, out, rc, num_heads: int, scale: float, workspace=None,
+                     reference: bool = False) -> None:
+    """attncal_cuda_calibrated_attention (or the per-row reference launcher) on torch CUDA tensors:
+    q [B,S_q,N*D], k [B,S_k,N*D], v [B,S_k,N*D_v], mask int64 [B,S_k] -> out [B,S_q,N*D_v]."""
+    import torch
+
+    B, S_q, hidden = q.shape
+    S_k = k.shape[1]
+    dtype = ATTN_DTYPE_CODE[str(q.dtype).replace("torch.", "")]
+    stream = torch.cuda.current_stream().cuda_stream
+    p = params_of(rc)
+    args = (dtype, q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), B, S_q, S_k,
+            num_heads, hidden // num_heads, v.shape[2] // num_heads, float(scale), ctypes.byref(p))
+    if reference:
+        rc_ = lib.attncal_cuda_calibrated_attention_reference(*args, stream)
+    else:
+        rc_ = lib.attncal_cuda_calibrated_attention(*args, None if workspace is None else workspace.data_ptr(), stream)
+    if rc_ != 0:
+        name = "attncal_cuda_calibrated_attention" + ("_reference" if reference else "")
+        raise RuntimeError(f"{name} failed ({rc_}): {lib.attncal_cuda_last_error().decode()}")
+
+
+def attention_qkv(gen, B: int, S_q: int, S_k: int, N: int, D: int, D_v: int, dtype, temp: float,
+                  dead: tuple[int, int] | None = None, exact: bool = False):
+    """Q (times `temp`), K standard normal, V uniform in [-2, 2] (float64, then cast to `dtype`).  `dead`:
+    keys [lo, hi) whose scores are exactly -3e4*scale in every head (the last column of q is 1, of k
+    -3e4 there and 0 elsewhere): their baskets have mass 0 in float32 and float64 alike.  `exact`: q and k
+    on a 1/8 grid (small), so that with a power-of-two scale the float32 scores are exact."""
+    import torch
+
+    q = torch.randn(B, S_q, N, D, generator=gen, dtype=torch.float64) * temp
+    k = torch.randn(B, S_k, N, D, generator=gen, dtype=torch.float64)
+    v = torch.rand(B, S_k, N * D_v, generator=gen, dtype=torch.float64) * 4 - 2
+    if exact:
+        q, k = (q * 8).round().clamp(-64, 64) / 8, (k * 8).round().clamp(-32, 32) / 8
+    if dead is not None and D >= 2:
+        q[..., -1] = 1.0
+        k[..., -1] = 0.0
+        k[:, dead[0]:dead[1]] = 0.0
+        k[:, dead[0]:dead[1], :, -1] = -3e4
+    return q.reshape(B, S_q, N * D).to(dtype), k.reshape(B, S_k, N * D).to(dtype), v.to(dtype)
+
+
+def score_bound(q, k, mask, N: int, scale: float):
+    """[B]: a first-order bound on the float32 rounding of the valid scores, 2^-24 * ((D+1) * sum|q_i s||k_i|
+    + |s|) (the same bound as tests/test_calibrated_attention.py); the context moves by at most about
+    12 * that * max|v| (every weight is a ratio of exponentials of the scores)."""
+    import numpy as np
+
+    B, S_q, _ = q.shape
+    qh = q.double().reshape(B, S_q, N, -1).transpose(1, 2)
+    kh = k.double().reshape(B, k.shape[1], N, -1).transpose(1, 2)
+    D = qh.shape[-1]
+    qh = qh * (scale if scale != 0 else 1.0 / np.sqrt(max(D, 1)))
+    bound = (D + 1) * (qh.abs() @ kh.abs().transpose(-1, -2)) + (qh @ kh.transpose(-1, -2)).abs()
+    bound = bound.masked_fill(mask[:, None, None, :] == 0, 0.0)
+    return bound.amax(dim=(1, 2, 3)) * 2.0 ** -24
+
+
+def attention_mask(rng: random.Random, B: int, K: int, holes: float):
+    """Each item its own length (0 included: no valid key) and padding side; with probability `holes`
+    masked keys inside the span."""
+    import torch
+
+    mask = torch.zeros(B, K, dtype=torch.long)
+    for b in range(B):
+        n = 0 if rng.random() < 0.1 else rng.randint(0, K)
+        if rng.random() < 0.5:
+            mask[b, K - n:] = 1
+        else:
+            mask[b, :n] = 1
+        if n > 4 and rng.random() < holes:
+            idx = mask[b].nonzero().flatten()
+            for _ in range(rng.randint(1, 3)):
+                mask[b, int(idx[rng.randrange(1, n - 1)])] = 0
+    return mask
+
+
+def random_attention_case(rng: random.Random):
+    """Attributes and geometry of one random case: (rc, B, N, S_q, S_k, D, D_v, scale, exact, dead, mask).
+    Head sizes cover both tiled-kernel widths (<= 64, <= 128), the 16-byte and element-wise load paths and
+    the per-row kernel (> 128); basket sizes below, at and above the 64-key tile, divisors and not."""
+    from attncal.calibration import CalibrationConfig
+
+    S = rng.choice([1, 2, 3, 5, 8, 16, 33, 64, 100, 128])
+    kw = {}
+    for name in ("first_weight", "last_weight"):
+        if rng.random() < 0.3:
+            kw[name] = rng.choice(["equal", "original", round(rng.uniform(0, 0.45), 3)])
+    for name in ("isolate_first", "isolate_last"):
+        if rng.random() < 0.3:
+            kw[name] = rng.random() < 0.5
+    cfg = CalibrationConfig(variant=rng.choice(["uniform", "cls-soft", "cls-hard"]),
+                            strength=rng.choice([0.0, 1.0, rng.random(), rng.random()]), basket_size=S,
+                            pooling=rng.choice(["cls", "last", "mean"]), self_weight=round(rng.uniform(0, 0.5), 3),
+                            skip_short=rng.random() < 0.4, **kw)
+    rc = cfg.resolve()
+    D = rng.choice([4, 8, 12, 16, 32, 40, 64, 72, 96, 128] + ([160] if rng.random() < 0.05 else []))
+    D_v = D if rng.random() < 0.7 else rng.choice([8, 16, 24, 64])
+    N = rng.randint(1, 3)
+    S_k = rng.randint(1, 160 if rc.all_rows else 400)
+    B = rng.randint(1, 3)
+    S_q = 1 if (not rc.all_rows and rng.random() < 0.25) else S_k
+    exact = rng.random() < 0.4
+    scale = rng.choice([0.125, 0.25, 0.5]) if exact else rng.choice([0.0, 0.0, 0.1, 0.3])
+    lo = rng.randrange(S_k)
+    dead = (lo, lo + rng.choice([1, 2]) * S) if rng.random() < 0.2 and D >= 2 else None
+    mask = attention_mask(rng, B, S_k, holes=0.2)
+    return rc, B, N, S_q, S_k, D, D_v, scale, exact, dead, mask
+
+
+def check_attention_correctness(lib, n_cases: int, seed: int = 20, device: str = "cuda",
+                                launch=attention_launch) -> dict:
+    """Random cases: the tiled launcher and the per-row launcher against the float64 oracle (every context
+    row, calibrated or not) and against each other.  Outputs go into NaN-filled buffers, so an unwritten row
+    fails.  `device` / `launch` exist so the harness itself can be dry-run on the CPU with a stand-in."""
+    import torch
+    from tqdm import tqdm
+
+    from attncal.calibration.oracle import attention_reference
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    worst = {n: 0.0 for n in dtypes}
+    worst_vs_ref = {n: 0.0 for n in dtypes}
+    counts = {n: 0 for n in dtypes}
+    seen = {k: 0 for k in ("cls", "last", "mean", "q1", "empty_item", "holes", "dead", "exact", "per_row_path",
+                           "scalar_loads", "hd128")}
+    for _ in tqdm(range(n_cases), desc="calibrated attention vs oracle", unit="case"):
+        rc, B, N, S_q, S_k, D, D_v, scale, exact, dead, mask = random_attention_case(rng)
+        name = rng.choice(list(dtypes))
+        dt = dtypes[name]
+        q, k, v = attention_qkv(gen, B, S_q, S_k, N, D, D_v, dt, temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
+                                exact=exact)
+        ref = attention_reference(q, k, v, mask, rc, N, scale)
+        dq, dk, dv, dm = (x.to(device) for x in (q, k, v, mask))
+        outs = []
+        for reference in (False, True):
+            out = torch.full((B, S_q, N * D_v), float("nan"), dtype=dt, device=device)
+            launch(lib, dq, dk, dv, dm, out, rc, N, scale, reference=reference)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            outs.append(out.cpu().double())
+        bound = torch.full((B,), ATTN_TOL[name], dtype=torch.float64)
+        if not exact:
+            bound = bound + 12 * score_bound(q, k, mask, N, scale) * float(v.abs().max())
+        what = (f"{name} case ({rc}, B={B}, N={N}, S_q={S_q}, S_k={S_k}, D={D}, D_v={D_v}, scale={scale}, "
+                f"dead={dead}, mask={mask.tolist()})")
+        for i, out in enumerate(outs):
+            if not bool(torch.isfinite(out).all()):
+                raise AssertionError(f"{'per-row' if i else 'tiled'} {what}: non-finite output "
+                                     f"({int((~torch.isfinite(out)).sum())} values)")
+            err = (out - ref).abs().amax(dim=(1, 2))
+            if bool((err > bound).any()):
+                b = int(torch.argmax(err - bound))
+                raise AssertionError(f"{'per-row' if i else 'tiled'} {what}: item {b} err {float(err[b]):.3g} > "
+                                     f"{float(bound[b]):.3g}")
+            if i == 0:
+                worst[name] = max(worst[name], float(err.max()))
+        worst_vs_ref[name] = max(worst_vs_ref[name], float((outs[0] - outs[1]).abs().max()))
+        counts[name] += 1
+        seen["mean" if rc.all_rows else "last" if rc.pool_last else "cls"] += 1
+        seen["q1"] += S_q == 1 and S_k > 1
+        seen["empty_item"] += int((mask.sum(1) == 0).any())
+        lengths = mask.sum(1)
+        span = [(int(m.nonzero()[-1]) - int(m.nonzero()[0]) + 1) if m.any() else 0 for m in mask]
+        seen["holes"] += int(any(int(n) != s for n, s in zip(lengths, span)))
+        seen["dead"] += dead is not None
+        seen["exact"] += exact
+        seen["per_row_path"] += max(D, D_v) > 128
+        esize = 4 if name == "float32" else 2
+        seen["scalar_loads"] += (D * esize) % 16 != 0 or (D_v * esize) % 16 != 0
+        seen["hd128"] += 64 < max(D, D_v) <= 128
+    return {"cases": counts, "max_abs_err": worst, "max_abs_diff_tiled_vs_per_row": worst_vs_ref,
+            "tolerance": ATTN_TOL, "coverage": seen}
+
+
+def check_attention_edge_cases(lib, device: str = "cuda", launch=attention_launch) -> dict:
+    """Deterministic cases, every dtype, tiled and per-row launchers:
+    * an item with no valid key: every row is the mean of V over all keys (uniform softmax), never 0 or NaN;
+    * padding query rows: plain attention over the valid keys (float64 here);
+    * dead baskets (mass exactly 0) placed BEFORE the live keys, so that the tiled kernel counts them when
+      they close and must hand the rows to the per-row kernel (the queue), and a basket made of holes;
+    * a NaN in one head of one query row: that row and head only; a NaN in a masked key: every row of that
+      item and head (NaN + lowest = NaN), as the contract says;
+    * S_k = 0 (an empty key set: context 0) and D = 0 (every score 0)."""
+    import numpy as np
+    import torch
+
+    from attncal.calibration import CalibrationConfig
+    from attncal.calibration.oracle import attention_reference
+
+    res: dict = {"cases": 0, "max_abs_err": {}}
+    gen = torch.Generator().manual_seed(21)
+    mask = torch.tensor([[1] * 7 + [0] * 3, [0] * 2 + [1] * 8, [0] * 10, [1] * 3 + [0, 0] + [1] * 5],
+                        dtype=torch.long)  # right padded, left padded, empty, holes
+    B, K, N, D, D_v = 4, 10, 2, 16, 8
+
+    def run(q, k, v, m, rc, scale, reference):
+        out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype, device=device)
+        launch(lib, q.to(device), k.to(device), v.to(device), m.to(device), out, rc, N, scale, reference=reference)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out.cpu().double()
+
+    for name, dt in (("float32", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        worst = 0.0
+        for pooling in ("cls", "last", "mean"):
+            rc = CalibrationConfig(pooling=pooling, basket_size=2, strength=0.8, skip_short=False).resolve()
+            q, k, v = attention_qkv(gen, B, K, K, N, D, D_v, dt, temp=2.0)
+            ref = attention_reference(q, k, v, mask, rc, N)
+            mean_v = v[2].double().mean(0)
+            qh = q.double().reshape(B, K, N, D).transpose(1, 2)
+            kh = k.double().reshape(B, K, N, D).transpose(1, 2)
+            vh = v.double().reshape(B, K, N, D_v).transpose(1, 2)
+            s = (qh @ kh.transpose(-1, -2)) / np.sqrt(D)
+            plain = torch.softmax(s.masked_fill(mask[:, None, None, :] == 0, float("-inf")), -1) @ vh
+            plain = plain.transpose(1, 2).reshape(B, K, N * D_v)
+            for reference in (False, True):
+                out = run(q, k, v, mask, rc, 0.0, reference)
+                tag = f"{name} {pooling} {'per-row' if reference else 'tiled'}"
+                assert bool(torch.isfinite(out).all()), f"{tag}: non-finite output"
+                err = float((out - ref).abs().max())
+                assert err <= ATTN_TOL[name] + 1e-5, f"{tag}: err {err:.3g} vs the oracle"
+                assert float((out[2] - mean_v[None, :]).abs().max()) <= ATTN_TOL[name] + 1e-5, \
+                    f"{tag}: fully masked item is not the mean of V"
+                for b, rows in ((0, [7, 8, 9]), (1, [0, 1])):  # padding query rows: plain attention
+                    assert float((out[b, rows] - plain[b, rows]).abs().max()) <= ATTN_TOL[name] + 1e-5, \
+                        f"{tag}: padding rows of item {b} are not plain attention"
+                worst = max(worst, err)
+                res["cases"] += 1
+            # NaN rules: row 2 of item 1 (left padded, its first valid token: calibrated by mean and cls pooling).
+            row = 2
+            qn = q.clone()
+            qn[1, row, 1] = float("nan")  # head 0 of that row
+            for reference in (False, True):
+                out = run(qn, k, v, mask, rc, 0.0, reference)
+                nan = torch.zeros(out.shape, dtype=torch.bool)
+                nan[1, row, :D_v] = True
+                assert bool(torch.isnan(out[nan]).all()), f"{name} {pooling}: NaN query row is not NaN"
+                assert bool(torch.isfinite(out[~nan]).all()), f"{name} {pooling}: NaN leaked to other rows"
+                kn = k.clone()
+                kn[0, 8, D + 1] = float("nan")  # a masked key of item 0, head 1
+                out = run(q, kn, v, mask, rc, 0.0, reference)
+                nan = torch.zeros(out.shape, dtype=torch.bool)
+                nan[0, :, D_v:] = True
+                assert bool(torch.isnan(out[nan]).all()), f"{name} {pooling}: masked NaN key did not reach every row"
+                assert bool(torch.isfinite(out[~nan]).all()), f"{name} {pooling}: masked NaN key leaked"
+                res["cases"] += 2
+        # Dead baskets before the live keys (the queue), and a basket made only of holes.
+        for pooling, S in (("mean", 4), ("cls", 4), ("mean", 64), ("last", 100)):
+            Kd = 400
+            rc = CalibrationConfig(pooling=pooling, basket_size=S, strength=0.9, skip_short=False).resolve()
+            md = torch.ones(2, Kd, dtype=torch.long)
+            hs = int(rc.isolate_first) + S * ((150 + S - 1) // S)  # a basket boundary of item 1 (start 0)
+            md[1, hs:hs + S] = 0  # one whole basket of holes: not counted as non-empty
+            md[1, hs + S + 1] = 0  # and a single hole in the next one
+            q, k, v = attention_qkv(gen, 2, Kd, Kd, N, D, D_v, dt, temp=1.0, dead=(0, 2 * S + 3), exact=True)
+            ref = attention_reference(q, k, v, md, rc, N, 0.25)
+            for reference in (False, True):
+                out = run(q, k, v, md, rc, 0.25, reference)
+                tag = f"{name} dead baskets ({pooling}, basket {S}, {'per-row' if reference else 'tiled'})"
+                assert bool(torch.isfinite(out).all()), f"{tag}: non-finite output"
+                err = float((out - ref).abs().max())
+                assert err <= ATTN_TOL[name], f"{tag}: err {err:.3g}"
+                worst = max(worst, err)
+                res["cases"] += 1
+        res["max_abs_err"][name] = worst
+    # An empty key set and a zero head size.
+    rc = CalibrationConfig(pooling="cls", strength=0.5).resolve()
+    for shape in ((2, 1, 0, 8, 8), (2, 5, 5, 0, 8)):
+        b_, sq, sk, d, dv = shape
+        q = torch.randn(b_, sq, N * d)
+        k = torch.randn(b_, sk, N * d)
+        v = torch.rand(b_, sk, N * dv)
+        m = torch.ones(b_, sk, dtype=torch.long)
+        if sk == 0:  # no keys: an empty softmax times an empty V
+            ref = torch.zeros(b_, sq, N * dv, dtype=torch.float64)
+        else:  # D = 0: every score is 0, as with zero queries and keys of head size 1
+            ref = attention_reference(torch.zeros(b_, sq, N), torch.zeros(b_, sk, N), v, m, rc, N, 1.0)
+        out = torch.full((b_, sq, N * dv), float("nan"), device=device)
+        launch(lib, q.to(device), k.to(device), v.to(device), m.to(device), out, rc, N, 0.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        err = float((out.cpu().double() - ref).abs().max())
+        assert err <= 1e-6, f"shape {shape}: err {err:.3g}"
+        res["cases"] += 1
+    return res
+
+
+def check_attention_vs_split(lib, n_cases: int = 12, seed: int = 22, device: str = "cuda",
+                             launch=attention_launch) -> dict:
+    """The kernel against torch SDPA + the split identity (attncal.calibration.split: plain attention of the
+    valid keys plus one SDPA call per basket), float32 and float16, on items with at least one valid key and no
+    holes (the split path's geometry refuses holes).  Baskets of mass exactly 0 are not generated: the split
+    path does not treat them as empty (its module says so)."""
+    import torch
+    import torch.nn.functional as F
+
+    from attncal.calibration import CalibrationConfig, compute_geometry
+    from attncal.calibration.split import split_calibrated_attention
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    worst = {"float32": 0.0, "float16": 0.0}
+    for i in range(n_cases):
+        name, dt = (("float32", torch.float32), ("float16", torch.float16))[i % 2]
+        pooling = ("cls", "last", "mean")[i % 3]
+        S = rng.choice([8, 32, 64, 128])
+        cfg = CalibrationConfig(pooling=pooling, basket_size=S, strength=rng.choice([0.5, 1.0]),
+                                variant=rng.choice(["uniform", "cls-soft", "cls-hard"]), skip_short=False)
+        rc = cfg.resolve()
+        B, N, D, K = 3, rng.choice([2, 4]), rng.choice([32, 64]), rng.randint(100, 700)
+        mask = torch.zeros(B, K, dtype=torch.long)
+        for b in range(B):
+            n = rng.randint(1, K)
+            if rng.random() < 0.5:
+                mask[b, K - n:] = 1
+            else:
+                mask[b, :n] = 1
+        q, k, v = attention_qkv(gen, B, K, K, N, D, D, dt, temp=1.0)
+        scale = 1.0 / D ** 0.5
+        dq, dk, dv, dm = (x.to(device) for x in (q, k, v, mask))
+        out = torch.empty(B, K, N * D, dtype=dt, device=device)
+        launch(lib, dq, dk, dv, dm, out, rc, N, 0.0)
+        heads = lambda x: x.view(B, K, N, D).transpose(1, 2)  # noqa: E731
+        allowed = dm.bool()[:, None, None, :]
+        full = F.scaled_dot_product_attention(heads(dq), heads(dk), heads(dv), attn_mask=allowed, scale=scale)
+        full = full.contiguous()
+        geom = compute_geometry(dm, rc)
+        # allowed=None: the key padding is the geometry's token mask (baskets hold content keys only; the
+        # original shares' LSE masks by it); the plain term above took the padding mask itself.
+        split = split_calibrated_attention(heads(dq), heads(dk), heads(dv), full, None, rc, geom, scale)
+        split = split.transpose(1, 2).reshape(B, K, N * D)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        err = float((out.double() - split.double()).abs().max())
+        # Two float32 computations with different summation orders (and SDPA's own backend choice); in
+        # float16 both round P (FlashAttention-style) and the context.
+        tol = 1e-4 if name == "float32" else 2 * ATTN_TOL[name]
+        if not err <= tol:
+            raise AssertionError(f"split identity {name} ({rc}, K={K}): err {err:.3g} > {tol}")
+        worst[name] = max(worst[name], err)
+    return {"cases": n_cases, "max_abs_diff": worst}
+
+
+def attention_bench(lib, B: int = 8, S: int = 8192, N: int = 12, D: int = 64, iters: int = 10) -> dict:
+    """Latency and peak memory of the calibrated attention kernel against torch's flash SDPA (the flash backend
+    forced; no mask, as flash takes none) on the same [B,S,N*D] float16 buffers: plain (strength 0),
+    AllRows (mean pooling defaults: basket 128, every row calibrated) and PooledRow (cls defaults: the first
+    token isolated with its original share, one calibrated row per item and head), all keys valid; and, for
+    information, AllRows with half the batch padded by a quarter.  Peak memory is what each call allocates
+    (torch.cuda.max_memory_allocated over the call, minus what was allocated before it), the kernel's output
+    and workspace allocated by torch inside the call.  Targets (issue 20): latency <= 1.15x, memory <= 1.05x."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attncal.calibration import CalibrationConfig
+
+    torch.manual_seed(0)
+    dt = torch.float16
+    q = torch.randn(B, S, N * D, device="cuda", dtype=dt)
+    k = torch.randn(B, S, N * D, device="cuda", dtype=dt)
+    v = torch.randn(B, S, N * D, device="cuda", dtype=dt)
+    ones = torch.ones(B, S, dtype=torch.long, device="cuda")
+    padded = ones.clone()
+    padded[B // 2:, S * 3 // 4:] = 0
+    heads = lambda x: x.view(B, S, N, D).transpose(1, 2)  # noqa: E731
+    configs = {"plain": CalibrationConfig(pooling="mean", strength=0.0).resolve(),
+               "all_rows": CalibrationConfig(pooling="mean").resolve(),
+               "pooled_cls": CalibrationConfig(pooling="cls").resolve()}
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+
+    def ours(rc, mask):
+        def call():
+            out = torch.empty(B, S, N * D, dtype=dt, device="cuda")
+            ws = torch.empty(lib.attncal_cuda_attention_workspace_bytes(B, S, N), dtype=torch.uint8, device="cuda")
+            attention_launch(lib, q, k, v, mask, out, rc, N, 0.0, workspace=ws)
+            return out
+        return call
+
+    def peak_mib(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        keep = fn()  # noqa: F841  (the output stays alive, as a caller's would)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    fns = {"flash_sdpa": flash, **{name: ours(rc, ones) for name, rc in configs.items()},
+           "all_rows_padded": ours(configs["all_rows"], padded)}
+    ms = {name: time_cuda(fn, iters) for name, fn in fns.items()}
+    mib = {name: peak_mib(fn) for name, fn in fns.items()}
+    # Sanity: plain (strength 0, all keys valid) is ordinary attention: compare with flash's output.
+    ref = flash().transpose(1, 2).reshape(B, S, N * D)
+    diff = float((fns["plain"]().float() - ref.float()).abs().max())
+    flops = 4 * B * N * S * S * D  # Q K^T and P V
+    out: dict = {"shape": {"B": B, "S": S, "N": N, "D": D}, "dtype": "float16", "median_ms": ms, "peak_mib": mib,
+                 "tflops": {name: flops / t / 1e9 for name, t in ms.items()},
+                 "max_abs_diff_plain_vs_flash": diff}
+    out["latency_ratio_vs_flash"] = {name: ms[name] / ms["flash_sdpa"] for name in fns if name != "flash_sdpa"}
+    out["memory_ratio_vs_flash"] = {name: mib[name] / max(mib["flash_sdpa"], 1e-9) for name in fns
+                                    if name != "flash_sdpa"}
+    out["targets"] = {"latency_ratio": 1.15, "memory_ratio": 1.05}
+    out["meets_targets"] = {name: out["latency_ratio_vs_flash"][name] <= 1.15
+                            and out["memory_ratio_vs_flash"][name] <= 1.05 for name in configs}
+    return out
+
+
+def run_attention_checks(lib, n_cases: int, bench: bool = True) -> dict:
+    """Section 7: correctness (random, edge, split identity), then the benchmark; each printed as it ends."""
+    res: dict = {}
+    res["correctness"] = check_attention_correctness(lib, n_cases)
+    print("calibrated attention correctness:", json.dumps(res["correctness"]))
+    res["edge_cases"] = check_attention_edge_cases(lib)
+    print("calibrated attention edge cases:", json.dumps(res["edge_cases"]))
+    res["split_identity"] = check_attention_vs_split(lib)
+    print("calibrated attention vs SDPA + split identity:", json.dumps(res["split_identity"]))
+    if bench:
+        res["bench"] = attention_bench(lib)
+        print("calibrated attention vs flash SDPA, 8 x 8192, 12 x 64, fp16:", json.dumps(res["bench"], indent=1))
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help="only compile the kernel (no GPU needed)")
@@ -465,6 +928,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=400, help="randomized correctness cases (default 400)")
     ap.add_argument("--fused-cases", type=int, default=200,
                     help="randomized correctness cases of the fused softmax op (default 200)")
+    ap.add_argument("--attention-cases", type=int, default=150,
+                    help="randomized correctness cases of the calibrated attention kernels (default 150)")
+    ap.add_argument("--skip-attention", action="store_true", help="skip the calibrated attention section")
     ap.add_argument("--skip-model", action="store_true", help="skip the torch model timing")
     ap.add_argument("--out-dir", default=None, help="where to put the compiled library (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -473,6 +939,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--cases must be >= 1")
     if args.fused_cases < 1:
         ap.error("--fused-cases must be >= 1")
+    if args.attention_cases < 1:
+        ap.error("--attention-cases must be >= 1")
     archs = args.arch
     if not archs:
         archs = [80, 90]
@@ -486,7 +954,9 @@ def main(argv: list[str] | None = None) -> int:
             archs = [major * 10 + minor]
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="attncal-gpu-"))
     t0 = time.perf_counter()
-    lib_path = oplib.compile_cuda_kernel(out_dir / oplib.CUDA_LIBRARY, archs=archs)
+    # Both launcher files: the calibration ops and the calibrated attention ops (section 7).
+    lib_path = oplib.compile_cuda_kernel(out_dir / oplib.CUDA_LIBRARY, archs=archs,
+                                         sources=("calibration_cuda.cu", "calibrated_attention_cuda.cu"))
     results: dict = {"compiled": str(lib_path), "archs": archs, "compile_s": round(time.perf_counter() - t0, 1)}
     print(f"compiled {lib_path} for sm_{', sm_'.join(map(str, archs))} in {results['compile_s']} s")
     if not args.compile_only:
@@ -504,12 +974,24 @@ def main(argv: list[str] | None = None) -> int:
         print("bandwidth:", json.dumps(results["bandwidth"], indent=1))
         results["fused"] = fused_bench(lib)
         print("fused softmax + calibration, 8 x 16 x 2048 x 2048 fp16:", json.dumps(results["fused"], indent=1))
+        if not args.skip_attention:
+            results["calibrated_attention"] = run_attention_checks(lib, args.attention_cases)
         if not args.skip_model:
             results["torch_overhead"] = torch_overhead()
             print("torch efficient vs uncalibrated:", json.dumps(results["torch_overhead"]))
             results["split_long_context"] = split_long_context()
             print("split placement on CUDA (SDPA), 8 x 8192, mean pooling:",
                   json.dumps(results["split_long_context"]))
+    if "calibrated_attention" in results:
+        ca = results["calibrated_attention"]
+        summary = {"calibrated_attention": {
+            "max_abs_err_vs_oracle": ca["correctness"]["max_abs_err"],
+            "max_abs_diff_tiled_vs_per_row": ca["correctness"]["max_abs_diff_tiled_vs_per_row"],
+            "split_identity_max_abs_diff": ca["split_identity"]["max_abs_diff"],
+            **({"latency_ratio_vs_flash": ca["bench"]["latency_ratio_vs_flash"],
+                "memory_ratio_vs_flash": ca["bench"]["memory_ratio_vs_flash"],
+                "meets_targets": ca["bench"]["meets_targets"]} if "bench" in ca else {})}}
+        print("summary:", json.dumps(summary))
     if args.json:
         tmp = Path(args.json).with_suffix(".tmp")
         tmp.write_text(json.dumps(results, indent=2))

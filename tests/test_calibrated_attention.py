@@ -3,7 +3,7 @@ their contract and standard-ONNX function body, run by ONNX Runtime on the CPU, 
 oracle composed with the attention math (`attncal.calibration.oracle.attention_reference`: the
 calibration oracle applied to the softmax of scale·Q·Kᵀ plus the additive mask, times V).
 
-Contract and function body only: no native kernel and no placement writes these ops yet."""
+The native kernel: tests/test_calibrated_attention_kernel.py; the placement: tests/test_attention_placement.py."""
 
 from __future__ import annotations
 
@@ -84,6 +84,46 @@ def score_rounding(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, N: int,
     bound = (D + 1) * (qh.abs() @ kh.abs().transpose(-1, -2)) + (qh @ kh.transpose(-1, -2)).abs()
     bound = bound.masked_fill(mask[:, None, None, :] == 0, 0.0)
     return bound.amax(dim=(1, 2, 3)) * 2.0 ** -24
+
+
+def random_attention_spec(rng: random.Random, baskets: list[int], max_heads: int):
+    """(S, N, D, D_v, exact, scale, rc, spec): one random attribute set of a calibrated attention op.
+    `exact`: q and k on a grid with a power-of-two scale (or 1/sqrt(D) for D in 1, 4), so the float32
+    scores are exact (see `random_qkv`)."""
+    S = rng.choice(baskets)
+    N, D, D_v = rng.randint(1, max_heads), rng.randint(1, 8), rng.randint(1, 6)
+    exact = rng.random() < 0.5
+    scale = rng.choice([0.0, 0.125, 0.5, 1.0] if not exact or D in (1, 4) else [0.125, 0.5, 1.0])
+    rc = random_config(rng, S).resolve()
+    spec = attention_op_spec(rc, layer=rng.randint(0, 30), num_heads=N, scale=scale)
+    return S, N, D, D_v, exact, scale, resolved_from_attrs(spec.op_type, spec.attrs), spec
+
+
+def tally(seen: dict, rc, mask: torch.Tensor, S: int, dead, q1: bool, scale: float) -> None:
+    """Count what one run of B items covered, into the keys of `seen` that it has."""
+    B, K = mask.shape
+    lengths = mask.sum(1)
+    first, last = mask.argmax(1), K - 1 - mask.flip(1).argmax(1)
+    content = lengths - rc.n_isolated
+    counts = {
+        "mean" if rc.all_rows else "last" if rc.pool_last else "cls": B,
+        "left": int(((mask[:, -1] == 1) & (mask[:, 0] == 0)).sum()),
+        "right": int(((mask[:, 0] == 1) & (mask[:, -1] == 0)).sum()),
+        "holes": int(((last - first + 1 != lengths) & (lengths > 0)).sum()),
+        "empty_item": int((lengths == 0).sum()),
+        "partial": int(((content > 0) & (content % S != 0)).sum()),
+        "empty_basket": B * (dead is not None), "q1": B * q1, "lambda0": B * (rc.strength == 0),
+        "lambda1": B * (rc.strength == 1), "skip_short": B * rc.skip_short, "scale0": B * (scale == 0),
+        "no_iso": B * (rc.n_isolated == 0),
+    }
+    for enabled, mode, name in ((rc.isolate_first, rc.first_mode, "iso_first"),
+                                (rc.isolate_last, rc.last_mode, "iso_last")):
+        if enabled:
+            counts[name] = B
+            counts[{MODE_EQUAL: "equal", MODE_ORIGINAL: "original", MODE_FIXED: "fixed"}[mode]] = B
+    for key, n in counts.items():
+        if key in seen:
+            seen[key] += n
 
 
 # ------------------------------------------------------------------ the contract
@@ -168,12 +208,7 @@ def test_function_body_matches_oracle(float16, n_configs, tol):
                            "lambda0", "lambda1", "skip_short", "no_iso", "iso_first", "iso_last", "equal",
                            "original", "fixed", "scale0", "exact_scores")}
     for _ in range(n_configs):
-        S = rng.choice([1, 2, 3, 4, 5, 8])
-        N, D, D_v = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 6)
-        exact = rng.random() < 0.5
-        scale = rng.choice([0.0, 0.125, 0.5, 1.0] if not exact or D in (1, 4) else [0.125, 0.5, 1.0])
-        rc = random_config(rng, S).resolve()
-        spec = attention_op_spec(rc, layer=rng.randint(0, 30), num_heads=N, scale=scale)
+        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8], max_heads=3)
         sess = plain_session(single_op_model(spec, opset=rng.choice([18, 20]), float16=float16))
         for _ in range(3):
             K = rng.randint(1, 16 if rc.all_rows else 40)
@@ -196,24 +231,7 @@ def test_function_body_matches_oracle(float16, n_configs, tol):
             if exact:
                 worst_exact = max(worst_exact, float(err.max()))
                 seen["exact_scores"] += B
-            lengths = mask.sum(1)
-            seen["mean" if rc.all_rows else "last" if rc.pool_last else "cls"] += B
-            seen["left"] += int(((mask[:, -1] == 1) & (mask[:, 0] == 0)).sum())
-            seen["right"] += int(((mask[:, 0] == 1) & (mask[:, -1] == 0)).sum())
-            seen["empty_item"] += int((lengths == 0).sum())
-            seen["partial"] += int(((lengths - rc.n_isolated > 0) & ((lengths - rc.n_isolated) % S != 0)).sum())
-            seen["empty_basket"] += B * (dead is not None)
-            seen["q1"] += B * q1
-            seen["lambda0"] += B * (rc.strength == 0)
-            seen["lambda1"] += B * (rc.strength == 1)
-            seen["skip_short"] += B * rc.skip_short
-            seen["scale0"] += B * (scale == 0)
-            seen["no_iso"] += B * (rc.n_isolated == 0)
-            for enabled, mode, name in ((rc.isolate_first, rc.first_mode, "iso_first"),
-                                        (rc.isolate_last, rc.last_mode, "iso_last")):
-                if enabled:
-                    seen[name] += B
-                    seen[{MODE_EQUAL: "equal", MODE_ORIGINAL: "original", MODE_FIXED: "fixed"}[mode]] += B
+            tally(seen, rc, mask, S, dead, q1, scale)
     print(f"\ncalibrated attention body {'fp16' if float16 else 'fp32'}: {cases} cases in {runs} runs, "
           f"max abs err {worst:.3g} (at most {worst_ratio:.2f} of the bound; {worst_exact:.3g} with exact "
           f"float32 scores), {seen}")

@@ -6,8 +6,14 @@ host test (tests/cpp/trt_plugin_host_test.cpp) run for the four op types (Pooled
 AllRowsCalibration, SoftmaxPooledRowCalibration, SoftmaxAllRowsCalibration): creators (8: 4 ops x
 namespaces "" and "ai.attncal"), field parsing, output types and shapes, format combinations, the
 IPluginV3OneBuildV2 build interface with output 0 aliased to input 0, serialisation round trip,
-clone, a clean enqueue error without a GPU and the launcher each op type dispatches to.  No
-libnvinfer: the test binary provides getPluginRegistry.  The headers are read in place, never
+clone, a clean enqueue error without a GPU and the launcher each op type dispatches to.  The
+calibrated attention plugin (plugins/tensorrt/attncal_trt_attention_plugin.cpp, ops
+PooledRowCalibratedAttention and AllRowsCalibratedAttention) is built as CMake builds the library,
+with the calibration plugin and ATTNCAL_TRT_WITH_ATTENTION (one getCreators, 12 creators), and host
+tested by tests/cpp/trt_attention_host_test.cpp: creators and field names, attribute parsing and
+refusals (num_heads, scale), the attribute round trip, output types (float, half, bfloat16) and
+shapes, format combinations, run-time shape refusals, workspace size, a clean enqueue error.  No
+libnvinfer: the test binaries provide getPluginRegistry.  The headers are read in place, never
 copied into the repository; without the setting the tests skip and say how to provide them."""
 
 from __future__ import annotations
@@ -45,23 +51,39 @@ def _cuda_home(nvcc: str) -> Path | None:
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory) -> tuple[list[str], list[str]]:
-    """(objects/sources, extra compile+link flags) providing the attncal_cuda_* launcher."""
+    """(objects/sources, extra compile+link flags) providing the attncal_cuda_* launchers: the
+    calibration ops' and the calibrated attention ops' (both plugins link them)."""
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++)")
     out = tmp_path_factory.mktemp("trt")
     nvcc = oplib.find_nvcc()
     if nvcc is None:
-        return [str(CPP / "no_cuda" / "launcher_stub.cpp")], ["-I", str(CPP / "no_cuda")]
+        return ([str(CPP / "no_cuda" / "launcher_stub.cpp"), str(CPP / "no_cuda" / "attention_launcher_stub.cpp")],
+                ["-I", str(CPP / "no_cuda")])
     cuda = _cuda_home(nvcc)
     if cuda is None:
         pytest.fail(f"nvcc at {nvcc} but no cuda_runtime_api.h found (set CUDA_HOME)")
-    obj = out / "calibration_cuda.o"
-    subprocess.run([nvcc, "-std=c++17", "-O2", "-c", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_80,code=sm_80",
-                    "-I", str(KERNELS), str(KERNELS / "calibration_cuda.cu"), "-o", str(obj)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    objs = []
+    for name in ("calibration_cuda.cu", "calibrated_attention_cuda.cu"):  # one arch: this is a host test
+        obj = out / name.replace(".cu", ".o")
+        subprocess.run([nvcc, "-std=c++17", "-O2", "-c", "-Xcompiler", "-fPIC", "-gencode",
+                        "arch=compute_80,code=sm_80", "-I", str(KERNELS), str(KERNELS / name), "-o", str(obj)],
+                       check=True, capture_output=True, text=True, timeout=300)
+        objs.append(str(obj))
     lib_dirs = [d for d in (cuda / "lib64", cuda / "lib", cuda / "targets/x86_64-linux/lib") if d.is_dir()]
-    return [str(obj)], ["-I", str(cuda / "include"), *[f"-L{d}" for d in lib_dirs], "-lcudart_static", "-ldl",
-                        "-lrt", "-lpthread"]
+    return objs, ["-I", str(cuda / "include"), *[f"-L{d}" for d in lib_dirs], "-lcudart_static", "-ldl",
+                  "-lrt", "-lpthread"]
+
+
+def _build_and_run(cmd: list[str], exe: Path) -> str:
+    """Compile `cmd` (which writes `exe`), run it, return its stdout; fail with the compiler's or the
+    binary's output."""
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, f"compile failed:\n{' '.join(cmd)}\n{build.stderr[-4000:]}"
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -74,15 +96,36 @@ def test_trt_plugin_host(version, request, tmp_path):
     cmd = ["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-deprecated-declarations", "-I", str(headers),
            "-I", str(KERNELS), str(CPP / "trt_plugin_host_test.cpp"), str(ROOT / "plugins/tensorrt/attncal_trt_plugin.cpp"),
            *objs, "-o", str(exe), *flags]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, f"compile failed:\n{' '.join(cmd)}\n{build.stderr[-4000:]}"
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert f"TensorRT headers {version.split('.')[0]}." in run.stdout
-    assert "OK:" in run.stdout and "clean error" in run.stdout
-    assert "= 8, version 1" in run.stdout  # 4 op types x 2 namespaces
+    out = _build_and_run(cmd, exe)
+    assert f"TensorRT headers {version.split('.')[0]}." in out
+    assert "OK:" in out and "clean error" in out
+    assert "= 8, version 1" in out  # 4 op types x 2 namespaces
     for op in ("PooledRowCalibration", "AllRowsCalibration", "SoftmaxPooledRowCalibration",
                "SoftmaxAllRowsCalibration"):
-        assert f"{op}: build interface PLUGIN_V3ONE_BUILD 2.0, getAliasedInput(0) = 0" in run.stdout
-    assert "Softmax* ops -> softmax launcher" in run.stdout
+        assert f"{op}: build interface PLUGIN_V3ONE_BUILD 2.0, getAliasedInput(0) = 0" in out
+    assert "Softmax* ops -> softmax launcher" in out
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_trt_attention_plugin_host(version, request, tmp_path):
+    """The calibrated attention plugin, built as CMake builds libattncal_trt_plugin.so (both plugin
+    files, ATTNCAL_TRT_WITH_ATTENTION), host-tested against each header set."""
+    headers = oplib.tensorrt_headers(version)
+    if headers is None:
+        pytest.skip(f"TensorRT headers not given: {oplib.TENSORRT_HEADERS_HELP}")
+    objs, flags = request.getfixturevalue("launcher")
+    exe = tmp_path / f"trt_attention_{version}"
+    cmd = ["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-deprecated-declarations",
+           "-DATTNCAL_TRT_WITH_ATTENTION", "-I", str(headers), "-I", str(KERNELS),
+           str(CPP / "trt_attention_host_test.cpp"), str(ROOT / "plugins/tensorrt/attncal_trt_plugin.cpp"),
+           str(ROOT / "plugins/tensorrt/attncal_trt_attention_plugin.cpp"), *objs, "-o", str(exe), *flags]
+    out = _build_and_run(cmd, exe)
+    assert f"TensorRT headers {version.split('.')[0]}." in out
+    assert "OK:" in out
+    assert "attention creators: 12 listed" in out
+    assert "refused" in out and "round trip" in out
+    for op in ("PooledRowCalibratedAttention", "AllRowsCalibratedAttention"):
+        assert f"{op}: output types (float, half, bf16 -> same), shape [q0, q1, v2], 3 of 8 format combinations" in out
+        for strength in ("0.5", "0.0"):
+            assert f"{op} (strength {strength}): enqueue without a GPU: returned" in out
+    assert out.count("clean error") == 4

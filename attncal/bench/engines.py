@@ -20,13 +20,18 @@ import numpy as np
 from ..calibration.config import CalibrationConfig
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
-           "ort-opt-cal", "ort-cal-lib", "ort-fused", "ort-fused-lib", "ort-split", "ort-row")
+           "ort-opt-cal", "ort-opt-split", "ort-opt-native", "ort-cal-lib", "ort-fused", "ort-fused-lib", "ort-split",
+           "ort-row")
 
 # engine -> (export directory, graph of that export, calibrated?, native library policy)
 #   ort / ort-opt:   the uncalibrated export's portable / ORT-optimized graph
 #   ort-cal(-lib):   softmax placement on the portable graph, function body (or the native library)
 #   ort-fused(-lib): fused-softmax placement on the portable graph, function body (or the native library)
-#   ort-opt-cal:     the ORT-optimized graph with the bench's placement (auto: row for cls/last, split for mean)
+#   ort-opt-cal:     what `Encoder` runs by default on the CPU: the calibrated export's graph="auto" (with the
+#                    native library built: onnx/model_optimized_native.onnx, the calibrated attention op; without
+#                    it: the ORT-optimized graph with the bench's placement, auto: row for cls/last, split for mean)
+#   ort-opt-split:   that export's onnx/model_optimized.onnx (split / row placement, no custom op) whatever is built
+#   ort-opt-native:  that export's onnx/model_optimized_native.onnx with the native library (required)
 #   ort-split/-row:  split / row placement on the portable graph (standard ONNX)
 _ORT_ENGINES = {
     "ort": ("uncal", "portable", False),
@@ -35,7 +40,9 @@ _ORT_ENGINES = {
     "ort-cal-lib": ("cal", "portable", True),
     "ort-fused": ("fused", "portable", False),
     "ort-fused-lib": ("fused", "portable", True),
-    "ort-opt-cal": ("opt-cal", "optimized", None),
+    "ort-opt-cal": ("opt-cal", "auto", None),
+    "ort-opt-split": ("opt-cal", "optimized", None),
+    "ort-opt-native": ("opt-cal", "native", True),
     "ort-split": ("split", "portable", None),
     "ort-row": ("row", "portable", None),
 }
@@ -101,6 +108,8 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
             name, graph, _ = _ORT_ENGINES[e]
             if graph == "optimized" and not (ws.export_dir(name) / "onnx" / "model_optimized.onnx").exists():
                 notes[e] = "no ORT-optimized graph for this model type (BERT family only)"
+            if graph == "native" and not (ws.export_dir(name) / "onnx" / "model_optimized_native.onnx").exists():
+                notes[e] = "no native graph (calibrated attention op): BERT family with --placement auto only"
     return notes
 
 

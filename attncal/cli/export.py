@@ -24,10 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
     p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="where calibration goes (default auto: row for cls/last pooling; for mean pooling split "
-                        "on the ORT-optimized graph and fused-softmax on the portable graph). "
+                        "on the ORT-optimized graph and fused-softmax on the portable graph; plus, beside the "
+                        "ORT-optimized graph, onnx/model_optimized_native.onnx with the attention placement, which "
+                        "the runtime picks where the attncal native library is loaded). "
                         "softmax: op after each calibrated Softmax; fused-softmax: one op computes the Softmax and "
                         "the calibration; row: the pooling row is recomputed beside the attention; split: "
-                        "calibration as attention over baskets, no probabilities, no custom op")
+                        "calibration as attention over baskets, no probabilities, no custom op; attention: the "
+                        "ORT-optimized graph's calibrated layers become one calibrated attention op each")
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
                    help="do not write onnx/model_optimized.onnx (the ORT-optimized graph, BERT family only)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _describe_graph(model_file: Path, placement: str | None, model=None) -> None:
     import onnx
 
-    from ..graphs.contract import DOMAIN, is_all_rows, takes_scores
+    from ..graphs.contract import DOMAIN, is_all_rows, is_attention, takes_scores
 
     if model is None:
         model = load_onnx_checked(model_file, interface=False)
@@ -31,6 +31,8 @@ def _describe_graph(model_file: Path, placement: str | None, model=None) -> None
             else ("split" if split_nodes else None)
         if nodes and fused:
             placement = "row"
+        if any(is_attention(n.op_type) for n in nodes):
+            placement = "attention"
     print(f"model      {model_file}")
     print(f"opset      {opset}; attention Softmax nodes: {softmaxes}; fused attention nodes: {fused}; "
           f"function bodies: {functions or 'none'}")
@@ -44,7 +46,10 @@ def _describe_graph(model_file: Path, placement: str | None, model=None) -> None
         layer = attrs.pop("layer", "?")
         text = ", ".join(f"{k}={round(v, 6) if isinstance(v, float) else v}" for k, v in attrs.items())
         print(f"  layer {layer:>3}  {n.op_type:<22} {text}")
-    if any(is_all_rows(n.op_type) for n in nodes):
+    if any(is_attention(n.op_type) for n in nodes):
+        print("runs     with the attncal native library (one-pass calibrated attention kernel); `attncal.Encoder` "
+              "picks this graph only when the library is loaded, else onnx/model_optimized.onnx")
+    elif any(is_all_rows(n.op_type) for n in nodes):
         print("note: mean pooling calibrates every valid query row, which needs the full probabilities; "
               "--placement split avoids them")
 

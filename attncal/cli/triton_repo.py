@@ -41,8 +41,22 @@ def run(args: argparse.Namespace) -> int:
                        overwrite=args.overwrite)
     names = build_repository(args.export, args.repo, opts)
     print(f"wrote {', '.join(names.values())} ({args.backend} encoder) -> {args.repo}")
+    served = _served(args.repo, names["encoder"])
+    if served:
+        print(f"the encoder serves the export's {served}")
     if "ensemble" in names:
         print(f"clients send UTF-8 text as input 'text' to model '{names['ensemble']}' and get 'sentence_embedding'")
     if args.backend == "tensorrt":
         print(f"build the plan first: see {args.repo}/{names['encoder']}/README.txt")
     return 0
+
+
+def _served(repo, encoder: str) -> str | None:
+    """Which graph of the export the encoder model serves (recorded in its attncal.json)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(repo) / encoder / "attncal.json").read_text())["triton"].get("graph")
+    except (OSError, ValueError, KeyError):
+        return None

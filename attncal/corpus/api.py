@@ -46,6 +46,7 @@ class EncodeResult:
     tokens: int | None
     resumed_from: int = 0  # rows already done when this run started
     manifest: dict = field(default_factory=dict, repr=False)
+    graph: str | None = None  # the export's graph the local/ray engines ran (None: the Triton server's choice)
 
     @property
     def rows_per_s(self) -> float:
@@ -58,9 +59,10 @@ class EncodeResult:
     def summary(self) -> str:
         tok = f", {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s is not None else ""
         resumed = f", resumed after {self.resumed_from:,} rows" if self.resumed_from else ""
+        graph = f", {self.graph}" if self.graph else ""
         return (f"encoded {self.rows_this_run:,} rows in {self.seconds:.1f} s ({self.rows_per_s:,.1f} rows/s{tok}, "
-                f"{self.engine}){resumed}: {self.rows:,} rows in {self.shards} shard(s), {self.skipped:,} skipped "
-                f"-> {self.out_dir}")
+                f"{self.engine}{graph}){resumed}: {self.rows:,} rows in {self.shards} shard(s), {self.skipped:,} "
+                f"skipped -> {self.out_dir}")
 
 
 @dataclass
@@ -319,6 +321,12 @@ def encode_corpus(
         raise
     finally:
         progress.close()
+    graph = None
+    if engine != "triton":
+        from ..runtime.encoder import planned_graph
+
+        graph = planned_graph(export, providers)
     return EncodeResult(out, engine, writer.rows_done, progress.rows, len(sc.bad), len(manifest["shards"]),
-                        progress.elapsed, progress.tokens if progress.tokens_known else None, done_rows, manifest)
+                        progress.elapsed, progress.tokens if progress.tokens_known else None, done_rows, manifest,
+                        graph)
 

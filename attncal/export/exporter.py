@@ -33,9 +33,11 @@ from ..artifact import (  # noqa: F401  (the layout names are re-exported here f
     EXTERNAL_DATA_FILE,
     FORMAT_VERSION,
     METADATA_FILE,
+    NATIVE_GRAPH,
     ONNX_FILE,
     ONNX_SUBDIR,
     OPTIMIZED_FILE,
+    OPTIMIZED_GRAPH,
     TWO_GIB,
     commit_dir,
     loader_files,
@@ -47,7 +49,7 @@ from ..calibration.config import CalibrationConfig
 from ..modelinfo import ModelInfo, load_model_info
 
 EXPORTERS = ("dynamo", "torchscript")
-PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split")  # attncal.graphs.placements.CHOICES
+PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split", "attention")  # attncal.graphs.placements.CHOICES
 DEFAULT_OPSET = 18
 OPTIMIZABLE_TYPES = ("bert", "xlm-roberta")  # model types onnxruntime.transformers.optimizer fuses
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
@@ -183,6 +185,15 @@ def annotate_for_inplace(path: Path) -> int:
     return n
 
 
+def _write_graph(model, path: Path) -> None:
+    """An ORT-optimized graph (contrib ops: checked without full shape inference), annotated for in-place."""
+    import onnx
+
+    save_onnx(model, path)
+    annotate_for_inplace(path)
+    onnx.checker.check_model(str(path), full_check=False)
+
+
 def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
     """ONNX Runtime's transformer optimizer fuses BERT-family attention (from a TorchScript export)."""
     return opts.optimized and not opts.fp16 and info.model_type in OPTIMIZABLE_TYPES
@@ -197,18 +208,25 @@ def _ort_optimize(path: Path, info: ModelInfo):
                           hidden_size=int(cfg["hidden_size"])).model
 
 
-def _optimized_graph(info: ModelInfo, opts: ExportOptions, ts_raw: Path, config: CalibrationConfig | None,
-                     placement: str | None, num_layers: int, work: Path):
-    """The ORT-optimized graph: optimize then place (row, split: fusions kept), or place then optimize."""
+def _optimized_graph(info: ModelInfo, ts_raw: Path, config: CalibrationConfig | None, placement: str | None,
+                     num_layers: int, work: Path, cache: dict):
+    """The ORT-optimized graph: optimize then place (row, split, attention: fusions kept), or place then
+    optimize.  `cache` keeps ORT's optimized uncalibrated graph between calls (the native graph is the
+    same optimized graph with another placement)."""
     import onnx_ir as ir
 
     from ..graphs import placements
 
+    def optimized():
+        if "proto" not in cache:
+            cache["proto"] = _ort_optimize(ts_raw, info)
+        return ir.from_proto(cache["proto"])
+
     if config is None:
-        return ir.from_proto(_ort_optimize(ts_raw, info)), None
+        return optimized(), None
     module = placements.get(placement)
     if module.OPTIMIZE_FIRST:
-        model = ir.from_proto(_ort_optimize(ts_raw, info))
+        model = optimized()
         fused_before = sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type == "Attention")
         result = module.place(model, config, num_layers)
         if result.fused_attention < fused_before:
@@ -273,13 +291,22 @@ def export(
         raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
     if opts.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
-    if opts.placement in ("row", "split", "auto") and opts.fp16 and opts.calibrate:  # fp16: the softmax family
+    if opts.placement in ("row", "split", "attention", "auto") and opts.fp16 and opts.calibrate:  # fp16: softmax
+        if opts.placement == "attention":
+            raise ValueError("--placement attention rewrites the ORT-optimized graph, which a --fp16 export does not "
+                             "have; drop --fp16 or use --placement softmax")
         if opts.placement != "auto":
             raise ValueError(f"--placement {opts.placement} is float32 only; drop --fp16 or use --placement softmax")
         opts = replace(opts, placement="softmax")  # fp16: the softmax placement's function body computes in fp32
     if opts.max_length is not None and opts.max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {opts.max_length}")
+    if opts.placement == "attention" and opts.calibrate and not opts.optimized:
+        raise ValueError("--placement attention rewrites the ORT-optimized graph; drop --no-optimized")
     info = load_model_info(model)
+    if opts.placement == "attention" and opts.calibrate and not optimized_graph_applies(info, opts):
+        raise ValueError(f"--placement attention rewrites ONNX Runtime's fused attention, which its transformer "
+                         f"optimizer makes for the BERT family only ({', '.join(sorted(OPTIMIZABLE_TYPES))}), "
+                         f"not {info.model_type}; use --placement auto")
     out = Path(out).expanduser().resolve()
     prepare_out_dir(out, opts.overwrite)
     pooling = info.pooling if opts.config.pooling == "auto" else opts.config.pooling
@@ -330,22 +357,34 @@ def export(
                     torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
             _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
                  + (f" with {plan.optimized} placement" if plan else ""), quiet)
-            with console.third_party_output():
-                opt_model, _ = _optimized_graph(info, opts, ts_raw, config, plan.optimized if plan else None,
-                                                info.num_layers, ts_raw.parent)
             from ..graphs.placement_base import count_fused_attention
 
+            cache: dict = {}
+            with console.third_party_output():
+                opt_model, _ = _optimized_graph(info, ts_raw, config, plan.optimized if plan else None,
+                                                info.num_layers, ts_raw.parent, cache)
             n_fused = count_fused_attention(opt_model)
             note = _fusion_note(opt_model, capture.lines())
             if note:
                 _log(f"note: {note}", quiet)
-            save_onnx(opt_model, tmp / ONNX_SUBDIR / OPTIMIZED_FILE)
+            _write_graph(opt_model, tmp / OPTIMIZED_GRAPH)
             del opt_model
-            annotate_for_inplace(tmp / ONNX_SUBDIR / OPTIMIZED_FILE)
-            onnx.checker.check_model(str(tmp / ONNX_SUBDIR / OPTIMIZED_FILE), full_check=False)
-            graphs[f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"] = {
+            graphs[OPTIMIZED_GRAPH] = {
                 "placement": plan.optimized if plan else None, "runtime": "ONNX Runtime (com.microsoft contrib ops)",
                 "fused_attention": n_fused}
+            if plan is not None and plan.native:
+                _log(f"[2/4] ORT-optimized graph with {plan.native} placement, for the native library "
+                     f"({NATIVE_GRAPH})", quiet)
+                with console.third_party_output():
+                    native_model, _ = _optimized_graph(info, ts_raw, config, plan.native, info.num_layers,
+                                                       ts_raw.parent, cache)
+                graphs[NATIVE_GRAPH] = {
+                    "placement": plan.native, "fused_attention": count_fused_attention(native_model),
+                    "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library "
+                               f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
+                _write_graph(native_model, tmp / NATIVE_GRAPH)
+                del native_model
+            cache.clear()
             shutil.rmtree(ts_raw.parent, ignore_errors=True)
         shutil.rmtree(raw_path.parent, ignore_errors=True)
         for graph_file in graphs:  # the digest covers the graph as finally written (after annotations)
@@ -381,8 +420,10 @@ def export(
             _log("[3/4] checking parity against the PyTorch reference", quiet)
             from ..runtime.parity import check_parity
 
+            references: dict = {}  # the PyTorch reference, computed once for every graph
             for graph_file in graphs:
-                report = (check_fn or check_parity)(tmp, quiet=quiet, graph=graph_file)
+                report = (check_fn(tmp, quiet=quiet, graph=graph_file) if check_fn is not None
+                          else check_parity(tmp, quiet=quiet, graph=graph_file, reference_cache=references))
                 graphs[graph_file]["parity"] = report.to_dict()
                 if graph_file.endswith(ONNX_FILE):
                     meta["parity"] = report.to_dict()

@@ -54,8 +54,12 @@ The calibrated attention ops below state theirs.
 
 Calibrated attention (issue 20): `PooledRowCalibratedAttention` and
 `AllRowsCalibratedAttention`, the whole attention of one layer with the
-calibration of `PooledRowCalibration` / `AllRowsCalibration` inside.  Contract
-and function body only so far: no native kernel and no placement writes them.
+calibration of `PooledRowCalibration` / `AllRowsCalibration` inside.  The
+attention placement (`attncal.graphs.attention_placement`) writes them into the
+ORT-optimized graph; the native CPU kernel is
+`plugins/kernels/calibrated_attention_cpu.h` (tests/test_calibrated_attention_kernel.py),
+the CUDA kernel `plugins/kernels/calibrated_attention_cuda.cu` (compiled in CI,
+never run on a GPU yet).
 
 * Inputs (ONNX Runtime `com.microsoft::MultiHeadAttention`'s unpacked layout,
   BSNH stored as BSD): `query` T[B,S_q,N*D], `key` T[B,S_k,N*D], `value`
@@ -112,7 +116,7 @@ SOFTMAX_ALL_ROWS_OP = "SoftmaxAllRowsCalibration"
 OP_TYPES = (POOLED_OP, ALL_ROWS_OP, SOFTMAX_POOLED_OP, SOFTMAX_ALL_ROWS_OP)
 ATTENTION_POOLED_OP = "PooledRowCalibratedAttention"
 ATTENTION_ALL_ROWS_OP = "AllRowsCalibratedAttention"
-# Contract and function body only: no native kernel and no placement writes these yet (issue 20).
+# The attention placement writes these; native CPU and CUDA kernels in plugins/kernels/.
 ATTENTION_OP_TYPES = (ATTENTION_POOLED_OP, ATTENTION_ALL_ROWS_OP)
 ALL_OP_TYPES = OP_TYPES + ATTENTION_OP_TYPES
 _WITH_SOFTMAX = {POOLED_OP: SOFTMAX_POOLED_OP, ALL_ROWS_OP: SOFTMAX_ALL_ROWS_OP}

@@ -22,6 +22,8 @@ import onnx_ir as ir
 if TYPE_CHECKING:
     import numpy as np
 
+    from .builder import Ops
+
 
 @dataclass(frozen=True)
 class PlacementResult:
@@ -32,11 +34,14 @@ class PlacementResult:
 
 
 def count_fused_attention(model: ir.Model) -> int:
-    """Fused attention nodes that compute a layer's attention (the ones a calibration must not lose)."""
+    """Fused attention nodes that compute a layer's attention (the ones a calibration must not lose):
+    ONNX Runtime's, and the calibrated attention ops that replace them (one pass over the keys too)."""
+    from .contract import ATTENTION_OP_TYPES, DOMAIN
     from .softmax_pattern import FUSED_ATTENTION_OPS
 
     # Main graph only: split placement's per-basket calls live inside a Loop body.
-    return sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type in FUSED_ATTENTION_OPS)
+    return sum(1 for n in model.graph if (n.domain == "com.microsoft" and n.op_type in FUSED_ATTENTION_OPS)
+               or (n.domain == DOMAIN and n.op_type in ATTENTION_OP_TYPES))
 
 
 def fused_attention_nodes(graph: ir.Graph) -> list[ir.Node]:
@@ -83,3 +88,18 @@ def fused_attention_parts(att: ir.Node, error: type[Exception]) -> tuple[ir.Valu
     head = W.shape[1] // 3 // heads
     scale = att.attributes.get_float("scale", 0.0) or 1.0 / float(np.sqrt(head))
     return x, W, bvec, heads, scale
+
+
+def qkv_projections(ops: Ops, x: ir.Value, W: np.ndarray, bias: np.ndarray) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """The Q, K and V projections a fused `Attention` node packs ([hidden, 3*hidden] weight), as three
+    MatMul + Add: the same FLOPs as inside the fused node, and [B,S,hidden] outputs in the BSD layout
+    that `MultiHeadAttention` and the calibrated attention ops take."""
+    import numpy as np
+
+    hidden = W.shape[1] // 3
+    out = []
+    for i, name in enumerate("qkv"):
+        Wi = np.ascontiguousarray(W[:, i * hidden : (i + 1) * hidden])
+        bi = np.ascontiguousarray(bias[i * hidden : (i + 1) * hidden])
+        out.append(ops("Add", ops("MatMul", x, ops.const(f"w{name}", Wi)), ops.const(f"b{name}", bi)))
+    return out[0], out[1], out[2]

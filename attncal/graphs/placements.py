@@ -18,6 +18,12 @@ where ONNX Runtime's transformer optimizer applies, for the optimized graph.
   latency and 1.6-2x the memory (`ort-split` vs `ort-cal`); `--placement split` writes it for
   runtimes that fuse attention themselves (TensorRT).  A mean-pooling config with an `original`
   isolated token cannot be split on fused attention and uses the softmax placements in both graphs.
+* Beside the optimized graph, every calibrated export where that graph applies also gets the
+  `attention` placement's graph (`native`: `onnx/model_optimized_native.onnx`): each calibrated
+  layer's fused attention becomes one calibrated attention op, softmax, calibration and the product
+  with V in one pass (the native CPU kernel).  The runtime runs it where the attncal native library
+  is loaded and the optimized graph (no custom op, or the function body) everywhere else, so a
+  machine without the library is never slower than before (`attncal.runtime.encoder.select_graph`).
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from ..calibration.config import ResolvedCalibration
-from . import fused_softmax_placement, row_placement, softmax_placement, split_placement
+from . import attention_placement, fused_softmax_placement, row_placement, softmax_placement, split_placement
 
 PLACEMENTS: dict[str, ModuleType] = {m.NAME: m for m in (softmax_placement, fused_softmax_placement, row_placement,
-                                                        split_placement)}
+                                                        split_placement, attention_placement)}
 CHOICES = ("auto",) + tuple(PLACEMENTS)
 
 
@@ -38,6 +44,7 @@ class Plan:
     portable: str  # placement of onnx/model.onnx (standard ONNX)
     optimized: str  # placement of onnx/model_optimized.onnx (ORT-optimized), when that graph is written
     reason: str
+    native: str | None = None  # placement of onnx/model_optimized_native.onnx (run with the native library)
 
 
 def get(name: str) -> ModuleType:
@@ -58,18 +65,24 @@ def plan(requested: str, rc: ResolvedCalibration) -> Plan:
             )
         if requested == "split":
             split_placement.check_supported(rc)
+        if requested == "attention":  # the portable graph has no fused attention: auto's choice there
+            portable = "fused-softmax" if rc.all_rows else "row"
+            return Plan(portable, "attention", f"requested: --placement attention (the ORT-optimized graph; "
+                                               f"{portable} on the portable graph)")
         return Plan(requested, requested, f"requested: --placement {requested}")
+    native = ("; where the attncal native library is loaded, the calibrated attention op computes each calibrated "
+              "layer's softmax, calibration and product with V in one pass (onnx/model_optimized_native.onnx)")
     if not rc.all_rows:
         return Plan("row", "row", f"auto: {rc.pooling} pooling calibrates one row; row placement recomputes it "
-                                  "beside the attention and keeps every fused attention node")
+                                  "beside the attention and keeps every fused attention node" + native, "attention")
     try:
         split_placement.check_supported(rc)
     except split_placement.SplitPlacementError:
         return Plan("fused-softmax", "softmax", "auto: mean pooling with an 'original' isolated token needs the "
                                                 "probabilities of every row; the calibration is fused with the "
-                                                "Softmax on the portable graph")
+                                                "Softmax on the portable graph" + native, "attention")
     return Plan("fused-softmax", "split", "auto: mean pooling calibrates every row; on the ORT-optimized graph "
                                           "split placement computes it as attention over baskets, so fused attention "
                                           "is kept and the probabilities are never materialised; on the portable "
                                           "graph the calibration is fused with each calibrated layer's Softmax (one "
-                                          "pass over the probabilities)")
+                                          "pass over the probabilities)" + native, "attention")

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig, ResolvedCalibration
 from .builder import graph_input
-from .contract import DOMAIN, VERSION, op_spec, takes_scores
+from .contract import DOMAIN, VERSION, is_attention, op_spec, takes_scores
 from .function_body import MIN_OPSET, make_function
 from .softmax_pattern import AttentionSoftmax, SoftmaxPatternError, find_attention_softmaxes
 
@@ -48,6 +48,10 @@ def remove_calibration(model: ir.Model) -> int:
     fused = [takes_scores(node.op_type) for node in nodes]
     outputs = {id(v) for v in graph.outputs}
     for node in nodes:
+        if is_attention(node.op_type):  # its output is the context, not rewritten probabilities
+            raise SoftmaxPatternError(f"{node.name} is a calibrated attention node ({node.op_type}, attention "
+                                      "placement): it replaced the layer's attention, so there are no probabilities "
+                                      "to fall back to; re-export the model instead (attncal export)")
         if id(node.outputs[0]) in outputs:
             raise SoftmaxPatternError(f"the output {node.outputs[0].name} of calibration node {node.name} is a graph "
                                       "output; removing the node would leave that output without a producer")

@@ -41,7 +41,8 @@ import onnx_ir as ir
 from ..calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
 from .attention_chain import PlainAttention, inferred_shapes, replay_chain, side_inputs, walk_layer
 from .builder import Ops, graph_input
-from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, fused_layers, has_fused_attention
+from .placement_base import (PlacementResult, count_fused_attention, fused_attention_parts, fused_layers,
+                             has_fused_attention, qkv_projections)
 from .softmax_pattern import AttentionSoftmax, find_attention_softmaxes
 
 MS_DOMAIN = "com.microsoft"
@@ -219,11 +220,7 @@ def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g
     head = hidden // heads
     ops = Ops(graph, f"attncal_split_layer{layer}")
     c = ops.const
-    proj = []
-    for i, name in enumerate("qkv"):
-        Wi = np.ascontiguousarray(W[:, i * hidden : (i + 1) * hidden])
-        proj.append(ops("Add", ops("MatMul", x, c(f"w{name}", Wi)), c(f"b{name}", bvec[i * hidden : (i + 1) * hidden].copy())))
-    q, k, v = proj
+    q, k, v = qkv_projections(ops, x, W, bvec)
     kpm = ops("Cast", ops("ReduceSum", mask, c("ax1_len", np.array([1], i64)), keepdims=0), to=ir.DataType.INT32)
     full = ops("MultiHeadAttention", q, k, v, None, kpm, domain=MS_DOMAIN, num_heads=heads, scale=float(scale))
     ctx = att.outputs[0]

@@ -10,9 +10,10 @@ import numpy as np
 
 from ..artifact import (
     CONFIG_FILE,
+    NATIVE_GRAPH,
     ONNX_FILE,
     ONNX_SUBDIR,
-    OPTIMIZED_FILE,
+    OPTIMIZED_GRAPH,
     ArtifactError,
     ExportDir,
     MissingArtifactError,
@@ -21,7 +22,7 @@ from ..artifact import (
     read_metadata,
 )
 
-GRAPHS = ("auto", "portable", "optimized")
+GRAPHS = ("auto", "portable", "optimized", "native")
 _ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 
 load_metadata = read_metadata  # the validated attncal.json (ArtifactError when missing or damaged)
@@ -35,25 +36,59 @@ def default_providers() -> list[str]:
     return [p for p in preferred if p in available]
 
 
-def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]) -> str:
-    """Which graph of an export to run: `onnx/model.onnx` (portable) or `onnx/model_optimized.onnx`.
+def native_graph_runs(library: Path | None, providers: Sequence[str]) -> bool:
+    """Whether the native graph (calibrated attention op) runs at its speed here: the attncal library is
+    loaded and the first provider is ONNX Runtime's CPU one, where the op has its kernel.  (The CUDA
+    kernel of the op has never run on a GPU; until it has, CUDA sessions keep the split graph.)"""
+    return library is not None and bool(providers) and providers[0] == "CPUExecutionProvider"
 
-    `auto` takes the ORT-optimized graph when the export has one and the first provider runs
-    ONNX Runtime's contrib ops natively (CPU, CUDA); TensorRT gets the portable graph."""
+
+def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str],
+                 library: Path | None = None) -> str:
+    """Which graph of an export to run: `onnx/model.onnx` (portable), `onnx/model_optimized.onnx` or
+    `onnx/model_optimized_native.onnx` (the calibrated attention op).
+
+    `auto` takes the native graph when the export has one and it runs at its speed here
+    (`native_graph_runs`: `library` is the attncal library to load), else the ORT-optimized graph when
+    the export has one and the first provider runs ONNX Runtime's contrib ops natively (CPU, CUDA);
+    TensorRT gets the portable graph.  So without the library nothing is slower than the split graph."""
     if graph not in GRAPHS:
         raise ValueError(f"graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
-    optimized = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
-    has_opt = (out_dir / optimized).exists()
-    if not has_opt and optimized in (meta.get("graphs") or {}):
-        raise MissingArtifactError(out_dir / optimized, "missing, but attncal.json lists it; re-export the model")
+    listed = meta.get("graphs") or {}
+    for rel in (OPTIMIZED_GRAPH, NATIVE_GRAPH):
+        if not (out_dir / rel).exists() and rel in listed:
+            raise MissingArtifactError(out_dir / rel, "missing, but attncal.json lists it; re-export the model")
+    has_opt, has_native = (out_dir / OPTIMIZED_GRAPH).exists(), (out_dir / NATIVE_GRAPH).exists()
+    if graph == "native":
+        if not has_native:
+            raise MissingArtifactError(out_dir / NATIVE_GRAPH, "missing (a calibrated export of a BERT-family model "
+                                                               "without --no-optimized writes it)")
+        return NATIVE_GRAPH
     if graph == "optimized":
         if not has_opt:
-            raise MissingArtifactError(out_dir / optimized, "missing (export without --no-optimized, on a "
-                                                            "BERT-family model)")
-        return optimized
+            raise MissingArtifactError(out_dir / OPTIMIZED_GRAPH, "missing (export without --no-optimized, on a "
+                                                                  "BERT-family model)")
+        return OPTIMIZED_GRAPH
+    if graph == "auto" and has_native and native_graph_runs(library, providers):
+        return NATIVE_GRAPH
     if graph == "auto" and has_opt and providers and providers[0] in _ORT_NATIVE_PROVIDERS:
-        return optimized
+        return OPTIMIZED_GRAPH
     return f"{ONNX_SUBDIR}/{ONNX_FILE}"
+
+
+def planned_graph(out_dir: str | os.PathLike, providers: Sequence[str] | None = None, graph: str = "auto",
+                  native: bool | None = None) -> str:
+    """The graph `Encoder(out_dir, providers, graph=graph, native=native)` would run, without loading
+    it: for reports (`attncal encode`, `attncal triton-repo`) made where the sessions are not."""
+    out = Path(out_dir)
+    meta = read_metadata(out)
+    providers = list(providers or default_providers())
+    lib = None
+    if NATIVE_GRAPH in (meta.get("graphs") or {}) and graph in ("auto", "native"):
+        from . import oplib
+
+        lib = oplib.resolve_library(native)
+    return select_graph(out, meta, graph, providers, lib)
 
 
 def graph_has_custom_op(meta: dict, graph_file: str) -> bool:
@@ -70,7 +105,8 @@ class Encoder:
     `providers` defaults to TensorRT/CUDA when the installed onnxruntime offers
     them, else CPU.  `graph="auto"` runs the export's ORT-optimized graph
     (`onnx/model_optimized.onnx`, fused attention) when it has one and the provider
-    is CPU or CUDA, else the portable `onnx/model.onnx`.  When the graph contains
+    is CPU or CUDA, else the portable `onnx/model.onnx`; with the native library loaded on the CPU it
+    runs `onnx/model_optimized_native.onnx` (calibrated attention op) instead.  When the graph contains
     attncal ops, the native kernel library (plugins/) is registered if it is built
     (`native=None`, the default; `$ATTNCAL_NATIVE=0` or `native=False` turns it off,
     `native=True` requires it); `custom_op_library` names a library explicitly.
@@ -96,7 +132,22 @@ class Encoder:
         self.meta = read_metadata(self.path)
         check_model_files(self.path, self.meta)
         providers = list(providers or default_providers())
-        self.graph_file = select_graph(self.path, self.meta, graph, providers)
+        lib: Path | None = None
+        if custom_op_library is not None:
+            lib = Path(custom_op_library)
+            if not lib.exists():
+                raise FileNotFoundError(f"custom-op library {lib} not found")
+        elif NATIVE_GRAPH in (self.meta.get("graphs") or {}) and graph in ("auto", "native"):
+            from . import oplib
+
+            lib = oplib.resolve_library(native)  # decides between the native and the split graph
+        self.graph_file = select_graph(self.path, self.meta, graph, providers, lib)
+        if custom_op_library is None and lib is None and graph_has_custom_op(self.meta, self.graph_file):
+            from . import oplib
+
+            lib = oplib.resolve_library(native)
+        elif lib is not None and custom_op_library is None and not graph_has_custom_op(self.meta, self.graph_file):
+            lib = None  # the graph has no attncal op: nothing to register
         model_file = self.path / self.graph_file
         ExportDir(self.path, self.meta).check_graph(self.graph_file)  # damaged graph -> ArtifactError
         try:
@@ -114,15 +165,6 @@ class Encoder:
             so.log_severity_level = console.ort_log_severity()  # ORT's C++ warnings only with --verbose
         if intra_op_threads is not None:
             so.intra_op_num_threads = intra_op_threads
-        lib: Path | None = None
-        if custom_op_library is not None:
-            lib = Path(custom_op_library)
-            if not lib.exists():
-                raise FileNotFoundError(f"custom-op library {lib} not found")
-        elif graph_has_custom_op(self.meta, self.graph_file):
-            from . import oplib
-
-            lib = oplib.resolve_library(native)
         if lib is not None:
             so.register_custom_ops_library(str(lib))
         self.custom_op_library = lib
@@ -153,7 +195,7 @@ class Encoder:
 
     def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Raw session call: (last_hidden_state, sentence_embedding)."""
-        if self.graph_file.endswith(OPTIMIZED_FILE) and "attention_mask" in feeds:
+        if self.graph_file in (OPTIMIZED_GRAPH, NATIVE_GRAPH) and "attention_mask" in feeds:
             m = feeds["attention_mask"] != 0
             # ORT's fused attention takes key lengths: a token after a pad would be silently dropped.
             if m.shape[1] > 1 and bool((~m[:, :-1] & m[:, 1:]).any()):

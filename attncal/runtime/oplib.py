@@ -46,6 +46,11 @@ TENSORRT_HEADERS_HELP = (
 )
 
 
+GEMM_CHOICES = ("auto", "openblas", "eigen", "builtin")
+"""The calibrated-attention kernel's GEMM (plugins/cmake/Gemm.cmake): auto = OpenBLAS where the
+scipy-openblas32 wheel is installed, else the built-in loops."""
+
+
 class BuildError(RuntimeError):
     """The native build failed; the message ends with the tail of the build log."""
 
@@ -191,6 +196,7 @@ def build_library(
     cuda_archs: Sequence[int] = (80, 90),
     jobs: int = 2,
     quiet: bool = True,
+    gemm: Literal["auto", "openblas", "eigen", "builtin"] = "auto",
 ) -> Path:
     """Configure and build plugins/ with CMake; return the ORT library's path
     (or the CUDA library's when `ort=False`).  Incremental: a second call only
@@ -198,6 +204,8 @@ def build_library(
     fetches the ONNX Runtime headers with npm (see plugins/cmake/OrtHeaders.cmake)."""
     if cuda not in ("auto", "on", "off") or tensorrt not in ("auto", "on", "off"):
         raise ValueError("cuda and tensorrt must be 'auto', 'on' or 'off'")
+    if gemm not in GEMM_CHOICES:
+        raise ValueError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {gemm!r}")
     if not ort and cuda == "off":
         raise ValueError("nothing to build: ort=False and cuda='off'")
     cmake = shutil.which("cmake")
@@ -214,6 +222,10 @@ def build_library(
             f"-DATTNCAL_WITH_TENSORRT={tensorrt.upper()}",
             f"-DATTNCAL_CUDA_ARCHS={';'.join(str(a) for a in cuda_archs)}",
             "-DATTNCAL_ORT_HEADER_CACHE=" + str(_REPO / "build" / "ort-headers"),
+            # The calibrated-attention kernel's GEMM (plugins/cmake/Gemm.cmake); OpenBLAS comes from this
+            # interpreter's scipy-openblas32 wheel.
+            f"-DATTNCAL_GEMM={gemm.upper() if gemm == 'auto' else gemm}",
+            f"-DATTNCAL_PYTHON={sys.executable}",
         ]
         # Always passed, so the CMake cache follows the setting when it is unset again.
         trt_headers = tensorrt_headers() if tensorrt != "off" else None
@@ -229,13 +241,23 @@ def build_library(
     return lib
 
 
-def compile_cuda_kernel(out: str | os.PathLike, archs: Sequence[int] = (80, 90), nvcc: str | None = None) -> Path:
-    """Compile plugins/kernels/calibration_cuda.cu alone into a shared library
-    with nvcc (no CMake, no ONNX Runtime headers): what benchmarks/gpu_check.py
-    loads through ctypes on a GPU machine.  Written to a temp name, then renamed."""
+def compile_cuda_kernel(
+    out: str | os.PathLike,
+    archs: Sequence[int] = (80, 90),
+    nvcc: str | None = None,
+    sources: Sequence[str] = ("calibration_cuda.cu",),
+) -> Path:
+    """Compile CUDA files of plugins/kernels (`sources`, names in that folder; default
+    calibration_cuda.cu) into one shared library with nvcc (no CMake, no ONNX Runtime headers):
+    what benchmarks/gpu_check.py loads through ctypes on a GPU machine.  For the calibrated
+    attention launchers pass ("calibration_cuda.cu", "calibrated_attention_cuda.cu"): the second
+    reports its errors through the first's attncal_cuda_last_error, so it never builds alone.
+    Written to a temp name, then renamed."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc was not found (PATH, $CUDA_HOME, /usr/local/cuda)")
+    if not sources:
+        raise ValueError("sources must name at least one .cu file of plugins/kernels")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -243,7 +265,8 @@ def compile_cuda_kernel(out: str | os.PathLike, archs: Sequence[int] = (80, 90),
            "-I", str(PLUGINS_DIR / "kernels")]
     for a in archs:
         cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    cmd += [str(PLUGINS_DIR / "kernels" / "calibration_cuda.cu"), "-o", str(tmp)]
+    cmd += [str(PLUGINS_DIR / "kernels" / name) for name in sources]
+    cmd += ["-o", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

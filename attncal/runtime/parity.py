@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import console
-from ..artifact import OPTIMIZED_GRAPH, PORTABLE_GRAPH, read_metadata
+from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, read_metadata
 from ..calibration.config import CalibrationConfig
 from .encoder import Encoder
 
@@ -108,9 +108,12 @@ def check_parity(
     custom_op_library: str | os.PathLike | None = None,
     graph: str = "auto",
     native: bool | None = None,
+    reference_cache: dict | None = None,
 ) -> ParityReport:
-    """Embeddings of the export's `graph` ("auto", "portable", "optimized" or a file such as
-    "onnx/model_optimized.onnx") against the PyTorch reference."""
+    """Embeddings of the export's `graph` ("auto", "portable", "optimized", "native" or a file such as
+    "onnx/model_optimized.onnx") against the PyTorch reference.  `reference_cache`: a dict the caller
+    keeps across calls on the same export (the exporter checks up to three graphs), so the PyTorch
+    reference is computed once."""
     from ..calibration.encode import TorchEncoder
 
     meta = read_metadata(out_dir)
@@ -125,14 +128,20 @@ def check_parity(
         raise FileNotFoundError(
             f"reference model {source} not found; pass --reference with the source model directory"
         )
-    graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized"}.get(graph, graph)
+    graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized", NATIVE_GRAPH: "native"}.get(graph, graph)
     enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native)
     got = enc.encode(texts, batch_size=batch_size, sort_by_length=False, show_progress=not quiet)
-    with console.third_party_output():  # transformers' weight-loading bar and load-time messages
-        ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"), attn_implementation="eager")
-    if config is None and ref_enc.info.pooling != meta["pooling"]:
-        config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
-    expected = ref_enc.encode(texts, config, batch_size=batch_size, show_progress=not quiet)
+    key = (str(source), meta.get("max_seq_length"), repr(config), tuple(texts), batch_size)
+    if reference_cache is not None and key in reference_cache:
+        expected = reference_cache[key]
+    else:
+        with console.third_party_output():  # transformers' weight-loading bar and load-time messages
+            ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"), attn_implementation="eager")
+        if config is None and ref_enc.info.pooling != meta["pooling"]:
+            config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
+        expected = ref_enc.encode(texts, config, batch_size=batch_size, show_progress=not quiet)
+        if reference_cache is not None:
+            reference_cache[key] = expected
     diff = np.abs(got.astype(np.float64) - expected.astype(np.float64)).max(axis=1)
     cos = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-30)
     lengths = [len(x) for x in enc.tokenizer(texts, truncation=True, max_length=enc.max_length)["input_ids"]]

@@ -36,6 +36,7 @@ from pathlib import Path
 from ..artifact import (
     CONFIG_FILE,
     METADATA_FILE,
+    NATIVE_GRAPH,
     OPTIMIZED_FILE,
     ArtifactError,
     MissingArtifactError,
@@ -131,6 +132,16 @@ def _native_library(opts: RepoOptions) -> tuple[str | None, bool]:
 
     lib = resolve_library(opts.native)
     return (str(lib.resolve()), bool(opts.native)) if lib is not None else (None, False)
+
+
+def _served_graph(out_dir: Path, exp: dict, opts: RepoOptions, library: str | None) -> Path:
+    """The graph the encoder model serves: the native graph (calibrated attention op) where the attncal
+    library is configured for CPU instances of the ONNX Runtime or Python backend, as `Encoder` picks
+    it; otherwise the ORT-optimized graph when there is one, else the portable graph (`_read_export`)."""
+    native = out_dir / NATIVE_GRAPH
+    if library and native.is_file() and opts.kind == "cpu" and opts.backend in ("onnxruntime", "python"):
+        return native
+    return exp["serve_onnx"]
 
 
 def _pad_token_id(out_dir: Path) -> int:
@@ -257,7 +268,8 @@ def _copy_onnx(exp: dict, dest: Path, key: str = "serve_onnx") -> None:
 def _copy_tokenizer(out_dir: Path, dest: Path) -> None:
     dest.mkdir(parents=True)
     for f in out_dir.iterdir():
-        if f.is_file() and f.name != METADATA_FILE and not f.name.startswith("."):
+        # Not attncal.json (the encoder's copy carries it) nor the export's log.
+        if f.is_file() and f.name != METADATA_FILE and not f.name.startswith(".") and f.suffix != ".log":
             shutil.copy2(f, dest / f.name)
 
 
@@ -306,6 +318,7 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
         raise FileExistsError(f"{repo} already holds {', '.join(clashes)}; pass --overwrite or pick another --name")
 
     library = _native_library(opts)  # before anything is written: native=True may refuse
+    exp["serve_onnx"] = _served_graph(out_dir, exp, opts, library[0])
     pad_id = _pad_token_id(out_dir)  # a damaged tokenizer is reported before anything is written
     created = not repo.exists()
     repo.mkdir(parents=True, exist_ok=True)
@@ -315,7 +328,8 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
         enc_dir = _write_model(tmp, enc_cfg)
         # Provenance for `discover`/`bench_triton`; Triton ignores extra files in a model directory.
         (enc_dir / "attncal.json").write_text(json.dumps({**exp["meta"], "triton": {
-            "name": name, "backend": opts.backend, "with_tokenizer": opts.with_tokenizer}}, indent=2))
+            "name": name, "backend": opts.backend, "with_tokenizer": opts.with_tokenizer,
+            "graph": exp["serve_onnx"].relative_to(out_dir).as_posix()}}, indent=2))
         if opts.backend == "python":
             shutil.copy2(_TEMPLATES / "encoder_model.py", enc_dir / "1" / "model.py")
             _copy_onnx(exp, enc_dir / "1")

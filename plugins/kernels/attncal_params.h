@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 enum { ATTNCAL_MODE_EQUAL = 0, ATTNCAL_MODE_ORIGINAL = 1, ATTNCAL_MODE_FIXED = 2 };
-enum { ATTNCAL_DTYPE_FLOAT32 = 0, ATTNCAL_DTYPE_FLOAT16 = 1 };
+enum { ATTNCAL_DTYPE_FLOAT32 = 0, ATTNCAL_DTYPE_FLOAT16 = 1, ATTNCAL_DTYPE_BFLOAT16 = 2 };
 
 /* Status codes of the C ABI (0 = success). */
 enum {

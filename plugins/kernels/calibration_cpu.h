@@ -47,9 +47,9 @@
 //   (other query rows, padding query rows, short items, strength 0) are not touched in place and
 //   copied bit for bit out of place, NaN included.  No NaN turns finite, no finite row turns NaN,
 //   and a row's NaN never reaches another row.
-// * A future one-pass attention op (softmax and the product with V in one kernel) must state its
-//   own rule: FlashAttention returns 0 for a fully masked row, ORT's MultiHeadAttention and torch
-//   SDPA differ by backend.
+// * The one-pass calibrated attention ops (calibrated_attention_cpu.h) state their own rule in the
+//   contract (a fully masked item: the mean of V over all keys, as the lowest-value additive mask
+//   gives; not 0 as in FlashAttention) and reach it through these same row routines.
 #ifndef ATTNCAL_CALIBRATION_CPU_H_
 #define ATTNCAL_CALIBRATION_CPU_H_
 
@@ -371,6 +371,40 @@ inline void calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, const ItemP
 }
 
 // ---------------------------------------------------------------- batch driver
+// Per-item geometry of a call: which items are calibrated, which query rows, and (only when a
+// calibrated item's mask has holes inside its valid span) a 0/1 float mask of its keys in `keep`.
+// Shared by the calibration ops (Plan) and the calibrated attention op (AttentionPlan).
+inline void plan_items(const int64_t* mask, int64_t B, int64_t Q, int64_t K, const AttncalParams& p,
+                       std::vector<ItemPlan>* items, std::vector<float>* keep) {
+  items->assign(static_cast<size_t>(B), ItemPlan{});
+  keep->clear();
+  bool any_holes = false;
+  for (int64_t b = 0; b < B; ++b) {
+    ItemPlan& it = (*items)[b];
+    it.s = span_of(mask + b * K, K);
+    it.active = plan_rows(it.s, p, &it.rp);
+    if (!it.active) continue;
+    if (p.all_rows) {
+      it.q_lo = it.s.start;
+      it.q_hi = std::min(it.s.end, Q - 1);
+    } else {
+      // Q == 1 (row placement): the single row is the pooling row itself.
+      it.q_lo = it.q_hi = (Q == 1) ? 0 : (p.pool_last ? it.s.end : it.s.start);
+      if (it.q_lo >= Q) it.q_hi = it.q_lo - 1;
+    }
+    it.active = it.q_lo <= it.q_hi;
+    any_holes = any_holes || (it.active && it.s.holes);
+  }
+  if (!any_holes) return;
+  keep->assign(static_cast<size_t>(B * K), 0.f);  // never resized again: the pointers below stay valid
+  for (int64_t b = 0; b < B; ++b) {
+    ItemPlan& it = (*items)[b];
+    if (!it.active || !it.s.holes) continue;
+    for (int64_t k = 0; k < K; ++k) (*keep)[b * K + k] = mask[b * K + k] != 0 ? 1.f : 0.f;
+    it.keep = keep->data() + b * K;
+  }
+}
+
 // A unit of work: query rows [q0, q1) of heads [h0, h1) of batch item b.
 struct Unit {
   int64_t b, h0, h1, q0, q1;
@@ -387,31 +421,7 @@ class Plan {
   Plan(const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K, const AttncalParams& p, bool every_row)
       : B_(B), H_(H), Q_(Q), K_(K), items_(static_cast<size_t>(B)) {
     if (B * H * Q * K == 0) return;
-    bool any_holes = false;
-    for (int64_t b = 0; b < B; ++b) {
-      ItemPlan& it = items_[b];
-      it.s = span_of(mask + b * K, K);
-      it.active = plan_rows(it.s, p, &it.rp);
-      if (!it.active) continue;
-      if (p.all_rows) {
-        it.q_lo = it.s.start;
-        it.q_hi = std::min(it.s.end, Q - 1);
-      } else {
-        // Q == 1 (row placement): the single row is the pooling row itself.
-        it.q_lo = it.q_hi = (Q == 1) ? 0 : (p.pool_last ? it.s.end : it.s.start);
-        if (it.q_lo >= Q) it.q_hi = it.q_lo - 1;
-      }
-      it.active = it.q_lo <= it.q_hi;
-      any_holes = any_holes || (it.active && it.s.holes);
-    }
-    if (any_holes) {
-      keep_.assign(static_cast<size_t>(B * K), 0.f);
-      for (int64_t b = 0; b < B; ++b) {
-        if (!items_[b].active || !items_[b].s.holes) continue;
-        for (int64_t k = 0; k < K; ++k) keep_[b * K + k] = mask[b * K + k] != 0 ? 1.f : 0.f;
-        items_[b].keep = keep_.data() + b * K;
-      }
-    }
+    plan_items(mask, B, Q, K, p, &items_, &keep_);
     for (int64_t b = 0; b < B; ++b) {
       const ItemPlan& it = items_[b];
       int64_t r0 = 0, r1 = Q;

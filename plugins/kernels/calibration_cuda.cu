@@ -546,6 +546,11 @@ extern "C" size_t attncal_cuda_workspace_bytes(int64_t B) { return static_cast<s
 
 extern "C" const char* attncal_cuda_last_error(void) { return g_last_error; }
 
+// The library's one error string is also written by the calibrated-attention launchers
+// (calibrated_attention_cuda.cu), so attncal_cuda_last_error answers for every entry point.
+// Not exported: the library is built with hidden visibility.
+extern "C" void attncal_cuda_set_error(const char* msg) { snprintf(g_last_error, sizeof g_last_error, "%s", msg); }
+
 extern "C" int attncal_cuda_calibrate(int dtype, const void* probs, void* out, const int64_t* mask, int64_t B,
                                       int64_t H, int64_t Q, int64_t K, const AttncalParams* params,
                                       void* workspace, void* stream_ptr) {

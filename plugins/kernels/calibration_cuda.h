@@ -15,9 +15,8 @@
  *    not calibrated are left as they are (in place) or copied bit for bit,
  *    NaN included.
  *  No NaN becomes finite, no finite row becomes NaN, and no row's NaN reaches
- *  another row.  A future one-pass attention kernel (softmax and the product
- *  with V fused) must state its own rule: FlashAttention returns 0 for a fully
- *  masked row; ORT's MultiHeadAttention and torch SDPA differ by backend. */
+ *  another row.  The one-pass calibrated attention kernel states its own rule
+ *  (calibrated_attention_cuda.h, the contract in attncal/graphs/contract.py). */
 #ifndef ATTNCAL_CALIBRATION_CUDA_H_
 #define ATTNCAL_CALIBRATION_CUDA_H_
 

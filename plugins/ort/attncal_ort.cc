@@ -14,6 +14,7 @@
 #include "onnxruntime_lite_custom_op.h"
 
 #include <atomic>
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -21,12 +22,14 @@
 #include <vector>
 
 #include "attncal_ort_common.h"
+#include "calibrated_attention_cpu.h"
 #include "calibration_cpu.h"
 
 namespace attncal_ort {
 
 std::atomic<uint64_t> g_computes[2];
 std::atomic<uint64_t> g_inplace[2];
+std::atomic<uint64_t> g_attention_computes{0};
 
 OrtStatusPtr ORT_API_CALL InferSameAsProbs(const OrtCustomOp*, OrtShapeInferContext* ctx);
 
@@ -154,6 +157,112 @@ Ort::Status AttributeError(const Attributes& a, const char* op) {
   return Ort::Status((std::string("attncal ") + op + ": " + a.error).c_str(), ORT_INVALID_ARGUMENT);
 }
 
+AttentionAttributes ReadAttentionAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all_rows) {
+  AttentionAttributes a;
+  a.calibration = ReadAttributes(api, info, all_rows);
+  if (!a.calibration.error.empty()) return a;
+  int64_t heads = 0;
+  if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "num_heads", &heads)) {
+    api->ReleaseStatus(st);
+    a.calibration.error = "missing or non-integer attribute 'num_heads'";
+    return a;
+  }
+  if (heads < 1 || heads > INT32_MAX) {
+    a.calibration.error = "num_heads must be >= 1, got " + std::to_string(heads);
+    return a;
+  }
+  a.num_heads = heads;
+  if (OrtStatus* st = api->KernelInfoGetAttribute_float(info, "scale", &a.scale)) {
+    api->ReleaseStatus(st);
+    a.calibration.error = "missing or non-float attribute 'scale'";
+    return a;
+  }
+  if (!std::isfinite(a.scale) || a.scale < 0.f) {
+    a.calibration.error = "scale must be finite and >= 0 (0 = 1/sqrt(head_size)), got " + std::to_string(a.scale);
+  }
+  return a;
+}
+
+namespace {
+std::string Dims(const std::vector<int64_t>& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? "," : "") + std::to_string(d[i]);
+  return s + "]";
+}
+}  // namespace
+
+Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
+                                 const std::vector<int64_t>& v, const std::vector<int64_t>& mask, bool all_rows,
+                                 int64_t num_heads, attncal::AttentionShape* shape) {
+  auto bad = [](const std::string& why) { return Ort::Status(("attncal: " + why).c_str(), ORT_INVALID_ARGUMENT); };
+  if (q.size() != 3 || k.size() != 3 || v.size() != 3) {
+    return bad("query, key and value must have rank 3 [B,S,N*D], got " + Dims(q) + ", " + Dims(k) + ", " + Dims(v));
+  }
+  if (k[0] != q[0] || v[0] != q[0] || v[1] != k[1]) {
+    return bad("query " + Dims(q) + ", key " + Dims(k) + " and value " + Dims(v) +
+               " must share the batch size, and key and value the key length");
+  }
+  if (k[2] != q[2] || q[2] % num_heads != 0 || v[2] % num_heads != 0) {
+    return bad("query and key must have the same last dimension, and it and value's must be divisible by "
+               "num_heads=" + std::to_string(num_heads) + "; got " + Dims(q) + ", " + Dims(k) + ", " + Dims(v));
+  }
+  if (mask.size() != 2 || mask[0] != k[0] || mask[1] != k[1]) {
+    return bad("attention_mask must be [B,S_k]=[" + std::to_string(k[0]) + "," + std::to_string(k[1]) + "], got " +
+               Dims(mask));
+  }
+  if (all_rows ? q[1] != k[1] : (q[1] != k[1] && q[1] != 1)) {
+    return bad(std::string(all_rows ? "AllRowsCalibratedAttention needs S_q == S_k (self-attention)"
+                                    : "PooledRowCalibratedAttention needs S_q == S_k or S_q == 1") +
+               "; got query " + Dims(q) + ", key " + Dims(k));
+  }
+  shape->B = q[0];
+  shape->S_q = q[1];
+  shape->S_k = k[1];
+  shape->N = num_heads;
+  shape->D = q[2] / num_heads;
+  shape->D_v = v[2] / num_heads;
+  return Ort::Status{nullptr};
+}
+
+// context: query's [B,S_q] and value's last dimension, symbolic dims included; as InferSameAsProbs,
+// nothing is written when a dim is unknown without a name (ORT then infers it at run time).
+OrtStatusPtr ORT_API_CALL InferAttentionContext(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  size_t n = 0;
+  if (OrtStatusPtr st = api.ShapeInferContext_GetInputCount(ctx, &n)) return st;
+  if (n < 3) return nullptr;
+  OrtTensorTypeAndShapeInfo* qi = nullptr;
+  OrtTensorTypeAndShapeInfo* vi = nullptr;
+  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &qi)) return st;
+  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 2, &vi)) return st;
+  size_t rq = 0, rv = 0;
+  if (OrtStatusPtr st = api.GetDimensionsCount(qi, &rq)) return st;
+  if (OrtStatusPtr st = api.GetDimensionsCount(vi, &rv)) return st;
+  if (rq != 3 || rv != 3) return nullptr;
+  int64_t qd[3], vd[3];
+  const char* qn[3] = {nullptr, nullptr, nullptr};
+  const char* vn[3] = {nullptr, nullptr, nullptr};
+  if (OrtStatusPtr st = api.GetDimensions(qi, qd, 3)) return st;
+  if (OrtStatusPtr st = api.GetSymbolicDimensions(qi, qn, 3)) return st;
+  if (OrtStatusPtr st = api.GetDimensions(vi, vd, 3)) return st;
+  if (OrtStatusPtr st = api.GetSymbolicDimensions(vi, vn, 3)) return st;
+  int64_t dims[3] = {qd[0], qd[1], vd[2]};
+  const char* names[3] = {qn[0], qn[1], vn[2]};
+  for (int i = 0; i < 3; ++i) {
+    if (dims[i] < 0 && (names[i] == nullptr || names[i][0] == '\0')) return nullptr;
+  }
+  ONNXTensorElementDataType type;
+  if (OrtStatusPtr st = api.GetTensorElementType(qi, &type)) return st;
+  OrtTensorTypeAndShapeInfo* out = nullptr;
+  if (OrtStatusPtr st = api.CreateTensorTypeAndShapeInfo(&out)) return st;
+  OrtStatusPtr st = api.SetTensorElementType(out, type);
+  if (st == nullptr) st = api.SetDimensions(out, dims, 3);
+  if (st == nullptr) st = api.SetSymbolicDimensions(out, names, 3);
+  if (st == nullptr) st = api.ShapeInferContext_SetOutputTypeShape(ctx, 0, out);
+  api.ReleaseTensorTypeAndShapeInfo(out);
+  return st;
+}
+
 }  // namespace attncal_ort
 
 namespace {
@@ -161,6 +270,20 @@ namespace {
 using attncal_ort::Attributes;
 using Ort::Custom::OrtLiteCustomOp;
 using Ort::Custom::Tensor;
+
+// Runs n work units: inline when there is one, else on ORT's intra-op thread pool (ParallelFor).
+Ort::Status RunUnits(OrtKernelContext* context, void (*run)(void*, size_t), size_t n, void* job, const char* op) {
+  if (n == 1) {
+    run(job, 0);
+    return Ort::Status{nullptr};
+  }
+  try {
+    Ort::KernelContext(context).ParallelFor(run, n, 0, job);
+  } catch (const Ort::Exception& e) {
+    return Ort::Status((std::string("attncal ") + op + ": " + e.what()).c_str(), ORT_FAIL);
+  }
+  return Ort::Status{nullptr};
+}
 
 // The kernel's work units run on ORT's intra-op thread pool (ParallelFor).
 template <typename T, bool Softmax>
@@ -202,16 +325,50 @@ struct CpuCalibration {
     if (plan.size() == 0) return Ort::Status{nullptr};
     using Job = ParallelJob<Raw, Softmax>;
     Job job{&plan, src, dst, &attrs.params};
-    if (plan.size() == 1) {
-      Job::Run(&job, 0);
-      return Ort::Status{nullptr};
-    }
-    try {
-      Ort::KernelContext(context).ParallelFor(&Job::Run, plan.size(), 0, &job);
-    } catch (const Ort::Exception& e) {
-      return Ort::Status((std::string("attncal ") + op + ": " + e.what()).c_str(), ORT_FAIL);
-    }
-    return Ort::Status{nullptr};
+    return RunUnits(context, &Job::Run, plan.size(), &job, op);
+  }
+};
+
+// The calibrated attention ops: units of (item, head, block of query rows) on the intra-op pool.
+template <typename T>
+struct AttentionJob {
+  const attncal::AttentionPlan* plan;
+  const T *q, *k, *v;
+  T* out;
+  const AttncalParams* params;
+  static void Run(void* self, size_t i) {
+    auto* job = static_cast<AttentionJob*>(self);
+    job->plan->run(i, job->q, job->k, job->v, job->out, *job->params);
+  }
+};
+
+template <typename T, bool AllRows>
+struct CpuCalibratedAttention {
+  using Raw = typename std::conditional<std::is_same<T, float>::value, float, uint16_t>::type;
+  attncal_ort::AttentionAttributes attrs;
+
+  CpuCalibratedAttention(const OrtApi* api, const OrtKernelInfo* info)
+      : attrs(attncal_ort::ReadAttentionAttributes(api, info, AllRows)) {
+    attncal::gemm_init();
+  }
+
+  Ort::Status Compute(OrtKernelContext* context, const Tensor<T>& query, const Tensor<T>& key,
+                      const Tensor<T>& value, const Tensor<int64_t>& mask, Tensor<T>& out) {
+    const char* op = attncal_ort::AttentionOpName(AllRows);
+    if (!attrs.calibration.error.empty()) return attncal_ort::AttributeError(attrs.calibration, op);
+    attncal::AttentionShape shape;
+    Ort::Status st = attncal_ort::CheckAttentionShapes(query.Shape(), key.Shape(), value.Shape(), mask.Shape(),
+                                                       AllRows, attrs.num_heads, &shape);
+    if (!st.IsOK()) return st;
+    shape.scale = attrs.scale != 0.f ? attrs.scale : 1.0f / std::sqrt(static_cast<float>(shape.D));
+    Raw* dst = reinterpret_cast<Raw*>(out.Allocate({shape.B, shape.S_q, shape.N * shape.D_v}));
+    attncal_ort::g_attention_computes.fetch_add(1);
+    const attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params);
+    if (plan.size() == 0) return Ort::Status{nullptr};
+    using Job = AttentionJob<Raw>;
+    Job job{&plan, reinterpret_cast<const Raw*>(query.Data()), reinterpret_cast<const Raw*>(key.Data()),
+            reinterpret_cast<const Raw*>(value.Data()), dst, &attrs.calibration.params};
+    return RunUnits(context, &Job::Run, plan.size(), &job, op);
   }
 };
 
@@ -239,8 +396,24 @@ std::vector<std::unique_ptr<OrtLiteCustomOp>>& AllOps() {
         "SoftmaxAllRowsCalibration", cpu, kVersion, kVersion));
     v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibration<Ort::Float16_t, true, true>>(
         "SoftmaxAllRowsCalibration", cpu, kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibratedAttention<float, false>>(
+        "PooledRowCalibratedAttention", cpu, kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibratedAttention<Ort::Float16_t, false>>(
+        "PooledRowCalibratedAttention", cpu, kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibratedAttention<float, true>>(
+        "AllRowsCalibratedAttention", cpu, kVersion, kVersion));
+    v.emplace_back(Ort::Custom::CreateLiteCustomOp<CpuCalibratedAttention<Ort::Float16_t, true>>(
+        "AllRowsCalibratedAttention", cpu, kVersion, kVersion));
     attncal_ort::AppendCudaOps(v, kVersion);
-    for (auto& op : v) attncal_ort::AllowInplace(op.get());
+    // The calibration ops (CPU and CUDA): output 0 may reuse input 0.  The calibrated attention ops
+    // never: their output is the context, not a rewritten input.
+    for (auto& op : v) {
+      if (attncal_ort::IsAttentionOp(op->GetName(op.get()))) {
+        op->InferOutputShapeFn = &attncal_ort::InferAttentionContext;
+      } else {
+        attncal_ort::AllowInplace(op.get());
+      }
+    }
     return v;
   }();
   return ops;
@@ -289,6 +462,12 @@ ATTNCAL_ORT_EXPORT uint64_t attncal_debug_compute_count(int provider) {
 ATTNCAL_ORT_EXPORT uint64_t attncal_debug_inplace_count(int provider) {
   return (provider == 0 || provider == 1) ? attncal_ort::g_inplace[provider].load() : 0;
 }
+
+// How many times the CPU calibrated attention kernel ran.
+ATTNCAL_ORT_EXPORT uint64_t attncal_debug_attention_count(void) { return attncal_ort::g_attention_computes.load(); }
+
+// The GEMM the CPU calibrated attention kernel was built with ("openblas", "eigen" or "builtin").
+ATTNCAL_ORT_EXPORT const char* attncal_gemm_backend(void) { return attncal::kGemmBackend; }
 
 ATTNCAL_ORT_EXPORT int attncal_has_cuda(void) { return attncal_ort::kHasCuda ? 1 : 0; }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_shape.h"
 #include "attncal_params.h"
 
 #define ATTNCAL_ORT_EXPORT __attribute__((visibility("default")))
@@ -20,12 +21,24 @@ constexpr const char* OpName(bool all_rows, bool softmax) {
                  : (all_rows ? "AllRowsCalibration" : "PooledRowCalibration");
 }
 
+constexpr const char* AttentionOpName(bool all_rows) {
+  return all_rows ? "AllRowsCalibratedAttention" : "PooledRowCalibratedAttention";
+}
+
 struct Attributes {
   AttncalParams params;
   std::string error;  // non-empty: the node's attributes break the contract
 };
 
 Attributes ReadAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all_rows);
+
+// The calibrated attention ops' attributes: the calibration's plus num_heads and scale (0 = 1/sqrt(D)).
+struct AttentionAttributes {
+  Attributes calibration;  // calibration.error also reports a bad num_heads or scale
+  int64_t num_heads = 0;
+  float scale = 0.f;
+};
+AttentionAttributes ReadAttentionAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all_rows);
 // `input`: the name of input 0 in messages ("probs", or "scores" for the Softmax-fused ops).
 Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int64_t>& mask,
                         const char* input = "probs");
@@ -33,11 +46,23 @@ Ort::Status AttributeError(const Attributes& a, const char* op);
 
 extern std::atomic<uint64_t> g_computes[2];  // [0] CPU, [1] CUDA
 extern std::atomic<uint64_t> g_inplace[2];   // computes where ORT gave out == probs
+extern std::atomic<uint64_t> g_attention_computes;  // CPU calibrated attention runs
 void AllowInplace(Ort::Custom::OrtLiteCustomOp* op);
 extern const bool kHasCuda;
 
-// Adds the CUDAExecutionProvider kernels (no-op in a CPU-only build).
+// Adds the CUDAExecutionProvider kernels (no-op in a CPU-only build).  The caller then gives every
+// op its shape inference: the calibration ops may compute in place (AllowInplace), the calibrated
+// attention ops (IsAttentionOp) get InferAttentionContext and never run in place.
 void AppendCudaOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops, int version);
+inline bool IsAttentionOp(const char* name) {
+  const std::string n(name);
+  return n == AttentionOpName(false) || n == AttentionOpName(true);
+}
+OrtStatusPtr ORT_API_CALL InferAttentionContext(const OrtCustomOp* op, OrtShapeInferContext* ctx);
+// Checks query/key/value/mask shapes against the contract; fills `shape` (scale left to the caller).
+Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
+                                 const std::vector<int64_t>& v, const std::vector<int64_t>& mask, bool all_rows,
+                                 int64_t num_heads, attncal::AttentionShape* shape);
 
 }  // namespace attncal_ort
 

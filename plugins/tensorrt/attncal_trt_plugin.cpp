@@ -8,7 +8,11 @@
 // (what the ONNX parser looks up by default) and one in namespace "ai.attncal"
 // (the op's domain, for nodes that carry plugin_namespace="ai.attncal"), so 8
 // creators.  TensorRT >= 10.7 prefers a registered plugin over the model-local
-// function of the same op name.
+// function of the same op name.  Built with ATTNCAL_TRT_WITH_ATTENTION (as CMake
+// builds libattncal_trt_plugin.so), getCreators also lists the 4 creators of the
+// calibrated attention ops (attncal_trt_attention_plugin.cpp): 12 in all.  The
+// attribute fields are read by attncal_trt_fields.h, and what the plugin and
+// creator classes of both files have alike is in attncal_trt_plugin_base.h.
 //
 // The build capability is IPluginV3OneBuildV2 (TensorRT >= 10.3): output 0 may
 // alias input 0 (getAliasedInput(0) == 0), since every launcher works in place.
@@ -26,14 +30,25 @@
 #include <string>
 #include <vector>
 
+#include "attncal_trt_fields.h"
+#include "attncal_trt_plugin_base.h"
 #include "calibration_cuda.h"
 
 using namespace nvinfer1;
 
+#ifdef ATTNCAL_TRT_WITH_ATTENTION
+// attncal_trt_attention_plugin.cpp: the calibrated attention ops' creators, listed by getCreators below
+// so that one library (one getCreators) serves every op of the contract.
+namespace attncal_trt {
+IPluginCreatorInterface* const* attention_creators(int32_t& nbCreators);
+}
+#endif
+
 namespace {
 
-constexpr char const* kVersion = "1";
-constexpr char const* kDomain = "ai.attncal";
+using attncal_trt::kDomain;
+using attncal_trt::parse_fields;
+
 constexpr char const* kOps[] = {"PooledRowCalibration", "AllRowsCalibration", "SoftmaxPooledRowCalibration",
                                 "SoftmaxAllRowsCalibration"};
 
@@ -42,101 +57,18 @@ bool is_all_rows(char const* op) {
 }
 bool is_softmax(char const* op) { return !strncmp(op, "Softmax", 7); }
 
-struct FieldSpec {
-  char const* name;
-  bool is_float;
-};
-constexpr FieldSpec kFields[] = {{"pool_last", false},    {"basket_size", false},  {"strength", true},
-                                 {"isolate_first", false}, {"isolate_last", false}, {"first_mode", false},
-                                 {"last_mode", false},     {"first_weight", true},  {"last_weight", true},
-                                 {"skip_short", false},    {"layer", false}};
-
-int32_t* int_slot(AttncalParams& p, char const* name) {
-  if (!strcmp(name, "pool_last")) return &p.pool_last;
-  if (!strcmp(name, "basket_size")) return &p.basket_size;
-  if (!strcmp(name, "isolate_first")) return &p.isolate_first;
-  if (!strcmp(name, "isolate_last")) return &p.isolate_last;
-  if (!strcmp(name, "first_mode")) return &p.first_mode;
-  if (!strcmp(name, "last_mode")) return &p.last_mode;
-  if (!strcmp(name, "skip_short")) return &p.skip_short;
-  return nullptr;
-}
-
-float* float_slot(AttncalParams& p, char const* name) {
-  if (!strcmp(name, "strength")) return &p.strength;
-  if (!strcmp(name, "first_weight")) return &p.first_weight;
-  if (!strcmp(name, "last_weight")) return &p.last_weight;
-  return nullptr;
-}
-
-// Reads the attributes whatever numeric width the parser used; false on a
-// missing/ill-typed field or invalid values.
-bool parse_fields(PluginFieldCollection const* fc, bool all_rows, AttncalParams* out) {
-  AttncalParams p{};
-  p.all_rows = all_rows;
-  int seen = 0;
-  for (int32_t i = 0; fc && i < fc->nbFields; ++i) {
-    PluginField const& f = fc->fields[i];
-    if (f.length < 1 || f.data == nullptr) continue;
-    double v;
-    switch (f.type) {
-      case PluginFieldType::kINT32: v = *static_cast<int32_t const*>(f.data); break;
-      case PluginFieldType::kINT64: v = static_cast<double>(*static_cast<int64_t const*>(f.data)); break;
-      case PluginFieldType::kFLOAT32: v = *static_cast<float const*>(f.data); break;
-      case PluginFieldType::kFLOAT64: v = *static_cast<double const*>(f.data); break;
-      default: continue;
-    }
-    if (int32_t* s = int_slot(p, f.name)) {
-      *s = static_cast<int32_t>(v);
-      ++seen;
-    } else if (float* s = float_slot(p, f.name)) {
-      *s = static_cast<float>(v);
-      ++seen;
-    }
-  }
-  if (seen < (all_rows ? 9 : 10)) return false;
-  if (attncal_validate_params(&p, nullptr, 0) != ATTNCAL_OK) return false;
-  *out = p;
-  return true;
-}
-
-class CalibrationPlugin : public IPluginV3,
-                          public IPluginV3OneCore,
-                          public IPluginV3OneBuildV2,
-                          public IPluginV3OneRuntime {
+// Capabilities, identity, the single output, the fields to serialise and attachToContext:
+// attncal_trt_plugin_base.h.
+class CalibrationPlugin : public attncal_trt::PluginBase<IPluginV3OneBuildV2> {
  public:
   // name: the op type (one of kOps); p.all_rows must match it.
   CalibrationPlugin(std::string name, std::string ns, AttncalParams p)
-      : name_(std::move(name)), ns_(std::move(ns)), p_(p), softmax_(is_softmax(name_.c_str())) {
-    int i = 0;
-    for (FieldSpec const& fs : kFields) {
-      if (p_.all_rows && !strcmp(fs.name, "pool_last")) continue;
-      if (!strcmp(fs.name, "layer")) continue;
-      if (fs.is_float) {
-        fields_[i++] = PluginField(fs.name, float_slot(p_, fs.name), PluginFieldType::kFLOAT32, 1);
-      } else {
-        fields_[i++] = PluginField(fs.name, int_slot(p_, fs.name), PluginFieldType::kINT32, 1);
-      }
-    }
-    fc_.nbFields = i;
-    fc_.fields = fields_;
+      : PluginBase(std::move(name), std::move(ns)), p_(p), softmax_(is_softmax(name_.c_str())) {
+    set_fields(p_);
   }
 
   // IPluginV3
-  IPluginCapability* getCapabilityInterface(PluginCapabilityType type) noexcept override {
-    switch (type) {
-      case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-      case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
-      case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    }
-    return nullptr;
-  }
   IPluginV3* clone() noexcept override { return new (std::nothrow) CalibrationPlugin(name_, ns_, p_); }
-
-  // IPluginV3OneCore
-  char const* getPluginName() const noexcept override { return name_.c_str(); }
-  char const* getPluginVersion() const noexcept override { return kVersion; }
-  char const* getPluginNamespace() const noexcept override { return ns_.c_str(); }
 
   // IPluginV3OneBuildV2: output 0 may be written into input 0's buffer (the
   // launchers work in place).  Called, and effective, only when the builder
@@ -167,7 +99,6 @@ class CalibrationPlugin : public IPluginV3,
     if (pos == 1) return d.type == DataType::kINT64;
     return d.type == inOut[0].desc.type;  // output
   }
-  int32_t getNbOutputs() const noexcept override { return 1; }
   size_t getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t, DynamicPluginTensorDesc const*,
                           int32_t) const noexcept override {
     return attncal_cuda_workspace_bytes(inputs[0].max.d[0]);
@@ -187,43 +118,22 @@ class CalibrationPlugin : public IPluginV3,
         dtype, inputs[0], outputs[0], static_cast<int64_t const*>(inputs[1]), d.d[0], d.d[1], d.d[2], d.d[3], &p_,
         workspace, stream);
   }
-  IPluginV3* attachToContext(IPluginResourceContext*) noexcept override { return clone(); }
-  PluginFieldCollection const* getFieldsToSerialize() noexcept override { return &fc_; }
 
  private:
-  std::string name_, ns_;
   AttncalParams p_;
   bool softmax_;  // Softmax* op: input 0 is the scores
-  PluginField fields_[16];
-  PluginFieldCollection fc_{};
 };
 
-class CalibrationCreator : public IPluginCreatorV3One {
+// Identity and field names (the calibration fields): attncal_trt_plugin_base.h.
+class CalibrationCreator : public attncal_trt::CreatorBase {
  public:
-  CalibrationCreator(char const* op, char const* ns) : op_(op), ns_(ns), all_rows_(is_all_rows(op)) {
-    for (FieldSpec const& fs : kFields) {
-      if (all_rows_ && !strcmp(fs.name, "pool_last")) continue;
-      names_.emplace_back(fs.name, nullptr, fs.is_float ? PluginFieldType::kFLOAT32 : PluginFieldType::kINT32, 1);
-    }
-    fc_.nbFields = static_cast<int32_t>(names_.size());
-    fc_.fields = names_.data();
-  }
+  CalibrationCreator(char const* op, char const* ns) : CreatorBase(op, ns, is_all_rows(op)) {}
   IPluginV3* createPlugin(char const* name, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
     AttncalParams p;
     if (!parse_fields(fc, all_rows_, &p)) return nullptr;  // missing or invalid attributes
     (void)name;
     return new (std::nothrow) CalibrationPlugin(op_, ns_, p);
   }
-  PluginFieldCollection const* getFieldNames() noexcept override { return &fc_; }
-  char const* getPluginName() const noexcept override { return op_.c_str(); }
-  char const* getPluginVersion() const noexcept override { return kVersion; }
-  char const* getPluginNamespace() const noexcept override { return ns_.c_str(); }
-
- private:
-  std::string op_, ns_;
-  bool all_rows_;
-  std::vector<PluginField> names_;
-  PluginFieldCollection fc_{};
 };
 
 }  // namespace
@@ -239,8 +149,21 @@ extern "C" __attribute__((visibility("default"))) IPluginCreatorInterface* const
   static IPluginCreatorInterface* const creators[] = {&pooled_default,    &all_default,    &pooled_domain,
                                                       &all_domain,        &sm_pooled_default, &sm_all_default,
                                                       &sm_pooled_domain,  &sm_all_domain};
-  nbCreators = static_cast<int32_t>(sizeof creators / sizeof creators[0]);
+  constexpr int32_t n = static_cast<int32_t>(sizeof creators / sizeof creators[0]);
+#ifdef ATTNCAL_TRT_WITH_ATTENTION
+  static std::vector<IPluginCreatorInterface*> const all = [] {
+    std::vector<IPluginCreatorInterface*> v(creators, creators + n);
+    int32_t na = 0;
+    IPluginCreatorInterface* const* attention = attncal_trt::attention_creators(na);
+    v.insert(v.end(), attention, attention + na);
+    return v;
+  }();
+  nbCreators = static_cast<int32_t>(all.size());
+  return all.data();
+#else
+  nbCreators = n;
   return creators;
+#endif
 }
 
 // Static registration when the library is simply loaded (trtexec --staticPlugins, ctypes.CDLL in polygraphy).
@@ -251,7 +174,8 @@ struct RegisterOnLoad {
     IPluginCreatorInterface* const* list = getCreators(n);
     IPluginRegistry* registry = getPluginRegistry();
     for (int32_t i = 0; registry != nullptr && i < n; ++i) {
-      auto* c = static_cast<CalibrationCreator*>(list[i]);
+      // Every creator of the list is an IPluginCreatorV3One (calibration and attention alike).
+      auto* c = static_cast<IPluginCreatorV3One*>(list[i]);
       registry->registerCreator(*list[i], c->getPluginNamespace());
     }
   }

@@ -13,143 +13,34 @@
 // failure.
 #include <NvInferRuntime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "trt_host_test_common.h"  // CHECK, getPluginRegistry, Fields, creator, desc, dyn, ...
+
 using namespace nvinfer1;
-
-// No libnvinfer here: the plugin's load-time registration asks for the global
-// registry; this test binary provides the symbol and answers "none", so the
-// plugin is exercised through getCreators() as TensorRT's loadLibrary would.
-extern "C" IPluginRegistry* getPluginRegistry() noexcept { return nullptr; }
-extern "C" IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
-
-extern "C" const char* attncal_cuda_last_error(void);
+using namespace trt_host_test;
 
 namespace {
-
-int g_checks = 0;
 
 char const* const kOps[] = {"PooledRowCalibration", "AllRowsCalibration", "SoftmaxPooledRowCalibration",
                             "SoftmaxAllRowsCalibration"};
 
-bool all_rows_op(char const* op) { return std::strstr(op, "AllRows") != nullptr; }
+// A valid attribute set (the op contract).
+const std::vector<Attr> kContract = {
+    {"pool_last", false, 1},     {"basket_size", false, 128}, {"strength", true, 0.5},    {"isolate_first", false, 1},
+    {"isolate_last", false, 0},  {"first_mode", false, 2},    {"last_mode", false, 0},    {"first_weight", true, 0.25},
+    {"last_weight", true, 0.0},  {"skip_short", false, 1},    {"layer", false, 3}};
 
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    ++g_checks;                                                                     \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond);       \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
-
-struct FakeExprBuilder : IExprBuilder {};  // never called by the plugin; leaked (11.x: pure virtual dtor)
-
-struct Fields {
-  // Owned storage for a PluginFieldCollection, in the widths the ONNX parser may use.
-  std::vector<PluginField> list;
-  std::vector<std::unique_ptr<double>> f64;
-  std::vector<std::unique_ptr<float>> f32;
-  std::vector<std::unique_ptr<int64_t>> i64;
-  std::vector<std::unique_ptr<int32_t>> i32;
-  std::vector<std::string> names;
-  PluginFieldCollection fc{};
-
-  void add_int(char const* name, int64_t v, bool wide) {
-    names.emplace_back(name);
-    if (wide) {
-      i64.emplace_back(new int64_t(v));
-      list.emplace_back(nullptr, i64.back().get(), PluginFieldType::kINT64, 1);
-    } else {
-      i32.emplace_back(new int32_t(static_cast<int32_t>(v)));
-      list.emplace_back(nullptr, i32.back().get(), PluginFieldType::kINT32, 1);
-    }
-  }
-  void add_float(char const* name, double v, bool wide) {
-    names.emplace_back(name);
-    if (wide) {
-      f64.emplace_back(new double(v));
-      list.emplace_back(nullptr, f64.back().get(), PluginFieldType::kFLOAT64, 1);
-    } else {
-      f32.emplace_back(new float(static_cast<float>(v)));
-      list.emplace_back(nullptr, f32.back().get(), PluginFieldType::kFLOAT32, 1);
-    }
-  }
-  PluginFieldCollection const* get() {
-    for (size_t i = 0; i < list.size(); ++i) list[i].name = names[i].c_str();
-    fc.nbFields = static_cast<int32_t>(list.size());
-    fc.fields = list.data();
-    return &fc;
-  }
-};
-
-// A valid attribute set (the op contract), optionally with one field changed or dropped.
+// kContract, optionally with one field changed or dropped.
 Fields contract_fields(bool all_rows, bool wide, char const* drop = nullptr, char const* override_name = nullptr,
                        double override_value = 0) {
-  Fields f;
-  auto val = [&](char const* name, double v) { return override_name && !std::strcmp(name, override_name) ? override_value : v; };
-  auto skip = [&](char const* name) { return drop && !std::strcmp(name, drop); };
-  if (!all_rows && !skip("pool_last")) f.add_int("pool_last", static_cast<int64_t>(val("pool_last", 1)), wide);
-  if (!skip("basket_size")) f.add_int("basket_size", static_cast<int64_t>(val("basket_size", 128)), wide);
-  if (!skip("strength")) f.add_float("strength", val("strength", 0.5), wide);
-  if (!skip("isolate_first")) f.add_int("isolate_first", static_cast<int64_t>(val("isolate_first", 1)), wide);
-  if (!skip("isolate_last")) f.add_int("isolate_last", static_cast<int64_t>(val("isolate_last", 0)), wide);
-  if (!skip("first_mode")) f.add_int("first_mode", static_cast<int64_t>(val("first_mode", 2)), wide);
-  if (!skip("last_mode")) f.add_int("last_mode", static_cast<int64_t>(val("last_mode", 0)), wide);
-  if (!skip("first_weight")) f.add_float("first_weight", val("first_weight", 0.25), wide);
-  if (!skip("last_weight")) f.add_float("last_weight", val("last_weight", 0.0), wide);
-  if (!skip("skip_short")) f.add_int("skip_short", static_cast<int64_t>(val("skip_short", 1)), wide);
-  if (!skip("layer")) f.add_int("layer", static_cast<int64_t>(val("layer", 3)), wide);
-  return f;
-}
-
-double field_value(PluginField const& f) {
-  switch (f.type) {
-    case PluginFieldType::kINT32: return *static_cast<int32_t const*>(f.data);
-    case PluginFieldType::kINT64: return static_cast<double>(*static_cast<int64_t const*>(f.data));
-    case PluginFieldType::kFLOAT32: return *static_cast<float const*>(f.data);
-    case PluginFieldType::kFLOAT64: return *static_cast<double const*>(f.data);
-    default: return -12345;
-  }
-}
-
-double lookup(PluginFieldCollection const* fc, char const* name) {
-  for (int32_t i = 0; i < fc->nbFields; ++i)
-    if (!std::strcmp(fc->fields[i].name, name)) return field_value(fc->fields[i]);
-  return -99999;
-}
-
-IPluginCreatorV3One* creator(char const* name, char const* ns) {
-  int32_t n = 0;
-  IPluginCreatorInterface* const* list = getCreators(n);
-  for (int32_t i = 0; i < n; ++i) {
-    auto* c = static_cast<IPluginCreatorV3One*>(list[i]);
-    if (!std::strcmp(c->getPluginName(), name) && !std::strcmp(c->getPluginNamespace(), ns)) return c;
-  }
-  return nullptr;
-}
-
-PluginTensorDesc desc(DataType type, std::vector<int64_t> dims, TensorFormat fmt = TensorFormat::kLINEAR) {
-  PluginTensorDesc d{};
-  d.type = type;
-  d.format = fmt;
-  d.scale = -1.f;
-  d.dims.nbDims = static_cast<int32_t>(dims.size());
-  for (size_t i = 0; i < dims.size(); ++i) d.dims.d[i] = dims[i];
-  return d;
-}
-
-DynamicPluginTensorDesc dyn(PluginTensorDesc d) {
-  DynamicPluginTensorDesc x{};
-  x.desc = d;
-  x.min = x.opt = x.max = d.dims;
-  return x;
+  return make_fields(kContract, all_rows, wide, drop, override_name, override_value);
 }
 
 void test_creators() {
@@ -158,11 +49,8 @@ void test_creators() {
   int found = 0;
   for (char const* op : kOps) {
     for (char const* ns : {"", "ai.attncal"}) {
-      IPluginCreatorV3One* c = creator(op, ns);
-      CHECK(c != nullptr);
+      IPluginCreatorV3One* c = checked_creator(op, ns);
       ++found;
-      CHECK(!std::strcmp(c->getPluginVersion(), "1"));
-      CHECK(std::string(c->getInterfaceInfo().kind) == "PLUGIN CREATOR_V3ONE");
       PluginFieldCollection const* names = c->getFieldNames();
       const bool all_rows = all_rows_op(op);
       CHECK(names->nbFields == (all_rows ? 10 : 11));
@@ -178,42 +66,9 @@ void test_creators() {
 
 void test_field_parsing() {
   for (char const* op : kOps) {
-    const bool all_rows = all_rows_op(op);
-    IPluginCreatorV3One* c = creator(op, "ai.attncal");
-    for (bool wide : {false, true}) {
-      Fields ok = contract_fields(all_rows, wide);
-      IPluginV3* p = c->createPlugin("node", ok.get(), TensorRTPhase::kBUILD);
-      CHECK(p != nullptr);
-      auto* core = static_cast<IPluginV3OneCore*>(p->getCapabilityInterface(PluginCapabilityType::kCORE));
-      CHECK(!std::strcmp(core->getPluginName(), op));
-      CHECK(!std::strcmp(core->getPluginNamespace(), "ai.attncal"));
-      CHECK(!std::strcmp(core->getPluginVersion(), "1"));
-      delete p;
-    }
-    // Missing required fields.
-    for (char const* drop : {"basket_size", "strength", "first_mode", "skip_short", "first_weight"}) {
-      Fields f = contract_fields(all_rows, false, drop);
-      CHECK(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD) == nullptr);
-    }
-    if (!all_rows) {
-      Fields f = contract_fields(false, false, "pool_last");
-      CHECK(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD) == nullptr);
-    }
-    CHECK(c->createPlugin("node", nullptr, TensorRTPhase::kBUILD) == nullptr);
-    // Invalid values.
-    struct Bad {
-      char const* name;
-      double value;
-    } bad[] = {{"basket_size", 0}, {"basket_size", -4}, {"strength", 1.5}, {"strength", -0.1},
-               {"first_mode", 3},  {"last_mode", -1},   {"isolate_first", 2}, {"skip_short", 7}};
-    for (Bad const& b : bad) {
-      Fields f = contract_fields(all_rows, true, nullptr, b.name, b.value);
-      CHECK(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD) == nullptr);
-    }
-    if (!all_rows) {
-      Fields f = contract_fields(false, false, nullptr, "pool_last", 2);
-      CHECK(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD) == nullptr);
-    }
+    check_field_parsing(op, contract_fields, {"basket_size", "strength", "first_mode", "skip_short", "first_weight"},
+                        {{"basket_size", 0}, {"basket_size", -4}, {"strength", 1.5}, {"strength", -0.1},
+                         {"first_mode", 3}, {"last_mode", -1}, {"isolate_first", 2}, {"skip_short", 7}});
   }
   std::printf("field parsing (4 ops): int32/int64/float32/float64 accepted; missing and invalid fields rejected\n");
 }
@@ -226,7 +81,7 @@ IPluginV3* make(char const* op, char const* override_name = nullptr, double over
 void test_types_shapes_formats(char const* op) {
   std::unique_ptr<IPluginV3> p(make(op));
   CHECK(p != nullptr);
-  auto* build = static_cast<IPluginV3OneBuild*>(p->getCapabilityInterface(PluginCapabilityType::kBUILD));
+  IPluginV3OneBuild* build = build_of(p.get());
   CHECK(build != nullptr);
   CHECK(build->getNbOutputs() == 1);
   DataType out{};
@@ -267,8 +122,7 @@ void test_types_shapes_formats(char const* op) {
   for (Combo const& cb : combos) {
     DynamicPluginTensorDesc io[3] = {dyn(desc(cb.probs, {2, 4, 8, 8}, cb.fmt)), dyn(desc(cb.mask, {2, 8})),
                                      dyn(desc(cb.out, {2, 4, 8, 8}, cb.fmt))};
-    bool all = true;
-    for (int pos = 0; pos < 3; ++pos) all = all && build->supportsFormatCombination(pos, io, 2, 1);
+    const bool all = accepts_formats(build, io, 2);
     CHECK(all == cb.ok);
     accepted += all;
   }
@@ -279,7 +133,7 @@ void test_types_shapes_formats(char const* op) {
   CHECK(build->configurePlugin(io, 1, io + 2, 1) != 0);
   CHECK(build->getWorkspaceSize(io, 2, io + 2, 1) >= 2 * 3 * sizeof(int));
 
-  auto* rt = static_cast<IPluginV3OneRuntime*>(p->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+  IPluginV3OneRuntime* rt = runtime_of(p.get());
   PluginTensorDesc good[2] = {desc(DataType::kFLOAT, {2, 4, 8, 8}), desc(DataType::kINT64, {2, 8})};
   CHECK(rt->onShapeChange(good, 2, good, 1) == 0);
   PluginTensorDesc bad_k[2] = {desc(DataType::kFLOAT, {2, 4, 8, 8}), desc(DataType::kINT64, {2, 9})};
@@ -317,50 +171,27 @@ void test_aliasing(char const* op) {
 void test_serialisation_and_clone() {
   for (char const* op : kOps) {
     const bool all_rows = all_rows_op(op);
+    const int32_t nb_fields = all_rows ? 9 : 10;
     Fields f = contract_fields(all_rows, true, nullptr, "strength", 0.75);
-    IPluginCreatorV3One* c = creator(op, "ai.attncal");
-    std::unique_ptr<IPluginV3> a(c->createPlugin("n", f.get(), TensorRTPhase::kBUILD));
-    CHECK(a != nullptr);
-    auto* rt = static_cast<IPluginV3OneRuntime*>(a->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
-    PluginFieldCollection const* ser = rt->getFieldsToSerialize();
-    CHECK(ser != nullptr && ser->nbFields == (all_rows ? 9 : 10));
-    CHECK(lookup(ser, "strength") == 0.75);
-    CHECK(lookup(ser, "basket_size") == 128);
-    CHECK(lookup(ser, "first_mode") == 2);
-    CHECK(std::abs(lookup(ser, "first_weight") - 0.25) < 1e-7);
-    if (!all_rows) CHECK(lookup(ser, "pool_last") == 1);
-    // Deserialise (what the runtime does with a plan): a plugin with the same fields.
-    std::unique_ptr<IPluginV3> b(c->createPlugin("n", ser, TensorRTPhase::kRUNTIME));
-    CHECK(b != nullptr);
-    PluginFieldCollection const* ser_b =
-        static_cast<IPluginV3OneRuntime*>(b->getCapabilityInterface(PluginCapabilityType::kRUNTIME))
-            ->getFieldsToSerialize();
-    CHECK(ser_b->nbFields == ser->nbFields);
-    for (int32_t i = 0; i < ser->nbFields; ++i) {
-      CHECK(!std::strcmp(ser->fields[i].name, ser_b->fields[i].name));
-      CHECK(field_value(ser->fields[i]) == field_value(ser_b->fields[i]));
-    }
-    // Clone: a distinct object with the same identity and fields, alive after the original.
-    IPluginV3* cl = a->clone();
-    CHECK(cl != nullptr && cl != a.get());
-    a.reset();
-    auto* core = static_cast<IPluginV3OneCore*>(cl->getCapabilityInterface(PluginCapabilityType::kCORE));
-    CHECK(!std::strcmp(core->getPluginName(), op) && !std::strcmp(core->getPluginNamespace(), "ai.attncal"));
-    PluginFieldCollection const* ser_c =
-        static_cast<IPluginV3OneRuntime*>(cl->getCapabilityInterface(PluginCapabilityType::kRUNTIME))
-            ->getFieldsToSerialize();
-    CHECK(lookup(ser_c, "strength") == 0.75 && ser_c->nbFields == ser_b->nbFields);
-    auto* rt_c = static_cast<IPluginV3OneRuntime*>(cl->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
-    IPluginV3* attached = rt_c->attachToContext(nullptr);
-    CHECK(attached != nullptr && attached != cl);
-    delete attached;
-    delete cl;
+    check_round_trip_and_clone(
+        creator(op, "ai.attncal"), op, f, nb_fields,
+        [&](PluginFieldCollection const* ser) {
+          CHECK(lookup(ser, "strength") == 0.75);
+          CHECK(lookup(ser, "basket_size") == 128);
+          CHECK(lookup(ser, "first_mode") == 2);
+          CHECK(std::abs(lookup(ser, "first_weight") - 0.25) < 1e-7);
+          if (!all_rows) CHECK(lookup(ser, "pool_last") == 1);
+        },
+        // The clone keeps the fields.
+        [&](PluginFieldCollection const* ser_c) {
+          CHECK(lookup(ser_c, "strength") == 0.75 && ser_c->nbFields == nb_fields);
+        });
   }
   std::printf("serialisation round trip (build -> fields -> runtime plugin) and clone ok (4 ops)\n");
 }
 
 int32_t enqueue(IPluginV3* p, std::vector<float>& probs, std::vector<float>& result, bool in_place) {
-  auto* rt = static_cast<IPluginV3OneRuntime*>(p->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+  IPluginV3OneRuntime* rt = runtime_of(p);
   PluginTensorDesc in[2] = {desc(DataType::kFLOAT, {1, 1, 4, 4}), desc(DataType::kINT64, {1, 4})};
   PluginTensorDesc out[1] = {desc(DataType::kFLOAT, {1, 1, 4, 4})};
   std::vector<int64_t> mask(4, 1);

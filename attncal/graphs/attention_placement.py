@@ -1,0 +1,83 @@
+"""Attention placement: each calibrated layer's fused attention becomes its Q/K/V projections plus one
+calibrated attention op (`AllRowsCalibratedAttention` for mean pooling, `PooledRowCalibratedAttention`
+for cls / last pooling), which computes softmax, calibration and the product with V in one pass.
+
+Why: split placement keeps ONNX Runtime's fused attention but runs each calibrated layer's attention
+core twice (the full term, then the baskets), and the softmax placements write every head's [B,H,S,S]
+probabilities to memory.  The native kernel (`plugins/kernels/calibrated_attention_cpu.h`) computes a
+block of query rows against all keys while the block is in cache and calibrates it there: the cost
+of attention, no second pass, and per-thread scratch instead of a [B,H,S,S] buffer.
+
+Only the ORT-optimized graph is rewritten (`com.microsoft::Attention`, one per layer, packed QKV
+weights): uncalibrated layers keep ORT's `Attention` untouched.  The op carries a standard-ONNX
+function body, so the graph still runs without the native library, but that body materialises the
+probabilities; `attncal.graphs.placements.plan` therefore writes this graph only beside the split
+graph, and the runtime picks it where the native library is present (`attncal.runtime.encoder`).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ..calibration.config import CalibrationConfig
+from .builder import Ops
+from .contract import DOMAIN, VERSION, attention_op_spec
+from .function_body import make_function
+from .placement_base import (PlacementResult, count_fused_attention, fused_attention_parts, fused_layers,
+                             has_fused_attention, qkv_projections)
+from .rewrite import model_opset
+
+NAME = "attention"
+OPTIMIZE_FIRST = True
+
+
+class AttentionPlacementError(ValueError):
+    """Attention placement does not apply to this graph."""
+
+
+def _check_layer(graph: ir.Graph, att: ir.Node):
+    parts = fused_attention_parts(att, AttentionPlacementError)
+    if any(o is att.outputs[0] for o in graph.outputs):
+        raise AttentionPlacementError(f"the context of {att.name} is a graph output; cannot rewire it (the fused "
+                                      "node is replaced, and a graph output would be left without its producer)")
+    return parts
+
+
+def place(model: ir.Model, config: CalibrationConfig, num_layers: int,
+          mask_input: str = "attention_mask") -> PlacementResult:
+    """Rewrite the selected layers of an ORT-optimized graph; every refusal, for every selected layer,
+    comes before the first edit."""
+    rc = config.resolve()
+    if not has_fused_attention(model):
+        raise AttentionPlacementError(
+            "attention placement rewrites ONNX Runtime's fused com.microsoft::Attention nodes, and this graph has "
+            "none (the portable graph); it applies to the ORT-optimized graph only")
+    graph = model.graph
+    atts, mask = fused_layers(model, num_layers, mask_input, AttentionPlacementError,
+                              "attention placement needs")
+    selected = config.layer_indices(num_layers)
+    attrs = attention_op_spec(rc, 0, num_heads=1).attrs
+    common = {k: v for k, v in attrs.items() if k not in ("layer", "num_heads", "scale")}
+    if not selected or rc.strength == 0.0:
+        return PlacementResult(selected, None, common, count_fused_attention(model))
+    parts = {layer: _check_layer(graph, atts[layer]) for layer in selected}
+    function = ir.serde.deserialize_function(make_function(attention_op_spec(rc, 0, 1).op_type, model_opset(model)))
+    op_type = function.name
+    for layer in selected:
+        x, W, bias, heads, scale = parts[layer]
+        att = atts[layer]
+        ops = Ops(graph, f"attncal_attention_layer{layer}")
+        q, k, v = qkv_projections(ops, x, W, bias)
+        spec = attention_op_spec(rc, layer, num_heads=heads, scale=float(scale))
+        context = ops(spec.op_type, q, k, v, mask, domain=DOMAIN, **spec.attrs)
+        old = att.outputs[0]
+        context.name, context.type, context.shape = f"{ops.prefix}/context", old.type, old.shape
+        old.replace_all_uses_with(context)
+        ops.insert_after(att)
+        graph.remove(att, safe=True)
+    for name, value in list(graph.initializers.items()):  # the replaced nodes' packed QKV weights
+        if not list(value.uses()) and not any(value is o for o in graph.outputs):
+            del graph.initializers[name]
+    model.functions[function.identifier()] = function
+    model.opset_imports[DOMAIN] = VERSION
+    return PlacementResult(selected, op_type, common, count_fused_attention(model))

@@ -1,0 +1,194 @@
+// TensorRT IPluginV3 plugin for the calibrated attention ops, PooledRowCalibratedAttention and
+// AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention (issue 20)"): a
+// thin adapter over attncal_cuda_calibrated_attention (kernels/calibrated_attention_cuda.h).
+//
+//   inputs:  0 query T[B,S_q,N*D], 1 key T[B,S_k,N*D], 2 value T[B,S_k,N*D_v],
+//            3 attention_mask int64[B,S_k];  T = float, half or bfloat16 (one T for all)
+//   output:  0 context T[B,S_q,N*D_v]
+//   fields:  the calibration op's (pool_last on the pooled op only; layer optional, not kept),
+//            num_heads (>= 1) and scale (finite, >= 0; 0 = 1/sqrt(D)): all required.
+//
+// Two creators per op type, version "1", namespaces "" and "ai.attncal" (as the calibration
+// plugin has): 4 creators, listed by attncal_trt_plugin.cpp's getCreators when both files are
+// built into one library with ATTNCAL_TRT_WITH_ATTENTION (CMake does).
+//
+// Why the plugin refuses what it refuses: shapes are checked where TensorRT gives them
+// (getOutputShapes: ranks; onShapeChange: batch, key length, mask, head split, S_q rule), and a
+// refusal is a non-zero return there, never a bad launch.  The output is never aliased to an
+// input (the build capability is IPluginV3OneBuild, not V2): the context has another shape, and
+// the kernel reads the query after writing rows it hands to its per-row pass.
+//
+// Host-tested without libnvinfer or a GPU (tests/test_native_trt.py builds
+// tests/cpp/trt_attention_host_test.cpp against TensorRT 10.5.0 and 11.1 headers); no engine has
+// been built with it.
+#include <NvInferRuntime.h>
+
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "attncal_trt_fields.h"
+#include "attncal_trt_plugin_base.h"
+#include "calibrated_attention_cuda.h"
+
+using namespace nvinfer1;
+
+namespace {
+
+using attncal_trt::kDomain;
+
+constexpr char const* kPooled = "PooledRowCalibratedAttention";
+constexpr char const* kAllRows = "AllRowsCalibratedAttention";
+
+struct AttentionConfig {
+  AttncalParams p;
+  int32_t num_heads;
+  float scale;
+};
+
+// The calibration fields (attncal_trt_fields.h) plus num_heads and scale; false when any is missing,
+// ill-typed or out of range.
+bool parse_attention_fields(PluginFieldCollection const* fc, bool all_rows, AttentionConfig* out) {
+  AttentionConfig c{};
+  if (!attncal_trt::parse_fields(fc, all_rows, &c.p)) return false;
+  bool heads = false, scale = false;
+  for (int32_t i = 0; i < fc->nbFields; ++i) {
+    PluginField const& f = fc->fields[i];
+    double v;
+    if (f.name == nullptr || !attncal_trt::field_number(f, &v)) continue;
+    if (!strcmp(f.name, "num_heads")) {
+      if (!(v >= 1 && v <= 65535) || v != std::floor(v)) return false;  // the launcher's grid limit
+      c.num_heads = static_cast<int32_t>(v);
+      heads = true;
+    } else if (!strcmp(f.name, "scale")) {
+      if (!std::isfinite(v) || v < 0) return false;
+      c.scale = static_cast<float>(v);
+      scale = true;
+    }
+  }
+  if (!heads || !scale) return false;
+  *out = c;
+  return true;
+}
+
+bool is_float_type(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16; }
+
+// The run-time shape rules of the contract (the same as the ORT kernels' CheckAttentionShapes).
+bool shapes_ok(Dims const& q, Dims const& k, Dims const& v, Dims const& m, int32_t num_heads, bool all_rows) {
+  if (q.nbDims != 3 || k.nbDims != 3 || v.nbDims != 3 || m.nbDims != 2) return false;
+  if (k.d[0] != q.d[0] || v.d[0] != q.d[0] || m.d[0] != q.d[0]) return false;  // batch
+  if (v.d[1] != k.d[1] || m.d[1] != k.d[1]) return false;                     // key length
+  if (k.d[2] != q.d[2] || q.d[2] % num_heads != 0 || v.d[2] % num_heads != 0) return false;
+  return all_rows ? q.d[1] == k.d[1] : (q.d[1] == k.d[1] || q.d[1] == 1);
+}
+
+// Capabilities, identity, the single output, the fields to serialise and attachToContext:
+// attncal_trt_plugin_base.h (build capability IPluginV3OneBuild: no aliasing).
+class AttentionPlugin : public attncal_trt::PluginBase<IPluginV3OneBuild> {
+ public:
+  AttentionPlugin(std::string name, std::string ns, AttentionConfig c)
+      : PluginBase(std::move(name), std::move(ns)), c_(c) {
+    set_fields(c_.p, {PluginField("num_heads", &c_.num_heads, PluginFieldType::kINT32, 1),
+                      PluginField("scale", &c_.scale, PluginFieldType::kFLOAT32, 1)});
+  }
+
+  // IPluginV3
+  IPluginV3* clone() noexcept override { return new (std::nothrow) AttentionPlugin(name_, ns_, c_); }
+
+  // IPluginV3OneBuild
+  int32_t configurePlugin(DynamicPluginTensorDesc const*, int32_t nbInputs, DynamicPluginTensorDesc const*,
+                          int32_t nbOutputs) noexcept override {
+    return nbInputs == 4 && nbOutputs == 1 ? 0 : -1;
+  }
+  int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
+                             int32_t nbInputs) const noexcept override {
+    if (nbOutputs != 1 || nbInputs != 4 || !is_float_type(inputTypes[0])) return -1;
+    if (inputTypes[1] != inputTypes[0] || inputTypes[2] != inputTypes[0] || inputTypes[3] != DataType::kINT64) return -1;
+    outputTypes[0] = inputTypes[0];
+    return 0;
+  }
+  // context = [query.d0, query.d1, value.d2]: no arithmetic on the dims, so no expression is built.
+  int32_t getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* outputs,
+                          int32_t nbOutputs, IExprBuilder&) noexcept override {
+    if (nbInputs != 4 || nbOutputs != 1) return -1;
+    if (inputs[0].nbDims != 3 || inputs[1].nbDims != 3 || inputs[2].nbDims != 3 || inputs[3].nbDims != 2) return -1;
+    outputs[0].nbDims = 3;
+    outputs[0].d[0] = inputs[0].d[0];
+    outputs[0].d[1] = inputs[0].d[1];
+    outputs[0].d[2] = inputs[2].d[2];
+    return 0;
+  }
+  bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+                                 int32_t nbOutputs) noexcept override {
+    if (nbInputs != 4 || nbOutputs != 1 || pos < 0 || pos > 4) return false;
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (d.format != TensorFormat::kLINEAR) return false;
+    if (pos == 0) return is_float_type(d.type);
+    if (pos == 3) return d.type == DataType::kINT64;
+    return d.type == inOut[0].desc.type;  // key, value and context: query's type
+  }
+  size_t getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs, DynamicPluginTensorDesc const*,
+                          int32_t) const noexcept override {
+    if (nbInputs != 4) return 0;
+    return attncal_cuda_attention_workspace_bytes(inputs[0].max.d[0], inputs[0].max.d[1], c_.num_heads);
+  }
+
+  // IPluginV3OneRuntime
+  int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out,
+                        int32_t nbOutputs) noexcept override {
+    if (nbInputs != 4 || nbOutputs != 1) return -1;
+    if (!shapes_ok(in[0].dims, in[1].dims, in[2].dims, in[3].dims, c_.num_heads, c_.p.all_rows != 0)) return -1;
+    Dims const& o = out[0].dims;
+    if (o.nbDims != 3 || o.d[0] != in[0].dims.d[0] || o.d[1] != in[0].dims.d[1] || o.d[2] != in[2].dims.d[2]) return -1;
+    return 0;
+  }
+  int32_t enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*, void const* const* inputs,
+                  void* const* outputs, void* workspace, cudaStream_t stream) noexcept override {
+    Dims const& q = inputDesc[0].dims;
+    Dims const& k = inputDesc[1].dims;
+    Dims const& v = inputDesc[2].dims;
+    const int64_t N = c_.num_heads;
+    const DataType t = inputDesc[0].type;
+    const int dtype = t == DataType::kHALF ? ATTNCAL_DTYPE_FLOAT16
+                      : t == DataType::kBF16 ? ATTNCAL_DTYPE_BFLOAT16
+                                             : ATTNCAL_DTYPE_FLOAT32;
+    return attncal_cuda_calibrated_attention(dtype, inputs[0], inputs[1], inputs[2],
+                                             static_cast<int64_t const*>(inputs[3]), outputs[0], q.d[0], q.d[1],
+                                             k.d[1], N, q.d[2] / N, v.d[2] / N, c_.scale, &c_.p, workspace, stream);
+  }
+
+ private:
+  AttentionConfig c_;
+};
+
+// Identity and field names (the calibration fields, then num_heads and scale): attncal_trt_plugin_base.h.
+class AttentionCreator : public attncal_trt::CreatorBase {
+ public:
+  AttentionCreator(char const* op, char const* ns)
+      : CreatorBase(op, ns, !strcmp(op, kAllRows),
+                    {PluginField("num_heads", nullptr, PluginFieldType::kINT32, 1),
+                     PluginField("scale", nullptr, PluginFieldType::kFLOAT32, 1)}) {}
+  IPluginV3* createPlugin(char const*, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
+    AttentionConfig c;
+    if (fc == nullptr || !parse_attention_fields(fc, all_rows_, &c)) return nullptr;  // missing or invalid
+    return new (std::nothrow) AttentionPlugin(op_, ns_, c);
+  }
+};
+
+}  // namespace
+
+namespace attncal_trt {
+
+// The 4 creators (2 op types x namespaces "" and "ai.attncal"); attncal_trt_plugin.cpp's getCreators
+// appends them to the calibration ops' 8.
+IPluginCreatorInterface* const* attention_creators(int32_t& nbCreators) {
+  static AttentionCreator pooled_default(kPooled, ""), all_default(kAllRows, "");
+  static AttentionCreator pooled_domain(kPooled, kDomain), all_domain(kAllRows, kDomain);
+  static IPluginCreatorInterface* const creators[] = {&pooled_default, &all_default, &pooled_domain, &all_domain};
+  nbCreators = static_cast<int32_t>(sizeof creators / sizeof creators[0]);
+  return creators;
+}
+
+}  // namespace attncal_trt

@@ -1,0 +1,150 @@
+"""Attention placement (issue 20): each calibrated layer's fused attention on the ORT-optimized graph
+becomes Q/K/V projections plus one calibrated attention op; `auto` writes that graph beside the split
+graph, and the runtime picks it where the native library is loaded, the split graph elsewhere.
+
+Parity against the eager PyTorch reference (≤ 1e-5) for mean and cls pooling, left/right mixed
+lengths, partial baskets; the graph choice of `Encoder`, `attncal encode` and `attncal triton-repo`;
+refusals that say why and leave the graph as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from attncal import CalibrationConfig
+from attncal.artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH
+from attncal.calibration import TorchEncoder
+from attncal.cli import main
+from attncal.export.exporter import ExportOptions, export
+from attncal.graphs import attention_placement
+from attncal.graphs.attention_placement import AttentionPlacementError
+from attncal.graphs.placements import plan
+from attncal.graphs.rewrite import remove_calibration
+from attncal.graphs.softmax_pattern import SoftmaxPatternError
+from attncal.runtime import Encoder
+from attncal.runtime.encoder import planned_graph
+from attncal.synthetic import save_synthetic_model, synthetic_text
+from test_native_kernel import library  # noqa: F401  (the built-library fixture)
+
+TEXTS = [synthetic_text(n, seed=n) for n in (4, 30, 70, 140, 400, 9, 55)]
+BASKET = 16
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, library):
+    """A calibrated export (auto placement, torchscript) per pooling of a random-weight BERT."""
+    root = tmp_path_factory.mktemp("attention")
+    out = {}
+    for pooling in ("mean", "cls"):
+        src = save_synthetic_model("bert", root / f"src-{pooling}", seed=3, pooling=pooling, max_positions=256)
+        cfg = CalibrationConfig(basket_size=BASKET, variant="cls-soft" if pooling == "cls" else "uniform")
+        meta = export(src, root / pooling, ExportOptions(config=cfg, exporter="torchscript"), quiet=True)
+        out[pooling] = (src, root / pooling, meta, cfg)
+    return out
+
+
+def op_types(path: Path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_auto_writes_the_native_graph_and_it_matches_pytorch(exports, pooling):
+    src, out, meta, cfg = exports[pooling]
+    graphs = meta["graphs"]
+    assert graphs[NATIVE_GRAPH]["placement"] == "attention"
+    assert graphs[OPTIMIZED_GRAPH]["placement"] == ("split" if pooling == "mean" else "row")
+    assert all(g["parity"]["ok"] for g in graphs.values()), "the export checks every graph"
+    assert graphs[NATIVE_GRAPH]["parity"]["max_abs"] <= 1e-5
+    ops = op_types(out / NATIVE_GRAPH)
+    n_cal = len(meta["calibrated_layers"])
+    op = "AllRowsCalibratedAttention" if pooling == "mean" else "PooledRowCalibratedAttention"
+    assert ops.count(op) == n_cal and ops.count("Attention") == meta["num_layers"] - n_cal  # others untouched
+    assert graphs[NATIVE_GRAPH]["fused_attention"] == meta["num_layers"]
+    ref = TorchEncoder(src, attn_implementation="eager").encode(TEXTS, cfg.with_pooling(pooling))
+    enc = Encoder(out, providers=["CPUExecutionProvider"])
+    assert enc.graph_file == NATIVE_GRAPH and enc.custom_op_library is not None
+    assert np.abs(enc.encode(TEXTS) - ref).max() <= 1e-5
+    split = Encoder(out, providers=["CPUExecutionProvider"], graph="optimized").encode(TEXTS)
+    assert np.abs(split - ref).max() <= 1e-5
+
+
+def test_without_the_library_the_split_graph_runs(exports, monkeypatch):
+    _, out, _, _ = exports["mean"]
+    assert Encoder(out, providers=["CPUExecutionProvider"], native=False).graph_file == OPTIMIZED_GRAPH
+    monkeypatch.setenv("ATTNCAL_NATIVE", "0")
+    enc = Encoder(out, providers=["CPUExecutionProvider"])
+    assert enc.graph_file == OPTIMIZED_GRAPH and enc.custom_op_library is None
+    assert planned_graph(out, ["CPUExecutionProvider"]) == OPTIMIZED_GRAPH
+    monkeypatch.delenv("ATTNCAL_NATIVE")
+    assert planned_graph(out, ["CPUExecutionProvider"]) == NATIVE_GRAPH
+    # Explicit choices; a graph the export lacks is named.
+    assert Encoder(out, providers=["CPUExecutionProvider"], graph="native").graph_file == NATIVE_GRAPH
+    assert Encoder(out, providers=["CPUExecutionProvider"], graph="portable").graph_file == PORTABLE_GRAPH
+    (out / NATIVE_GRAPH).rename(out / "moved.onnx")
+    try:
+        with pytest.raises(FileNotFoundError, match="model_optimized_native.onnx"):
+            Encoder(out, providers=["CPUExecutionProvider"])
+    finally:
+        (out / "moved.onnx").rename(out / NATIVE_GRAPH)
+
+
+def test_inspect_triton_repo_and_encode_name_the_graph(exports, tmp_path, capsys):
+    _, out, _, _ = exports["mean"]
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "placement attention" in shown and "AllRowsCalibratedAttention" in shown and "native library" in shown
+    assert main(["triton-repo", str(out), "-o", str(tmp_path / "repo"), "--backend", "onnxruntime", "--name", "m"]) == 0
+    shown = capsys.readouterr().out
+    assert f"serves the export's {NATIVE_GRAPH}" in shown
+    enc_meta = json.loads(next((tmp_path / "repo").glob("*/attncal.json")).read_text())
+    assert enc_meta["triton"]["graph"] == NATIVE_GRAPH
+    assert not list((tmp_path / "repo").rglob("*.log")), "the export's log is not copied into the repository"
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    assert main(["encode", str(out), "--input", str(corpus), "--output", str(tmp_path / "emb"), "--workers", "1"]) == 0
+    assert NATIVE_GRAPH in capsys.readouterr().out
+
+
+def test_refusals_say_why_and_leave_the_graph_unchanged(exports, tmp_path):
+    src, out, _, _ = exports["mean"]
+    cfg = CalibrationConfig(pooling="mean", basket_size=BASKET)
+    plain = ir.load(out / PORTABLE_GRAPH)
+    with pytest.raises(AttentionPlacementError, match="fused com.microsoft::Attention nodes, and this graph has none"):
+        attention_placement.place(plain, cfg, 2)
+    uncal = tmp_path / "uncal"
+    export(src, uncal, ExportOptions(calibrate=False, exporter="torchscript", check=False), quiet=True)
+    model = ir.load(uncal / OPTIMIZED_GRAPH)
+    atts = [n for n in model.graph if n.op_type == "Attention"]
+    model.graph.outputs.append(atts[-1].outputs[0])  # the last layer's context is now a graph output
+    before = ir.to_proto(model).SerializeToString()
+    with pytest.raises(AttentionPlacementError, match="is a graph output; cannot rewire it"):
+        attention_placement.place(model, cfg, len(atts))
+    assert ir.to_proto(model).SerializeToString() == before
+    for opts, why in ((dict(fp16=True), "--fp16 export does not have"),
+                      (dict(optimized=False), "drop --no-optimized")):
+        with pytest.raises(ValueError, match=why):
+            export(src, tmp_path / "x", ExportOptions(config=cfg, placement="attention", **opts), quiet=True)
+    qwen = save_synthetic_model("qwen3", tmp_path / "qwen", seed=1, pooling="mean", max_positions=64)
+    with pytest.raises(ValueError, match="BERT family only.*not qwen3"):
+        export(qwen, tmp_path / "q", ExportOptions(config=cfg, placement="attention"), quiet=True)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "q").exists()
+    native = ir.load(out / NATIVE_GRAPH)
+    before = ir.to_proto(native).SerializeToString()
+    with pytest.raises(SoftmaxPatternError, match="calibrated attention node .* re-export the model"):
+        remove_calibration(native)
+    assert ir.to_proto(native).SerializeToString() == before
+
+
+def test_plan_names_the_native_graph():
+    mean = plan("auto", CalibrationConfig(pooling="mean").resolve())
+    assert (mean.portable, mean.optimized, mean.native) == ("fused-softmax", "split", "attention")
+    cls = plan("auto", CalibrationConfig(pooling="cls").resolve())
+    assert (cls.portable, cls.optimized, cls.native) == ("row", "row", "attention")
+    explicit = plan("attention", CalibrationConfig(pooling="mean").resolve())
+    assert (explicit.portable, explicit.optimized, explicit.native) == ("fused-softmax", "attention", None)
+    assert plan("split", CalibrationConfig(pooling="mean").resolve()).native is None

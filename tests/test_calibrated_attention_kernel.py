@@ -1,0 +1,158 @@
+"""The native CPU kernel of the calibrated attention ops (plugins/kernels/calibrated_attention_cpu.h
+through the ORT library): >= 20,000 random cases per dtype against the float64 oracle, every weight
+mode and isolation, both padding sides and holes, partial and empty baskets, Q = 1, items with no
+valid key, fp16; bit-identical results at 1, 2 and 4 threads; NaN rules; clear refusals of bad
+shapes and attributes.  A case is one batch item under one attribute set (all heads and rows)."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from attncal.calibration import CalibrationConfig
+from attncal.calibration.oracle import attention_reference
+from attncal.graphs.contract import attention_op_spec
+from attncal.graphs.single_op import single_op_model
+from test_calibrated_attention import feeds, random_attention_spec, random_qkv, score_rounding, tally
+from test_native_kernel import library, mixed_mask  # noqa: F401  (library: the built-library fixture)
+
+
+@pytest.fixture(scope="module")
+def attention_count(library):
+    fn = ctypes.CDLL(str(library)).attncal_debug_attention_count
+    fn.restype, fn.argtypes = ctypes.c_uint64, []
+    return fn
+
+
+def session(model: onnx.ModelProto, library: Path, threads: int = 1) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("float16,tol", [(False, 1e-6), (True, 2e-3)], ids=["fp32", "fp16"])
+def test_kernel_matches_oracle_on_20000_cases(library, attention_count, float16, tol):
+    """The bound is `tol` plus the float32 rounding of the scores (`score_rounding`, as for the
+    function body: the contract computes the scores in float32, so their rounding is part of the op;
+    zero for the half of the attribute sets whose scores are exact in float32)."""
+    rng = random.Random(2201 + float16)
+    gen = torch.Generator().manual_seed(22)
+    dtype = torch.float16 if float16 else torch.float32
+    cases, runs, worst, worst_exact, before = 0, 0, 0.0, 0.0, attention_count()
+    seen = {k: 0 for k in ("cls", "last", "mean", "left", "right", "holes", "empty_item", "partial",
+                           "empty_basket", "q1", "lambda0", "skip_short", "iso_first", "iso_last", "equal",
+                           "original", "fixed", "scale0", "exact_scores", "multi_block")}
+    while cases < 20000:
+        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8, 16], max_heads=2)
+        sess = session(single_op_model(spec, float16=float16), library, threads=2)
+        for _ in range(3):
+            # Long rows now and then: more than one block of query rows per head (the kernel's unit; the
+            # per-row float64 oracle makes them slow, and test_threads_give_identical_bits has more).
+            # Mean pooling calibrates every row, cls/last one: the oracle's cost sets the lengths.
+            K = rng.randint(1, 12 if rc.all_rows else 32) if rng.random() < 0.98 else rng.randint(280, 320)
+            B = rng.randint(8, 24) if K < 100 else 1
+            mask = mixed_mask(rng, B, K, holes=0.15)
+            q1 = not rc.all_rows and rng.random() < 0.3
+            lo = rng.randrange(K)
+            dead = (lo, lo + 2 * S) if rng.random() < 0.25 and D >= 2 else None
+            q, k, v = random_qkv(gen, B, 1 if q1 else K, K, N, D, D_v, dtype, temp=rng.choice([0.5, 1.0, 3.0]),
+                                 dead=dead, exact=exact)
+            (out,) = sess.run(None, feeds(q, k, v, mask))
+            ref = attention_reference(q, k, v, mask, rc, N, scale).numpy()
+            assert out.shape == ref.shape and out.dtype == (np.float16 if float16 else np.float32)
+            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2))
+            rounding = np.zeros(B) if exact else (12 * score_rounding(q, k, mask, N, scale) * float(v.abs().max())).numpy()
+            assert np.all(err <= tol + rounding), (float(err.max()), spec, K, int(np.argmax(err - rounding)))
+            cases, runs, worst = cases + B, runs + 1, max(worst, float(err.max()))
+            if exact:
+                worst_exact = max(worst_exact, float(err.max()))
+                seen["exact_scores"] += B
+            seen["multi_block"] += B * (K >= 280)
+            tally(seen, rc, mask, S, dead, q1, scale)
+    assert attention_count() - before == runs, "every run must execute the native kernel"
+    print(f"\ncalibrated attention kernel {'fp16' if float16 else 'fp32'}: {cases} cases in {runs} runs, max abs "
+          f"err {worst:.3g} ({worst_exact:.3g} with exact float32 scores), {seen}")
+    multi_block = seen.pop("multi_block")
+    assert min(seen.values()) >= 40 and multi_block >= 10, (seen, multi_block)
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_threads_give_identical_bits(library, float16, pooling):
+    """1, 2 and 4 intra-op threads give the same bits: long rows (several blocks of query rows per
+    head), holes, both padding sides."""
+    rc = CalibrationConfig(pooling=pooling, basket_size=16, variant="cls-soft").resolve()
+    spec = attention_op_spec(rc, 0, num_heads=3)
+    gen = torch.Generator().manual_seed(4)
+    B, K = 3, 1100
+    mask = mixed_mask(random.Random(6), B, K)
+    mask[0] = 1
+    q, k, v = random_qkv(gen, B, K, K, 3, 8, 8, torch.float16 if float16 else torch.float32, temp=2.0)
+    outs = [session(single_op_model(spec, float16=float16), library, t).run(None, feeds(q, k, v, mask))[0]
+            for t in (1, 2, 4)]
+    for o in outs[1:]:
+        assert np.array_equal(o.view(np.uint8), outs[0].view(np.uint8))
+    ref = attention_reference(q, k, v, mask, rc, 3, 0.0).numpy()
+    assert np.abs(outs[0].astype(np.float64) - ref).max() <= (2e-3 if float16 else 1e-5)
+
+
+def test_nan_in_a_key_or_query_stays_in_its_item_and_rows(library):
+    """Contract: a NaN in a query makes that row's context NaN; a NaN in any key of an item (masked keys
+    included) every row of that item and head; a NaN in value that column of the head's context in every
+    row (0·NaN is NaN); other items stay finite."""
+    rc = CalibrationConfig(pooling="mean", basket_size=2).resolve()
+    spec = attention_op_spec(rc, 0, num_heads=2)
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = random_qkv(gen, 4, 6, 6, 2, 3, 3, torch.float32, temp=1.0)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 6, [0] * 2 + [1] * 4])
+    q[0, 2, 0] = float("nan")  # item 0, row 2, head 0
+    k[1, 5, 3] = float("nan")  # item 1, a masked key, head 1
+    v[3, 4, 0] = float("nan")  # item 3, head 0's values
+    (out,) = session(single_op_model(spec), library).run(None, feeds(q, k, v, mask))
+    nan = np.isnan(out)
+    assert nan[0, 2, :3].all() and not nan[0, 2, 3:].any() and not nan[0, :2].any() and not nan[0, 3:].any()
+    assert nan[1, :, 3:].all() and not nan[1, :, :3].any()
+    assert not nan[2].any()
+    assert nan[3, :, 0].all() and not nan[3, :, 1:].any()
+
+
+@pytest.mark.parametrize("shapes,attrs,message", [
+    (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 4)), {}, "attention_mask must be [B,S_k]=[2,5], got [2,4]"),
+    (((2, 5, 6), (2, 5, 6), (2, 5, 6, 1), (2, 5)), {}, "Invalid rank for input: value"),  # ORT's own check
+    (((2, 5, 6), (2, 5, 4), (2, 5, 6), (2, 5)), {}, "query and key must have the same last dimension"),
+    (((2, 5, 7), (2, 5, 7), (2, 5, 6), (2, 5)), {}, "divisible by num_heads=2"),
+    (((2, 1, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {}, "AllRowsCalibratedAttention needs S_q == S_k"),
+    (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {"num_heads": 0}, "num_heads must be >= 1"),
+    (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {"scale": -1.0}, "scale must be finite and >= 0"),
+    (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {"basket_size": 0}, "basket_size must be >= 1"),
+])
+def test_bad_shapes_and_attributes_are_refused_with_the_reason(library, shapes, attrs, message):
+    spec = attention_op_spec(CalibrationConfig(pooling="mean", basket_size=2).resolve(), 0, num_heads=2)
+    model = single_op_model(type(spec)(spec.op_type, {**spec.attrs, **attrs}), with_function=False)
+    rng = np.random.default_rng(0)
+    names = ("query", "key", "value", "attention_mask")
+    inputs = {n: (np.ones(s, np.int64) if n == "attention_mask" else rng.standard_normal(s, dtype=np.float32))
+              for n, s in zip(names, shapes)}
+    with pytest.raises(Exception) as info:
+        session(model, library).run(None, inputs)
+    assert message in str(info.value), str(info.value)
+
+
+def test_pooled_op_accepts_one_query_row(library):
+    """Q = 1 (row placement's shape): the single query is the pooling token's row."""
+    rc = CalibrationConfig(pooling="last", basket_size=2).resolve()
+    spec = attention_op_spec(rc, 0, num_heads=2)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = random_qkv(gen, 3, 1, 7, 2, 4, 4, torch.float32, temp=1.0)
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [0] * 3 + [1] * 4])
+    (out,) = session(single_op_model(spec), library).run(None, feeds(q, k, v, mask))
+    ref = attention_reference(q, k, v, mask, rc, 2, 0.0).numpy()
+    assert out.shape == (3, 1, 8) and np.abs(out - ref).max() <= 1e-5
