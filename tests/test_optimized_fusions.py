@@ -61,3 +61,29 @@ def test_export_head_matches_pool_and_normalize():
     emb[0] = 0
     torch.testing.assert_close(export_normalize(emb), torch.nn.functional.normalize(emb, dim=-1),
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_portable_dynamo_graph_gets_ort_load_time_fusions(tiny_bert, tmp_path, calibrate):
+    """Issue 20 item 5: the dynamo export's GELU is reordered into the pattern ONNX Runtime's GeluFusion
+    matches (so BiasGelu forms at load), and intermediate shapes are dropped (so ORT does not form
+    SkipLayerNormalization, slower on its CPU than Add + Add + LayerNormalization, and keeps its buffer
+    reuse as on an optimum / TorchScript export).  Values unchanged: parity at export."""
+    import onnxruntime as ort
+
+    out = tmp_path / "out"
+    meta = export(tiny_bert, out, ExportOptions(config=CalibrationConfig(pooling="mean", basket_size=8),
+                                                calibrate=calibrate, exporter="dynamo", optimized=False), quiet=True)
+    model = onnx.load(str(out / "onnx" / "model.onnx"), load_external_data=False)
+    named = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
+    cal_io = {v for n in model.graph.node if n.domain == "ai.attncal" for v in (*n.input, *n.output)}
+    shaped = [v.name for v in model.graph.value_info if v.name not in named | cal_io
+              and v.type.tensor_type.HasField("shape")]  # only the op's, relabelled for in-place runs
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "loaded.onnx")
+    ort.InferenceSession(str(out / "onnx" / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    ops = _ops(tmp_path / "loaded.onnx")
+    assert ops["BiasGelu"] == 2 and ops["Erf"] == 0, ops  # one per layer
+    assert ops["SkipLayerNormalization"] == 0 and ops["LayerNormalization"] >= 4, ops
+    assert meta["parity"]["ok"] and meta["parity"]["max_abs"] <= 1e-5
+    assert not shaped, shaped[:5]

@@ -550,3 +550,7 @@ def test_bench_triton_smoke(server):
     assert {(r["model"], r["concurrency"]) for r in res["rows"]} == {(m, c) for m in ("cal", "raw") for c in (1, 4)}
     assert all(r["errors"] == 0 and r["seq_per_s"] > 0 and r["p95_ms"] >= r["p50_ms"] > 0 for r in res["rows"])
     assert len(res["ratios"]) == 2 and "throughput" in format_table(res)
+    # --requests: every level gets the same number of requests, shared by its clients.
+    res = bench_triton(server.grpc_url, ["raw"], concurrency=(1, 4), requests_per_level=8, rounds=1, warmup=1,
+                       show_progress=False)
+    assert res["requests_per_client"] == {1: 8, 4: 2} and all(r["errors"] == 0 for r in res["rows"])

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or a running server's host:grpc_port")
     p.add_argument("--names", default=None, help="with --triton: comma-separated model names (default: all attncal models)")
     p.add_argument("--concurrency", default="1,4,16", help="with --triton: client concurrency levels (default %(default)s)")
+    p.add_argument("--requests", type=int, default=240,
+                   help="with --triton: requests per model, level and round, shared by the clients (default "
+                        "%(default)s: enough that one level's ratio is not a few seconds of noise)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="with --triton: rounds per level, models alternating order (default %(default)s)")
     p.add_argument("--synthetic", choices=("long",), default=None,
                    help="bench a random-weight XLM-R-shaped encoder with 8194 positions instead of MODEL")
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
@@ -65,7 +70,9 @@ def run_triton(args: argparse.Namespace) -> int:
 
     conc = _int_list(args.concurrency, "--concurrency")
     names = [n.strip() for n in args.names.split(",") if n.strip()] if args.names else None
-    result = bench_triton(args.triton, names, concurrency=conc)
+    if args.requests < 1 or args.rounds < 1:
+        raise ValueError(f"--requests and --rounds must be >= 1, got {args.requests} and {args.rounds}")
+    result = bench_triton(args.triton, names, concurrency=conc, requests_per_level=args.requests, rounds=args.rounds)
     table = format_table(result)
     from ..artifact import write_text_atomic
 

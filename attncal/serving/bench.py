@@ -74,6 +74,7 @@ def bench_triton(
     concurrency: Sequence[int] = (1, 4, 16),
     requests_per_client: int = 20,
     rounds: int = 2,
+    requests_per_level: int | None = None,
     batch: int = 1,
     min_chars: int = 20,
     max_chars: int = 200,
@@ -86,7 +87,10 @@ def bench_triton(
     directory (`target` = path; a server is started on free loopback ports and stopped after).
 
     `names` default to every attncal model in the repository; `baseline` (default: the
-    uncalibrated one when exactly one is) is the denominator of the ratios.
+    uncalibrated one when exactly one is) is the denominator of the ratios.  `requests_per_level`,
+    when given, is the number of requests per model, level and round, shared by the level's clients
+    (each sends ceil(requests_per_level / concurrency)), so every level gets as many requests;
+    otherwise each client sends `requests_per_client`.
     Returns {"rows": [{model, concurrency, seq_per_s, p50_ms, p95_ms, errors}], "ratios": [...]}.
     """
     from tqdm.auto import tqdm
@@ -112,18 +116,21 @@ def bench_triton(
     else:
         url = str(target)
     try:
-        texts = _texts(max(256, max(concurrency) * requests_per_client * batch), seed, min_chars, max_chars)
+        def per_client(c: int) -> int:
+            return requests_per_client if requests_per_level is None else -(-requests_per_level // c)
+
+        texts = _texts(max(256, max(c * per_client(c) for c in concurrency) * batch), seed, min_chars, max_chars)
         for n in names:  # warm up: first calls load sessions' lazy state
             _round(url, n, 1, warmup, batch, texts, timeout_s)
         per: dict[tuple[str, int], dict] = {}
         steps = [(c, r, n) for c in concurrency for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
         for c, _, n in tqdm(steps, desc="bench triton", unit="round", disable=not show_progress):
-            wall, lat, err = _round(url, n, c, requests_per_client, batch, texts, timeout_s)
+            wall, lat, err = _round(url, n, c, per_client(c), batch, texts, timeout_s)
             acc = per.setdefault((n, c), {"wall": 0.0, "lat": [], "errors": 0, "seqs": 0})
             acc["wall"] += wall
             acc["lat"] += lat
             acc["errors"] += err
-            acc["seqs"] += c * requests_per_client * batch
+            acc["seqs"] += c * per_client(c) * batch
         rows = []
         for (n, c), a in per.items():
             lat_ms = np.array(a["lat"]) * 1e3
@@ -140,7 +147,8 @@ def bench_triton(
                 ratios.append({"model": n, "baseline": baseline, "concurrency": c,
                                "throughput_ratio": (a["seqs"] / a["wall"]) / (base["seqs"] / base["wall"]),
                                "p50_ratio": float(np.percentile(a["lat"], 50) / np.percentile(base["lat"], 50))})
-        return {"url": url, "batch": batch, "requests_per_client": requests_per_client, "rounds": rounds,
+        return {"url": url, "batch": batch, "requests_per_client": {c: per_client(c) for c in concurrency},
+                "rounds": rounds,
                 "rows": rows, "ratios": ratios}
     finally:
         if server is not None:

@@ -11,7 +11,7 @@
 //   4. context[R,D_v] = P * V_h                          one GEMM, written into the output
 // Why this shape:
 // * No [B,H,S,S] tensor exists: scratch is R x S_k floats per thread (plus the widened Q, K, V
-//   blocks for float16).  R is chosen so that the block stays in L2 (about 256 KiB), which is what
+//   blocks for float16).  R is chosen so that the block stays in L2 (1 MiB), which is what
 //   ONNX Runtime's fused CPU Attention does not do: it computes every head's probabilities into
 //   one B*N*S*S buffer first (see ../shared/notes/one-pass-attention.md).
 // * The units are independent and each row is computed by exactly one unit whose size depends
@@ -58,7 +58,9 @@ inline void widen_block(const uint16_t* x, int64_t rows, int64_t cols, int64_t l
 
 class AttentionPlan {
  public:
-  static constexpr int64_t kBlockBytes = 256 * 1024;  // scores block per unit, kept in L2
+  // The scores block of a unit: 1 MiB, half of this machine's per-core L2 (2 MiB), measured 11 % faster than
+  // 256 KiB at 8 x 2048 (more rows per GEMM); the K and V panels of a head fit beside it.
+  static constexpr int64_t kBlockBytes = 1024 * 1024;
   static constexpr int64_t kMaxRows = 256;
 
   AttentionPlan(const int64_t* mask, const AttentionShape& shape, const AttncalParams& p) : sh_(shape) {

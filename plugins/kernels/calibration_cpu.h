@@ -339,19 +339,90 @@ inline void softmax_row(const uint16_t* x, uint16_t* y, int64_t n, Scratch& sc) 
 }
 inline void softmax_row(const float* x, float* y, int64_t n, Scratch&) { softmax_row(x, y, n); }
 
+// exp(x - m) over a row of n floats (a straight map: vectorised).
+ATTNCAL_CLONES static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
+}
+
+// y = x * h over n floats (with a 0/1 mask m when the row has holes).
+ATTNCAL_CLONES static void scale_row(const float* x, float* y, int64_t n, float h, const float* m) {
+  if (m) {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * m[i] * h;
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * h;
+  }
+}
+
+// Softmax and calibration of one calibrated row (y may alias x), in the passes of the softmax alone:
+// the max; e = exp(x - max); the row sum, taken as the sum of the basket sums of e and of the keys
+// outside the content (the basket masses come with it: A_b = sum_b(e) / sum); one scale per basket,
+// e * (g_b / sum), where the unfused form (softmax_row, then calibrate_row_f32) scales by 1 / sum and
+// then by g_b in two more passes and sums the baskets in a third.  Same arithmetic otherwise: the row
+// scalars of row_scalars.h, g_b in double; a basket of mass below 2^-64 is scaled as (e * 2^64) * h'
+// (exact powers of two).  A row whose softmax is NaN (all -inf, a NaN or +inf score) has a NaN sum
+// and comes back NaN at every key, as softmax followed by the separate op gives.
+inline void softmax_calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
+                                      Scratch& sc) {
+  const Span& s = it.s;
+  const RowPlan& rp = it.rp;
+  const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
+  const float* m = it.keep;
+  float mx = x[0];
+  for (int64_t i = 1; i < K; ++i) mx = x[i] > mx ? x[i] : mx;  // NaN scores: caught by the sum below
+  exp_shifted_row(x, y, K, mx);
+  if (static_cast<int64_t>(sc.baskets.size()) < n) {
+    sc.baskets.resize(static_cast<size_t>(n));
+    sc.coef.resize(static_cast<size_t>(n));
+  }
+  float* A = sc.baskets.data();
+  float* h = sc.coef.data();
+  // Masked keys count in the softmax's sum (the scores decide them), not in the basket masses.
+  float total = sum_lanes(y, rp.c0) + sum_lanes(y + c_end, K - c_end);
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
+    A[b] = m ? sum_masked_lanes(y + lo, m + lo, len) : sum_lanes(y + lo, len);
+    total += m ? sum_lanes(y + lo, len) : A[b];
+  }
+  if (total != total) {  // NaN softmax: NaN at every key
+    std::fill(y, y + K, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  const float inv = 1.0f / total;  // total >= 1 (the max term is exp(0))
+  int64_t nonempty = 0;
+  for (int64_t b = 0; b < n; ++b) nonempty += A[b] * inv != 0.f;
+  const double t = rp.t;
+  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, y[s.start] * inv, y[s.end] * inv);
+  for (int64_t b = 0; b < n; ++b) {
+    const double a = static_cast<double>(A[b] * inv);  // the basket's probability mass, as the unfused form
+    const double gb = a != 0.0 ? rs.coef / (a * t) + rs.keep : rs.keep;
+    const double hb = gb * static_cast<double>(inv);
+    h[b] = a != 0.0 && A[b] < 0x1p-64f ? -static_cast<float>(hb * 0x1p-64) : static_cast<float>(hb);
+  }
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
+    if (h[b] < 0.f) {  // the scaled multiplier of a tiny basket (rare)
+      for (int64_t k = lo; k < lo + len; ++k) y[k] = (y[k] * (m ? m[k] : 1.0f) * 0x1p64f) * -h[b];
+    } else {
+      scale_row(y + lo, y + lo, len, h[b], m ? m + lo : nullptr);
+    }
+  }
+  std::fill(y, y + s.start, 0.f);
+  std::fill(y + s.end + 1, y + K, 0.f);
+  if (p.isolate_first) y[s.start] = static_cast<float>(rs.first_out);
+  if (p.isolate_last) y[s.end] = static_cast<float>(rs.last_out);
+}
+
 // Softmax, then calibration of the row while it is in the cache.
 inline void softmax_calibrate_row(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
                                   Scratch& sc) {
-  softmax_row(x, y, K);
-  calibrate_row_f32(y, y, K, it, p, sc);
+  softmax_calibrate_row_f32(x, y, K, it, p, sc);
 }
 inline void softmax_calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, const ItemPlan& it,
                                   const AttncalParams& p, Scratch& sc) {
   if (static_cast<int64_t>(sc.row.size()) < K) sc.row.resize(static_cast<size_t>(K));
   float* r = sc.row.data();
   widen_row(x, r, K);
-  softmax_row(r, r, K);
-  calibrate_row_f32(r, r, K, it, p, sc);
+  softmax_calibrate_row_f32(r, r, K, it, p, sc);
   narrow_row(r, y, K);
 }
 
