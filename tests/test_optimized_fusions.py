@@ -75,7 +75,8 @@ def test_portable_dynamo_graph_gets_ort_load_time_fusions(tiny_bert, tmp_path, c
     meta = export(tiny_bert, out, ExportOptions(config=CalibrationConfig(pooling="mean", basket_size=8),
                                                 calibrate=calibrate, exporter="dynamo", optimized=False), quiet=True)
     model = onnx.load(str(out / "onnx" / "model.onnx"), load_external_data=False)
-    named = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
+    named = ({o.name for o in model.graph.output} | {i.name for i in model.graph.input}
+             | {t.name for t in model.graph.initializer})  # graph inputs, outputs and weights keep theirs
     cal_io = {v for n in model.graph.node if n.domain == "ai.attncal" for v in (*n.input, *n.output)}
     shaped = [v.name for v in model.graph.value_info if v.name not in named | cal_io
               and v.type.tensor_type.HasField("shape")]  # only the op's, relabelled for in-place runs
