@@ -73,8 +73,17 @@ def test_auto_writes_the_native_graph_and_it_matches_pytorch(exports, pooling):
     assert np.abs(split - ref).max() <= 1e-5
 
 
-def test_without_the_library_the_split_graph_runs(exports, monkeypatch):
+def test_without_the_library_the_split_graph_runs(exports, monkeypatch, tmp_path, capfd):
     _, out, _, _ = exports["mean"]
+    from attncal.runtime import oplib
+
+    # Nothing built: the split graph runs, and no "using the ONNX function body" notice (none runs).
+    monkeypatch.setenv("ATTNCAL_ORT_LIBRARY", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(oplib, "_fallback_said", False)
+    enc = Encoder(out, providers=["CPUExecutionProvider"])
+    assert enc.graph_file == OPTIMIZED_GRAPH and enc.custom_op_library is None
+    assert "function body" not in capfd.readouterr().err
+    monkeypatch.delenv("ATTNCAL_ORT_LIBRARY")
     assert Encoder(out, providers=["CPUExecutionProvider"], native=False).graph_file == OPTIMIZED_GRAPH
     monkeypatch.setenv("ATTNCAL_NATIVE", "0")
     enc = Encoder(out, providers=["CPUExecutionProvider"])

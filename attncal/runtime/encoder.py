@@ -87,7 +87,7 @@ def planned_graph(out_dir: str | os.PathLike, providers: Sequence[str] | None = 
     if NATIVE_GRAPH in (meta.get("graphs") or {}) and graph in ("auto", "native"):
         from . import oplib
 
-        lib = oplib.resolve_library(native)
+        lib = oplib.resolve_library(native, notice=False)
     return select_graph(out, meta, graph, providers, lib)
 
 
@@ -140,7 +140,9 @@ class Encoder:
         elif NATIVE_GRAPH in (self.meta.get("graphs") or {}) and graph in ("auto", "native"):
             from . import oplib
 
-            lib = oplib.resolve_library(native)  # decides between the native and the split graph
+            # Decides between the native and the split graph; no notice: without the library the split
+            # graph runs, not a function body.
+            lib = oplib.resolve_library(native, notice=False)
         self.graph_file = select_graph(self.path, self.meta, graph, providers, lib)
         if custom_op_library is None and lib is None and graph_has_custom_op(self.meta, self.graph_file):
             from . import oplib

@@ -121,7 +121,7 @@ def native_disabled_by_env() -> bool:
     return os.environ.get(NATIVE_ENV, "").strip().lower() in _OFF_VALUES
 
 
-def resolve_library(enabled: bool | None = None) -> Path | None:
+def resolve_library(enabled: bool | None = None, *, notice: bool = True) -> Path | None:
     """Which ORT custom-op library a session should register, by policy:
 
     * ``enabled=False``: None (the ONNX function body).
@@ -130,6 +130,9 @@ def resolve_library(enabled: bool | None = None) -> Path | None:
       one-time notice on stderr when nothing is built.
     * ``enabled=True``: the built library; FileNotFoundError naming the expected
       path when it is missing (an explicit request must not silently fall back).
+
+    `notice=False` skips the one-time notice: for a caller that only chooses between graphs (the
+    native graph or the split graph, which has no custom op), where no function body runs instead.
     """
     if enabled is False:
         return None
@@ -141,7 +144,8 @@ def resolve_library(enabled: bool | None = None) -> Path | None:
     if enabled:
         expected = os.environ.get("ATTNCAL_ORT_LIBRARY") or str(default_build_dir() / ORT_LIBRARY)
         raise FileNotFoundError(f"attncal native kernel library not found at {expected} (build it: make plugins)")
-    _say_fallback_once()
+    if notice:
+        _say_fallback_once()
     return None
 
 
