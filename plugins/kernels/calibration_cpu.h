@@ -205,6 +205,38 @@ inline float nonfinite_probe(const float* x, int64_t n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
+#define ATTNCAL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ATTNCAL_CLONES
+#endif
+
+// Per-thread room for n basket masses and multipliers.
+inline void ensure_baskets(Scratch& sc, int64_t n) {
+  if (static_cast<int64_t>(sc.baskets.size()) < n) {
+    sc.baskets.resize(static_cast<size_t>(n));
+    sc.coef.resize(static_cast<size_t>(n));
+  }
+}
+
+// A basket's multiplier g as stored.  A basket whose mass is below 2^-64 (`tiny`: e.g. subnormal
+// probabilities behind a dominant key) has a multiplier beyond the float range; it is kept scaled by
+// 2^-64, flagged by a negative sign, and applied as (x * 2^64) * g' (scaling by a power of two is exact).
+inline float encode_multiplier(double g, bool tiny) {
+  return tiny ? -static_cast<float>(g * 0x1p-64) : static_cast<float>(g);
+}
+
+// y = x * (0/1 mask m, when the row has holes) * g over one basket, g as encode_multiplier stores it.
+ATTNCAL_CLONES static void scale_basket(const float* x, float* y, int64_t n, float g, const float* m) {
+  if (g < 0.f) {  // the scaled multiplier of a tiny basket (rare)
+    for (int64_t k = 0; k < n; ++k) y[k] = (x[k] * (m ? m[k] : 1.0f) * 0x1p64f) * -g;
+  } else if (m) {
+    for (int64_t k = 0; k < n; ++k) y[k] = x[k] * m[k] * g;
+  } else {
+    for (int64_t k = 0; k < n; ++k) y[k] = x[k] * g;
+  }
+}
+
 // Calibrates one float row x into y (y may alias x).  A row holding a NaN or an infinity at any of
 // its K keys comes back NaN at every key (the contract's "NaN in, NaN out"; see the file comment).
 inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
@@ -213,10 +245,7 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
   const RowPlan& rp = it.rp;
   const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
   const float* m = it.keep;
-  if (static_cast<int64_t>(sc.baskets.size()) < n) {
-    sc.baskets.resize(static_cast<size_t>(n));
-    sc.coef.resize(static_cast<size_t>(n));
-  }
+  ensure_baskets(sc, n);
   float* A = sc.baskets.data();
   float* g = sc.coef.data();
   // Pass 1: basket masses (reads only).
@@ -238,33 +267,16 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
   }
   const double t = rp.t;
   const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, x[s.start], x[s.end]);
-  // A basket whose mass is below 2^-64 (e.g. subnormal probabilities behind a dominant key) has a
-  // multiplier beyond the float range; it is kept scaled by 2^-64 and applied as (x * 2^64) * g'
-  // (scaling by a power of two is exact), flagged by a negative sign.
   for (int64_t b = 0; b < n; ++b) {
     const double gb = A[b] != 0.f ? rs.coef / (static_cast<double>(A[b]) * t) + rs.keep : rs.keep;
-    g[b] = A[b] != 0.f && A[b] < 0x1p-64f ? -static_cast<float>(gb * 0x1p-64) : static_cast<float>(gb);
+    g[b] = encode_multiplier(gb, A[b] != 0.f && A[b] < 0x1p-64f);
   }
   // Pass 2: one scale by a constant per basket; zeros outside the valid span.
   std::fill(y, y + s.start, 0.f);
   std::fill(y + s.end + 1, y + K, 0.f);
   for (int64_t b = 0; b < n; ++b) {
     const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
-    float gb = g[b], pre = 1.0f;
-    if (gb < 0.f) {  // the scaled multiplier of a tiny basket (rare)
-      gb = -gb;
-      pre = 0x1p64f;
-    }
-    const float* xb = x + lo;
-    float* yb = y + lo;
-    if (pre != 1.0f) {
-      for (int64_t k = 0; k < len; ++k) yb[k] = (xb[k] * (m ? m[lo + k] : 1.0f) * pre) * gb;
-    } else if (m) {
-      const float* mb = m + lo;
-      for (int64_t k = 0; k < len; ++k) yb[k] = xb[k] * mb[k] * gb;
-    } else {
-      for (int64_t k = 0; k < len; ++k) yb[k] = xb[k] * gb;
-    }
+    scale_basket(x + lo, y + lo, len, g[b], m ? m + lo : nullptr);
   }
   if (p.isolate_first) y[s.start] = static_cast<float>(rs.first_out);
   if (p.isolate_last) y[s.end] = static_cast<float>(rs.last_out);
@@ -272,11 +284,6 @@ inline void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPla
 
 
 // ---------------------------------------------------------------- softmax
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
-#define ATTNCAL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define ATTNCAL_CLONES
-#endif
 
 // exp(x) for x <= 0 (x - row max), subnormal results included (like expf and ONNX Runtime's
 // Softmax); exactly 0 below -104 (under half the smallest subnormal) and for -inf; NaN for NaN
@@ -301,6 +308,11 @@ inline float exp_nonpos(float x) {
   return x < -104.0f ? 0.0f : (x == x ? v : x);
 }
 
+// exp(x - m) over a row of n floats (a straight map: vectorised).
+ATTNCAL_CLONES static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
+}
+
 // y = exp(x - max(x)) / sum over a row of n > 0 floats (y may alias x): ONNX Softmax(axis=-1) of
 // it.  A row whose entries are all equal (e.g. fully masked with the dtype's lowest value) becomes
 // uniform, 1/n at every key.  A row with no finite maximum (all -inf) or holding a NaN or +inf
@@ -316,7 +328,7 @@ ATTNCAL_CLONES static void softmax_row(const float* x, float* y, int64_t n) {
   float m = mx[0];
   for (int j = 1; j < 8; ++j) m = mx[j] > m ? mx[j] : m;
   for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  for (i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);  // a straight map: vectorised
+  exp_shifted_row(x, y, n, m);
   const float sum = sum_lanes(y, n);
   const float inv = 1.0f / sum;  // sum >= 1 (the max term is exp(0)), or NaN
   for (i = 0; i < n; ++i) y[i] *= inv;
@@ -339,20 +351,6 @@ inline void softmax_row(const uint16_t* x, uint16_t* y, int64_t n, Scratch& sc) 
 }
 inline void softmax_row(const float* x, float* y, int64_t n, Scratch&) { softmax_row(x, y, n); }
 
-// exp(x - m) over a row of n floats (a straight map: vectorised).
-ATTNCAL_CLONES static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
-  for (int64_t i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
-}
-
-// y = x * h over n floats (with a 0/1 mask m when the row has holes).
-ATTNCAL_CLONES static void scale_row(const float* x, float* y, int64_t n, float h, const float* m) {
-  if (m) {
-    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * m[i] * h;
-  } else {
-    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * h;
-  }
-}
-
 // Softmax and calibration of one calibrated row (y may alias x), in the passes of the softmax alone:
 // the max; e = exp(x - max); the row sum, taken as the sum of the basket sums of e and of the keys
 // outside the content (the basket masses come with it: A_b = sum_b(e) / sum); one scale per basket,
@@ -370,10 +368,7 @@ inline void softmax_calibrate_row_f32(const float* x, float* y, int64_t K, const
   float mx = x[0];
   for (int64_t i = 1; i < K; ++i) mx = x[i] > mx ? x[i] : mx;  // NaN scores: caught by the sum below
   exp_shifted_row(x, y, K, mx);
-  if (static_cast<int64_t>(sc.baskets.size()) < n) {
-    sc.baskets.resize(static_cast<size_t>(n));
-    sc.coef.resize(static_cast<size_t>(n));
-  }
+  ensure_baskets(sc, n);
   float* A = sc.baskets.data();
   float* h = sc.coef.data();
   // Masked keys count in the softmax's sum (the scores decide them), not in the basket masses.
@@ -396,15 +391,11 @@ inline void softmax_calibrate_row_f32(const float* x, float* y, int64_t K, const
     const double a = static_cast<double>(A[b] * inv);  // the basket's probability mass, as the unfused form
     const double gb = a != 0.0 ? rs.coef / (a * t) + rs.keep : rs.keep;
     const double hb = gb * static_cast<double>(inv);
-    h[b] = a != 0.0 && A[b] < 0x1p-64f ? -static_cast<float>(hb * 0x1p-64) : static_cast<float>(hb);
+    h[b] = encode_multiplier(hb, a != 0.0 && A[b] < 0x1p-64f);
   }
   for (int64_t b = 0; b < n; ++b) {
     const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
-    if (h[b] < 0.f) {  // the scaled multiplier of a tiny basket (rare)
-      for (int64_t k = lo; k < lo + len; ++k) y[k] = (y[k] * (m ? m[k] : 1.0f) * 0x1p64f) * -h[b];
-    } else {
-      scale_row(y + lo, y + lo, len, h[b], m ? m + lo : nullptr);
-    }
+    scale_basket(y + lo, y + lo, len, h[b], m ? m + lo : nullptr);
   }
   std::fill(y, y + s.start, 0.f);
   std::fill(y + s.end + 1, y + K, 0.f);
