@@ -173,6 +173,21 @@ def commit_dir(tmp: Path, out: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+# transformers config keys under their per-architecture names (DistilBERT's dim / n_heads, T5's d_model / num_heads).
+_CONFIG_ALIASES = {"hidden_size": ("hidden_size", "dim", "d_model"),
+                   "num_attention_heads": ("num_attention_heads", "n_heads", "num_heads")}
+
+
+def config_int(export_dir: Path, key: str) -> int:
+    """An integer of the export's `config.json` by its canonical name (`_CONFIG_ALIASES`), or ArtifactError."""
+    cfg = read_json(export_dir / CONFIG_FILE, "model config")
+    for name in _CONFIG_ALIASES.get(key, (key,)):
+        value = cfg.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise ArtifactError(export_dir / CONFIG_FILE, f"has no integer {' / '.join(_CONFIG_ALIASES.get(key, (key,)))}")
+
+
 # -- attncal.json ---------------------------------------------------------------------------------
 
 _NONE = type(None)
@@ -188,6 +203,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "opset": (int,), "exporter": (str,), "placement": (str, _NONE), "placement_reason": (str, _NONE),
     "graphs": (dict,), "op_type": (str, _NONE), "op_attributes": (dict, _NONE), "fp16": (bool,),
     "parity": (dict, _NONE), "normalize": (bool,), "versions": (dict,), "files": (list,),
+    "architecture": (str,), "tested": (bool,), "optimizer": (str, _NONE)
 }
 
 

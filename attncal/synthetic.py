@@ -16,8 +16,12 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("bert", "xlm-roberta", "qwen3", "modernbert")
-DEFAULT_POOLING = {"bert": "cls", "xlm-roberta": "cls", "qwen3": "last", "modernbert": "cls"}
+ARCHITECTURES = ("bert", "xlm-roberta", "qwen3", "modernbert", "mpnet", "distilbert", "roberta", "t5", "gemma3_text")
+DEFAULT_POOLING = {"bert": "cls", "xlm-roberta": "cls", "qwen3": "last", "modernbert": "cls", "mpnet": "mean",
+                   "distilbert": "mean", "roberta": "mean", "t5": "mean", "gemma3_text": "mean"}
+# Tokenizer conventions: CLS ... SEP (BERT family), text + EOS (T5, and Qwen3 with left padding), BOS + text + EOS
+# (Gemma3).
+_EOS_ONLY = ("qwen3", "t5")
 _SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[EOS]"]
 _CHARS = string.ascii_lowercase + string.digits + ".,;:!?'-()\""
 
@@ -33,7 +37,8 @@ def vocab_size() -> int:
 
 
 def make_tokenizer(arch: str, max_length: int):
-    """A fast tokenizer with the conventions of `arch` (CLS/SEP, or EOS + left padding for qwen3)."""
+    """A fast tokenizer with the conventions of `arch` (CLS/SEP; EOS only for T5, with left padding for Qwen3;
+    BOS/EOS for Gemma3)."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import WordPiece
     from tokenizers.processors import TemplateProcessing
@@ -43,10 +48,15 @@ def make_tokenizer(arch: str, max_length: int):
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=1000))
     tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents()])
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    if arch == "qwen3":
+    if arch in _EOS_ONLY:
         tok.post_processor = TemplateProcessing(single="$A [EOS]", special_tokens=[("[EOS]", vocab["[EOS]"])])
         specials = dict(pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
-        padding_side = "left"
+        padding_side = "left" if arch == "qwen3" else "right"
+    elif arch == "gemma3_text":
+        tok.post_processor = TemplateProcessing(
+            single="[CLS] $A [EOS]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[EOS]", vocab["[EOS]"])])
+        specials = dict(pad_token="[PAD]", unk_token="[UNK]", bos_token="[CLS]", eos_token="[EOS]")
+        padding_side = "right"
     else:
         tok.post_processor = TemplateProcessing(
             single="[CLS] $A [SEP]",
@@ -71,7 +81,8 @@ def make_config(
     max_positions: int = 256,
 ):
     """A transformers config for a small model of `arch` with eager attention."""
-    from transformers import BertConfig, ModernBertConfig, Qwen3Config, XLMRobertaConfig
+    from transformers import (BertConfig, DistilBertConfig, Gemma3TextConfig, ModernBertConfig, MPNetConfig,
+                              Qwen3Config, RobertaConfig, T5Config, XLMRobertaConfig)
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
@@ -86,9 +97,30 @@ def make_config(
     )
     if arch == "bert":
         cfg = BertConfig(**common, max_position_embeddings=max_positions)
-    elif arch == "xlm-roberta":
-        # XLM-R position ids start at padding_idx + 1.
-        cfg = XLMRobertaConfig(**common, max_position_embeddings=max_positions + common["pad_token_id"] + 2)
+    elif arch in ("xlm-roberta", "roberta", "mpnet"):
+        # Position ids start at padding_idx + 1 (RoBERTa family, MPNet).
+        cls = {"xlm-roberta": XLMRobertaConfig, "roberta": RobertaConfig, "mpnet": MPNetConfig}[arch]
+        cfg = cls(**common, max_position_embeddings=max_positions + common["pad_token_id"] + 2)
+    elif arch == "distilbert":
+        cfg = DistilBertConfig(vocab_size=vocab_size(), dim=hidden, n_layers=layers, n_heads=heads,
+                               hidden_dim=intermediate or 2 * hidden, max_position_embeddings=max_positions,
+                               pad_token_id=v["[PAD]"])
+    elif arch == "t5":
+        # The T5 encoder as sentence-t5 / GTR use it: relative position bias (few buckets, so a tiny model's
+        # bias varies across the test lengths), no score scaling, gated-GELU feed-forward.
+        cfg = T5Config(vocab_size=vocab_size(), d_model=hidden, d_kv=hidden // heads, d_ff=intermediate or 2 * hidden,
+                       num_layers=layers, num_heads=heads, relative_attention_num_buckets=8,
+                       relative_attention_max_distance=64, feed_forward_proj="gated-gelu", pad_token_id=v["[PAD]"],
+                       eos_token_id=v["[EOS]"], use_cache=False,
+                       architectures=["T5EncoderModel"])
+    elif arch == "gemma3_text":
+        # EmbeddingGemma: bidirectional attention, alternating sliding-window and global layers, GQA.
+        cfg = Gemma3TextConfig(
+            **common, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
+            max_position_embeddings=max_positions, sliding_window=24, query_pre_attn_scalar=hidden // heads,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            use_bidirectional_attention=True, bos_token_id=v["[CLS]"], eos_token_id=v["[EOS]"], use_cache=False,
+        )
     elif arch == "qwen3":
         kv = max(1, heads // 2)
         cfg = Qwen3Config(
@@ -124,16 +156,23 @@ def save_synthetic_model(
     pooling: str | None = None,
     normalize: bool = True,
     max_seq_length: int | None = None,
+    dense: tuple[tuple[int, str, bool], ...] = (),
+    prompts: dict[str, str] | None = None,
+    default_prompt_name: str | None = None,
     **config_kwargs,
 ) -> Path:
-    """Write a random-weight sentence-transformers model directory and return its path."""
-    from transformers import AutoModel
+    """Write a random-weight sentence-transformers model directory and return its path.
+
+    `dense`: Dense modules after pooling, each (out_features, activation class name, bias), as distiluse
+    (tanh) and EmbeddingGemma (two bias-free projections) have; `prompts` / `default_prompt_name`: the
+    named prompts of `config_sentence_transformers.json`."""
+    from .modelinfo import model_class
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = make_config(arch, **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModel.from_config(cfg, attn_implementation="eager")
+    model = model_class(cfg).from_config(cfg, attn_implementation="eager")
     model.eval()
     max_pos = config_kwargs.get("max_positions", 256)
     max_len = max_seq_length or max_pos
@@ -144,9 +183,20 @@ def save_synthetic_model(
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
+    width = cfg.hidden_size
+    for k, (features, activation, bias) in enumerate(dense):
+        name = f"{len(modules)}_Dense"
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": name,
+                        "type": "sentence_transformers.models.Dense"})
+        _save_dense(out / name, width, features, activation, bias, seed + 100 + k)
+        width = features
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        n = len(modules)
+        modules.append({"idx": n, "name": str(n), "path": f"{n}_Normalize", "type": "sentence_transformers.models.Normalize"})
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    if prompts is not None:
+        (out / "config_sentence_transformers.json").write_text(json.dumps(
+            {"prompts": prompts, "default_prompt_name": default_prompt_name, "similarity_fn_name": "cosine"}, indent=2))
     (out / "1_Pooling").mkdir(exist_ok=True)
     (out / "1_Pooling" / "config.json").write_text(
         json.dumps(
@@ -164,6 +214,22 @@ def save_synthetic_model(
     )
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_len, "do_lower_case": False}))
     return out
+
+
+def _save_dense(path: Path, in_features: int, out_features: int, activation: str, bias: bool, seed: int) -> None:
+    """A Dense module directory as sentence-transformers writes it (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {"linear.weight": torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5}
+    if bias:
+        tensors["linear.bias"] = torch.randn(out_features, generator=gen) * 0.1
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "in_features": in_features, "out_features": out_features, "bias": bias,
+        "activation_function": f"torch.nn.modules.{'linear' if activation == 'Identity' else 'activation'}.{activation}",
+    }, indent=2))
 
 
 def synthetic_text(n_chars: int, seed: int = 0) -> str:

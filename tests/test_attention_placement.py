@@ -20,7 +20,7 @@ from attncal import CalibrationConfig
 from attncal.artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
-from attncal.export.exporter import ExportOptions, export
+from attncal.export.exporter import ExportError, ExportOptions, export
 from attncal.graphs import attention_placement
 from attncal.graphs.attention_placement import AttentionPlacementError
 from attncal.graphs.placements import plan
@@ -139,8 +139,10 @@ def test_refusals_say_why_and_leave_the_graph_unchanged(exports, tmp_path):
         with pytest.raises(ValueError, match=why):
             export(src, tmp_path / "x", ExportOptions(config=cfg, placement="attention", **opts), quiet=True)
     qwen = save_synthetic_model("qwen3", tmp_path / "qwen", seed=1, pooling="mean", max_positions=64)
-    with pytest.raises(ValueError, match="BERT family only.*not qwen3"):
+    with pytest.raises(ExportError, match="rewrites ONNX Runtime's fused attention: ONNX Runtime's transformer "
+                                          "optimizer fused attention in 0 of 4 layers of this qwen3 graph"):
         export(qwen, tmp_path / "q", ExportOptions(config=cfg, placement="attention"), quiet=True)
+    assert not (tmp_path / "q").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".q.tmp")]
     assert not (tmp_path / "x").exists() and not (tmp_path / "q").exists()
     native = ir.load(out / NATIVE_GRAPH)
     before = ir.to_proto(native).SerializeToString()

@@ -55,6 +55,14 @@ def test_real_minilm_matches_sentence_transformers_and_calibration_moves_long_te
 def test_model_errors_are_clear(tmp_path):
     with pytest.raises(ModelNotFoundError, match="not found"):
         load_model_info(tmp_path / "missing")
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "num_hidden_layers": 2}')
-    with pytest.raises(UnsupportedModelError, match="architecture 'gpt2' is not supported"):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-arch", "num_hidden_layers": 2}')
+    with pytest.raises(UnsupportedModelError, match="architecture 'no-such-arch' is not known to the installed "
+                                                    "transformers"):
         load_model_info(tmp_path)
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2}')
+    with pytest.raises(UnsupportedModelError, match="has no model_type"):
+        load_model_info(tmp_path)
+    # An architecture outside the tested list loads, labelled untested (GPT-2 keeps n_layer: the alias is read).
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 3}')
+    info = load_model_info(tmp_path)
+    assert (info.tested, info.num_layers, info.architecture, info.pooling) == (False, 3, "GPT2Model", "last")

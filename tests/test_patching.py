@@ -15,12 +15,11 @@ BASKET = 8
 
 
 def build(arch: str, seed: int = 0):
-    from transformers import AutoModel
+    from attncal.modelinfo import model_class
 
     torch.manual_seed(seed)
-    model = AutoModel.from_config(make_config(arch, layers=4, hidden=32, heads=4, max_positions=128),
-                                  attn_implementation="eager")
-    return model.eval()
+    cfg = make_config(arch, layers=4, hidden=32, heads=4, max_positions=128)
+    return model_class(cfg).from_config(cfg, attn_implementation="eager").eval()
 
 
 def batch(arch: str, lengths=(48, 30, 12)):
@@ -130,12 +129,67 @@ def test_sdpa_model_is_switched_to_eager_with_a_warning_only_when_asked():
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_unsupported_architecture_and_bad_bindings():
+def test_untested_architecture_is_calibrated_by_capability():
+    """GPT-2 is in no list: its attention goes through AttentionInterface, so the probe finds one module per
+    layer, attncal's eager attention reproduces it, and calibration changes long sequences only."""
     from transformers import GPT2Config, GPT2Model
 
-    gpt2 = GPT2Model(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(UnsupportedArchitectureError, match="cannot calibrate GPT2Model: supported"):
-        calibrate(gpt2, CalibrationConfig(pooling="cls"))
+    from attncal.calibration.patching import find_attention
+
+    torch.manual_seed(0)
+    gpt2 = GPT2Model(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=120, n_positions=64)).eval()
+    sites = find_attention(gpt2)
+    assert sites.path == "interface" and len(sites.modules) == 2
+    kw = batch("qwen3", lengths=(48, 6, 30))
+    base = forward(gpt2, kw)
+    with calibrate(gpt2, CalibrationConfig(strength=0.7, basket_size=BASKET, layers="all", pooling="last")) as p:
+        cal = forward(gpt2, kw)
+    assert p.calls == 2
+    diff = (cal - base).abs().amax(dim=(1, 2))
+    assert diff[0] > 1e-6 and diff[1] == 0
+
+
+def test_refusals_name_what_the_probe_saw(monkeypatch):
+    from transformers import BertConfig, PreTrainedModel
+
+    from attncal.calibration.patching import find_attention
+
+    with pytest.raises(UnsupportedArchitectureError, match="not a transformers PreTrainedModel"):
+        calibrate(torch.nn.Linear(2, 2), CalibrationConfig(pooling="cls"))
+
+    class SigmoidAttention(PreTrainedModel):  # attention without a softmax: no path to calibrate
+        config_class = BertConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.emb = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(config.hidden_size, config.hidden_size)
+                                              for _ in range(config.num_hidden_layers))
+
+        def forward(self, input_ids, attention_mask=None):
+            h = self.emb(input_ids)
+            for layer in self.layers:
+                q = layer(h)
+                h = torch.sigmoid(q @ h.transpose(1, 2)) @ h
+            return type("Out", (), {"last_hidden_state": h})()
+
+    odd = SigmoidAttention(BertConfig(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=60))
+    with pytest.raises(UnsupportedArchitectureError, match=r"SigmoidAttention: its attention neither goes through "
+                       r"transformers' AttentionInterface \(0 calls for 2 layers\) nor computes one 4-D softmax"):
+        calibrate(odd, CalibrationConfig(pooling="cls"))
+
+    # A model whose own eager attention does something attncal's replay does not (here: a temperature).
+    import transformers.models.bert.modeling_bert as mb
+
+    own = mb.eager_attention_forward
+    monkeypatch.setattr(mb, "eager_attention_forward", lambda m, q, k, v, mask, **kw: own(m, q * 2, k, v, mask, **kw))
+    bert = build("bert", seed=3)
+    with pytest.raises(UnsupportedArchitectureError, match=r"BertModel: its attention goes through AttentionInterface, "
+                       r"but attncal's eager attention does not reproduce it \(max \|diff\|"):
+        find_attention(bert)
+
+
+def test_bad_bindings():
     model = build("bert")
     with pytest.raises(ValueError, match="'auto' needs the model's sentence-transformers config"):
         calibrate(model, CalibrationConfig())

@@ -103,10 +103,13 @@ def test_row_placement_refuses_mean_pooling_and_unfused_graphs(tiny_models, tmp_
 
 
 @pytest.mark.parametrize("arch,exporter", [("bert", "dynamo"), ("xlm-roberta", "torchscript"),
-                                           ("qwen3", "torchscript"), ("modernbert", "torchscript")])
+                                           ("qwen3", "torchscript"), ("modernbert", "torchscript"),
+                                           ("mpnet", "torchscript"), ("distilbert", "torchscript"),
+                                           ("roberta", "dynamo"), ("t5", "torchscript"), ("gemma3_text", "dynamo")])
 def test_row_placement_export_matches_softmax_placement_and_torch(arch, exporter, tiny_models, tmp_path):
     """`--placement row` for every architecture: beside ORT-fused attention (BERT-family TorchScript
-    exports) or on the plain graph (GQA + rotary in Qwen3, sliding windows in ModernBERT, dynamo)."""
+    exports, DistilBERT, RoBERTa) or on the plain graph (GQA + rotary in Qwen3, sliding windows in ModernBERT and
+    Gemma3, relative position bias in MPNet and T5, dynamo)."""
     pooling = "last" if arch == "qwen3" else "cls"
     cfg = CalibrationConfig(pooling=pooling, basket_size=16, strength=0.8)
     path = tiny_models[arch]
@@ -118,7 +121,7 @@ def test_row_placement_export_matches_softmax_placement_and_torch(arch, exporter
     onnx.checker.check_model(model, full_check=True)  # the portable graph: standard ONNX + function body
     assert not any(n.domain == "com.microsoft" for n in model.graph.node)
     optimized = tmp_path / "row" / "onnx" / "model_optimized.onnx"
-    assert optimized.exists() == (arch in ("bert", "xlm-roberta"))  # beside ORT-fused attention
+    assert optimized.exists() == (arch in ("bert", "xlm-roberta", "distilbert", "roberta"))  # beside fused attention
     if optimized.exists():
         m = onnx.load(str(optimized))
         assert sum(n.op_type == "Attention" and n.domain == "com.microsoft" for n in m.graph.node) == 4

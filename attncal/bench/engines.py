@@ -107,9 +107,11 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
         if e in _ORT_ENGINES and e not in notes:
             name, graph, _ = _ORT_ENGINES[e]
             if graph == "optimized" and not (ws.export_dir(name) / "onnx" / "model_optimized.onnx").exists():
-                notes[e] = "no ORT-optimized graph for this model type (BERT family only)"
+                notes[e] = ("no ORT-optimized graph: ONNX Runtime's optimizer does not fuse this model's attention "
+                            "(attncal.json: optimizer)")
             if graph == "native" and not (ws.export_dir(name) / "onnx" / "model_optimized_native.onnx").exists():
-                notes[e] = "no native graph (calibrated attention op): BERT family with --placement auto only"
+                notes[e] = ("no native graph (calibrated attention op): it needs the ORT-optimized graph and "
+                            "--placement auto")
     return notes
 
 
@@ -133,16 +135,15 @@ def optimize_export(src: Path, dest: Path) -> None:
     """ONNX Runtime's transformer optimizer (attention and layer-norm fusions) on an uncalibrated export."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    from ..artifact import (CONFIG_FILE, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_json, read_metadata,
-                            save_onnx_proto, write_metadata)
+    from ..artifact import (ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, config_int, read_metadata, save_onnx_proto,
+                            write_metadata)
 
     meta = read_metadata(src)
-    cfg = read_json(src / CONFIG_FILE, "model config")
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
     opt = optimize_model(str(src / ONNX_SUBDIR / ONNX_FILE), model_type="bert",
-                         num_heads=int(cfg["num_attention_heads"]), hidden_size=int(cfg["hidden_size"]))
+                         num_heads=config_int(src, "num_attention_heads"), hidden_size=config_int(src, "hidden_size"))
     save_onnx_proto(opt.model, tmp / ONNX_SUBDIR / ONNX_FILE)
     (tmp / ONNX_SUBDIR / OPTIMIZED_FILE).unlink(missing_ok=True)  # model.onnx is now the optimized graph
     meta.pop("graphs", None)

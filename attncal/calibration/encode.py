@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..modelinfo import ModelInfo, load_model_info
+from ..modelinfo import ModelInfo, forward_kwargs, load_dense_head, load_model_info, load_transformer
 from .config import POOLINGS, CalibrationConfig
 from .patching import calibrate
 
@@ -54,7 +54,7 @@ class TorchEncoder:
         (split attention on SDPA, calibrated probabilities on eager)."""
         from dataclasses import replace
 
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.info: ModelInfo = load_model_info(model_path)
         if max_length is not None:
@@ -63,8 +63,17 @@ class TorchEncoder:
         self.tokenizer.padding_side = self.info.padding_side
         if attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
-        self.model = AutoModel.from_pretrained(str(self.info.path), attn_implementation=attn_implementation, dtype=dtype)
+        try:
+            self.model = load_transformer(self.info.path, attn_implementation=attn_implementation, dtype=dtype)
+        except ValueError as exc:
+            if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+            # The model has no SDPA path (MPNet): its own eager attention, as sentence-transformers runs it.
+            self.model = load_transformer(self.info.path, attn_implementation="eager", dtype=dtype)
         self.model.to(device).eval()
+        self.head = load_dense_head(self.info, dtype)  # sentence-transformers Dense modules after pooling
+        if self.head is not None:
+            self.head.to(device)
         self.device = device
 
     def pooling_for(self, config: CalibrationConfig | None) -> str:
@@ -88,15 +97,15 @@ class TorchEncoder:
     ) -> torch.Tensor:
         """Pooled (and, per the model's config, normalised) embeddings of one tokenized batch."""
         pooling = self.pooling_for(config)
-        kwargs = dict(batch)
-        if self.info.model_type == "qwen3":
-            kwargs["use_cache"] = False
+        kwargs = {**batch, **forward_kwargs(self.model)}
         if config is not None:
             with calibrate(self.model, config, pooling=pooling, implementation=implementation):
                 hidden = self.model(**kwargs).last_hidden_state
         else:
             hidden = self.model(**kwargs).last_hidden_state
         emb = pool(hidden, batch["attention_mask"], pooling)
+        if self.head is not None:
+            emb = self.head(emb)
         if self.info.normalize:
             emb = torch.nn.functional.normalize(emb, p=2, dim=-1)
         return emb
@@ -107,9 +116,19 @@ class TorchEncoder:
         config: CalibrationConfig | None = None,
         batch_size: int = 32,
         show_progress: bool = False,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> np.ndarray:
+        """Embeddings of `texts`; prompts are chosen like `attncal.runtime.Encoder.encode` (and
+        sentence-transformers)."""
         if isinstance(texts, str):
             raise TypeError("texts must be a sequence of strings, not a single string")
+        from ..modelinfo import choose_prompt
+
+        text_prompt = choose_prompt(self.info.prompts, self.info.default_prompt_name, prompt_name, prompt)
+        if text_prompt:
+            texts = [text_prompt + t for t in texts]
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         from tqdm.auto import tqdm
@@ -119,7 +138,8 @@ class TorchEncoder:
         for i in tqdm(starts, desc="encode (torch)", disable=not show_progress, unit="batch"):
             out.append(self.forward(self.tokenize(texts[i : i + batch_size]), config).float().cpu().numpy())
         if not out:
-            return np.zeros((0, self.model.config.hidden_size), dtype=np.float32)
+            dim = self.info.dense[-1].out_features if self.info.dense else self.model.config.hidden_size
+            return np.zeros((0, dim), dtype=np.float32)
         return np.concatenate(out, axis=0)
 
 

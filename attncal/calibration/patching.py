@@ -15,6 +15,15 @@ registers two more implementations:
 `implementation="auto"` (the default) keeps a model on its attention family:
 split for SDPA/flash models, efficient for eager ones.
 
+Models whose attention modules compute their own eager softmax instead (MPNet)
+are calibrated at that softmax: while a calibrated attention module runs, a
+`TorchFunctionMode` applies the calibration to the output of its 4-D softmax.
+
+Support is by capability, not by name (`find_attention`): a model is
+calibratable when one forward on a tiny batch shows one attention module per
+layer going through `AttentionInterface` (and attncal's eager attention then
+reproduces the model's own), or one module per layer computing a 4-D softmax.
+
 A forward pre-hook on the base model captures the 2-D token mask, from which
 the batch geometry is computed once per forward and shared by every
 calibrated layer.
@@ -23,12 +32,14 @@ calibrated layer.
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .config import CalibrationConfig, ResolvedCalibration
 from .efficient import BatchGeometry, apply, compute_geometry
@@ -37,19 +48,30 @@ from .split import SPLIT_MODES, SplitMode, allowed_from_mask, split_calibrated_a
 
 IMPL_NAME = "attncal_eager"
 SDPA_IMPL_NAME = "attncal_sdpa"
+PROBE_IMPL_NAME = "attncal_probe"
 IMPLEMENTATIONS = ("auto", "efficient", "naive", "split")
-
-# base model class -> (attention module class, softmax upcast to float32 like the model's eager code)
-_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "BertModel": ("BertSelfAttention", False),
-    "XLMRobertaModel": ("XLMRobertaSelfAttention", False),
-    "Qwen3Model": ("Qwen3Attention", True),
-    "ModernBertModel": ("ModernBertAttention", True),
-}
+# Keyword arguments of attention functions that `attncal_attention_forward` replays (or that only say what the
+# mask already holds); any other one is reported when the probe finds attncal's eager attention differs.
+_REPLAYED_KWARGS = {"position_bias", "softcap", "sliding_window", "dropout", "scaling", "is_causal",
+                    "output_attentions", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                    "max_length_k", "use_cache", "cache_position"}
 
 
 class UnsupportedArchitectureError(ValueError):
-    """The model is not one of the architectures attncal can calibrate."""
+    """The model's attention has no path attncal can calibrate."""
+
+
+AttentionPath = Literal["interface", "softmax"]
+
+
+@dataclass(frozen=True)
+class AttentionSites:
+    """Where a model's attention is calibrated: one module per layer, in layer order."""
+
+    base: nn.Module
+    modules: tuple[nn.Module, ...]
+    path: AttentionPath  # "interface": transformers' AttentionInterface; "softmax": the module's own softmax
+    upcast_softmax: bool  # the model's eager softmax runs in float32 (replayed by attncal's eager attention)
 
 
 @dataclass
@@ -109,7 +131,16 @@ def attncal_attention_forward(
     n_rep = getattr(module, "num_key_value_groups", 1)
     key = _repeat_kv(key, n_rep)
     value = _repeat_kv(value, n_rep)
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedArchitectureError("attncal cannot calibrate attention with sinks (s_aux): the sink's "
+                                           "share of the row is outside every basket")
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    position_bias = kwargs.get("position_bias")  # T5's relative position bias
+    if position_bias is not None:
+        weights = weights + position_bias
     if attention_mask is not None:
         weights = weights + attention_mask
     if state is not None and state.upcast_softmax:
@@ -146,19 +177,29 @@ def attncal_sdpa_forward(
                                       is_causal=is_causal, **kwargs)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedArchitectureError("split calibration cannot replay a logit soft-cap (SDPA has none); "
+                                           "use implementation='efficient'")
     n_rep = getattr(module, "num_key_value_groups", 1)
     key = _repeat_kv(key, n_rep)
     value = _repeat_kv(value, n_rep)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    allowed = allowed_from_mask(attention_mask, causal, query.shape[2], key.shape[2], query.device)
+    bias = kwargs.get("position_bias")  # T5: an additive score bias, outside the mask
+    attn_mask = attention_mask
+    if bias is not None:
+        attn_mask = bias if allowed is None else bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
+        attn_mask = attn_mask.to(query.dtype)
+        causal = False
     full = nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
         is_causal=causal,
     )
     shared = state.shared
     _, geom = shared.geometry_for(query.shape[0], key.shape[2], query.device)
-    allowed = allowed_from_mask(attention_mask, causal, query.shape[2], key.shape[2], query.device)
-    out = split_calibrated_attention(query, key, value, full, allowed, shared.rc, geom, scaling, mode=shared.split_mode)
+    out = split_calibrated_attention(query, key, value, full, allowed, shared.rc, geom, scaling, mode=shared.split_mode,
+                                     bias=bias)
     shared.calls += 1
     return out.transpose(1, 2).contiguous(), None
 
@@ -187,33 +228,249 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPL_NAME, eager_mask)
     AttentionInterface.register(SDPA_IMPL_NAME, attncal_sdpa_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_IMPL_NAME, sdpa_mask)
+    AttentionInterface.register(PROBE_IMPL_NAME, _probe_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_IMPL_NAME, eager_mask)
     _registered = True
 
 
 def base_model_of(model: nn.Module) -> nn.Module:
-    name = type(model).__name__
-    if name in _ARCHITECTURES:
-        return model
+    """The transformers base model (the encoder) of `model`: itself, or its `base_model`."""
+    from transformers import PreTrainedModel
+
     base = getattr(model, "base_model", None)
-    if base is not None and base is not model and type(base).__name__ in _ARCHITECTURES:
+    if isinstance(base, PreTrainedModel):
         return base
+    if isinstance(model, PreTrainedModel):
+        return model
     raise UnsupportedArchitectureError(
-        f"attncal cannot calibrate {name}: supported architectures are {', '.join(_ARCHITECTURES)}"
+        f"attncal cannot calibrate {type(model).__name__}: it is not a transformers PreTrainedModel"
     )
+
+
+def _configs(base: nn.Module) -> list:
+    """Every distinct config object in the model (encoder-only wrappers such as T5EncoderModel may hold copies),
+    so that an attention implementation set on the model reaches every attention module."""
+    seen: dict[int, Any] = {}
+    for m in base.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+def set_attn_implementation(base: nn.Module, name: str | None) -> list[tuple[Any, str | None]]:
+    """Set `name` on every config of `base`; returns what to pass to `restore_attn_implementation`."""
+    saved = [(cfg, cfg._attn_implementation) for cfg in _configs(base)]
+    for cfg, _ in saved:
+        cfg._attn_implementation = name
+    return saved
+
+
+def restore_attn_implementation(saved: list[tuple[Any, str | None]]) -> None:
+    for cfg, name in saved:
+        cfg._attn_implementation = name
+
+
+class _ProbeRecord:
+    """What one probe forward saw: attention modules in call order, with the keyword arguments they passed."""
+
+    def __init__(self) -> None:
+        self.calls: list[nn.Module] = []
+        self.kwargs: set[str] = set()
+
+
+_probe: _ProbeRecord | None = None
+
+
+def _probe_forward(module: nn.Module, query, key, value, attention_mask, **kwargs: Any):
+    if _probe is not None:
+        _probe.calls.append(module)
+        _probe.kwargs.update(k for k, v in kwargs.items() if v is not None)
+    return attncal_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _probe_batch(base: nn.Module) -> dict[str, torch.Tensor]:
+    """Two items of 6 tokens, the second padded (right) by 2: enough for every mask and position path."""
+    from ..modelinfo import forward_kwargs
+
+    vocab = int(getattr(base.config, "vocab_size", 0) or 0)
+    dev = next(base.parameters()).device
+    ids = (torch.arange(12, device=dev).view(2, 6) % max(1, min(vocab, 50) - 3)) + 3 if vocab > 4 else \
+        torch.zeros(2, 6, dtype=torch.long, device=dev)
+    mask = torch.ones(2, 6, dtype=torch.long, device=dev)
+    mask[1, 4:] = 0
+    return {"input_ids": ids, "attention_mask": mask, **forward_kwargs(base)}
+
+
+def _layer_modules(calls: list[nn.Module], n_layers: int) -> tuple[nn.Module, ...] | None:
+    """The calls' modules if they are n_layers distinct modules, each called once per forward."""
+    order: list[nn.Module] = []
+    for m in calls:
+        if not any(m is o for o in order):
+            order.append(m)
+    if len(order) != n_layers or len(calls) != n_layers:
+        return None
+    return tuple(order)
+
+
+def _upcasts_softmax(module: nn.Module) -> bool:
+    """Whether the model's own eager attention (the `eager_attention_forward` of its modeling file) runs the
+    softmax in float32, so attncal's replay keeps uncalibrated layers bit-identical in half precision."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    try:
+        return fn is not None and "dtype=torch.float32" in inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+
+
+class _SoftmaxRecorder(TorchFunctionMode):
+    """Records the innermost running module of every 4-D softmax over the last axis."""
+
+    def __init__(self, stack: list[nn.Module]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.calls: list[nn.Module] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_attention_softmax(func, args, kwargs) and self.stack:
+            self.calls.append(self.stack[-1])
+        return func(*args, **kwargs)
+
+
+_SOFTMAX_FUNCS = (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax)
+
+
+def _is_attention_softmax(func, args, kwargs) -> bool:
+    if func not in _SOFTMAX_FUNCS or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 4:
+        return False
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return dim in (-1, 3)
+
+
+def _probe_softmax(base: nn.Module, batch: dict) -> list[nn.Module]:
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    stack: list[nn.Module] = []
+
+    def push(m: nn.Module, args: tuple) -> None:
+        stack.append(m)
+
+    def pop(m: nn.Module, args: tuple, out: Any) -> None:  # returning None keeps the module's output
+        stack.pop()
+
+    pre = register_module_forward_pre_hook(push)
+    post = register_module_forward_hook(pop, always_call=True)
+    saved = set_attn_implementation(base, "eager")
+    rec = _SoftmaxRecorder(stack)
+    try:
+        with torch.no_grad(), rec:
+            base(**batch)
+    finally:
+        pre.remove()
+        post.remove()
+        restore_attn_implementation(saved)
+    return rec.calls
+
+
+def find_attention(model: nn.Module) -> AttentionSites:
+    """Where `model`'s attention can be calibrated, found by running it once on a tiny batch (cached).
+
+    Raises `UnsupportedArchitectureError` naming what the probe saw when neither path applies, or when
+    attncal's eager attention does not reproduce the model's own (an attention argument it does not replay).
+    """
+    global _probe
+    base = base_model_of(model)
+    cached = getattr(base, "_attncal_sites", None)
+    if cached is not None:
+        return cached
+    name = type(base).__name__
+    n_layers = getattr(base.config, "num_hidden_layers", None)
+    if not n_layers:
+        raise UnsupportedArchitectureError(f"attncal cannot calibrate {name}: its config has no num_hidden_layers")
+    _register()
+    batch = _probe_batch(base)
+    record = _ProbeRecord()
+    saved = set_attn_implementation(base, PROBE_IMPL_NAME)
+    _probe = record
+    try:
+        with torch.no_grad():
+            probed = base(**batch).last_hidden_state
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe forward is reported with its cause
+        raise UnsupportedArchitectureError(
+            f"attncal cannot calibrate {name}: a forward with attncal's attention failed ({type(exc).__name__}: {exc})"
+        ) from exc
+    finally:
+        _probe = None
+        restore_attn_implementation(saved)
+    modules = _layer_modules(record.calls, int(n_layers))
+    if modules is not None:
+        saved = set_attn_implementation(base, "eager")
+        try:
+            with torch.no_grad():
+                own = base(**batch).last_hidden_state
+        finally:
+            restore_attn_implementation(saved)
+        valid = batch["attention_mask"].bool()
+        diff = float((probed - own)[valid].abs().max())
+        tol = 1e-5 if own.dtype == torch.float32 else 2e-2
+        if not diff <= tol * max(1.0, float(own[valid].abs().max())):
+            unknown = sorted(record.kwargs - _REPLAYED_KWARGS)
+            raise UnsupportedArchitectureError(
+                f"attncal cannot calibrate {name}: its attention goes through AttentionInterface, but attncal's "
+                f"eager attention does not reproduce it (max |diff| {diff:.3g}); arguments attncal does not "
+                f"replay: {', '.join(unknown) or 'none (the difference is elsewhere)'}"
+            )
+        sites = AttentionSites(base, modules, "interface", _upcasts_softmax(modules[0]))
+    else:
+        soft = _layer_modules(_probe_softmax(base, batch), int(n_layers))
+        if soft is None:
+            raise UnsupportedArchitectureError(
+                f"attncal cannot calibrate {name}: its attention neither goes through transformers' "
+                f"AttentionInterface ({len(record.calls)} calls for {n_layers} layers) nor computes one 4-D "
+                f"softmax per layer in a module of its own"
+            )
+        sites = AttentionSites(base, soft, "softmax", False)
+    base._attncal_sites = sites  # type: ignore[attr-defined]
+    return sites
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention module of every layer, in layer order."""
-    base = base_model_of(model)
-    attn_cls, _ = _ARCHITECTURES[type(base).__name__]
-    mods = [m for m in base.modules() if type(m).__name__ == attn_cls]
-    n_layers = int(base.config.num_hidden_layers)
-    if len(mods) != n_layers:
-        raise UnsupportedArchitectureError(
-            f"found {len(mods)} {attn_cls} modules in {type(base).__name__} but the config says "
-            f"{n_layers} layers"
-        )
-    return mods
+    return list(find_attention(model).modules)
+
+
+class _SoftmaxCalibration(TorchFunctionMode):
+    """Calibrates the output of the attention softmax of one module's forward (the "softmax" path)."""
+
+    def __init__(self, state: _ModuleState) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _is_attention_softmax(func, args, kwargs):
+            shared = self.state.shared
+            mask, geom = shared.geometry_for(out.shape[0], out.shape[-1], out.device)
+            out = shared.impl(out, mask, shared.rc, geom)
+            shared.calls += 1
+        return out
+
+
+def _softmax_hooks(module: nn.Module) -> list[Any]:
+    """Hooks that run `module`'s forward under `_SoftmaxCalibration` (the "softmax" path)."""
+    modes: list[_SoftmaxCalibration] = []
+
+    def enter(m: nn.Module, args: tuple) -> None:
+        mode = _SoftmaxCalibration(m._attncal_state)  # type: ignore[attr-defined]
+        mode.__enter__()
+        modes.append(mode)
+
+    def leave(m: nn.Module, args: tuple, out: Any) -> None:
+        modes.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
 
 class CalibrationPatch:
@@ -227,15 +484,10 @@ class CalibrationPatch:
         implementation: str = "auto",
         split_mode: SplitMode = "loop",
     ) -> None:
-        base = base_model_of(model)
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
         if split_mode not in SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
-        orig_impl = base.config._attn_implementation
-        if implementation == "auto":
-            implementation = "efficient" if orig_impl in (None, "eager", IMPL_NAME) else "split"
-        self.implementation = implementation
         if config.pooling == "auto" and pooling is None:
             raise ValueError(
                 "invalid calibration config: pooling: 'auto' needs the model's sentence-transformers "
@@ -243,35 +495,54 @@ class CalibrationPatch:
             )
         if pooling is not None and config.pooling != "auto" and pooling != config.pooling:
             raise ValueError(f"pooling={pooling!r} contradicts the config's pooling={config.pooling!r}")
+        for m in model.modules():
+            if hasattr(m, "_attncal_state"):
+                raise RuntimeError("this model is already calibrated; remove the existing patch first")
+        sites = find_attention(model)
+        base = sites.base
+        orig_impl = base.config._attn_implementation
+        if sites.path == "softmax":
+            if implementation == "split":
+                raise UnsupportedArchitectureError(
+                    f"split calibration needs attention through transformers' AttentionInterface; "
+                    f"{type(base).__name__} computes its own softmax (use implementation='efficient')"
+                )
+            implementation = "efficient" if implementation == "auto" else implementation
+        elif implementation == "auto":
+            implementation = "efficient" if orig_impl in (None, "eager", IMPL_NAME) else "split"
+        self.implementation = implementation
         self.config = config if config.pooling != "auto" else config.with_pooling(pooling)  # type: ignore[arg-type]
         self.model = model
         self.base = base
-        mods = attention_modules(model)
+        self.path: AttentionPath = sites.path
+        mods = list(sites.modules)
         self.layers = self.config.layer_indices(len(mods))
         impl_fn = _IMPLEMENTATIONS.get(implementation, _efficient)
         self._shared = _ForwardState(rc=self.config.resolve(), impl=impl_fn, split_mode=split_mode)
         self._modules = mods
-        self._orig_impl = orig_impl
         self._active = False
+        self._hooks: list[Any] = []
+        self._saved_impl: list[tuple[Any, str | None]] = []
         _register()
-        _, upcast = _ARCHITECTURES[type(base).__name__]
-        target = SDPA_IMPL_NAME if implementation == "split" else IMPL_NAME
-        if target == IMPL_NAME and self._orig_impl not in (None, "eager", IMPL_NAME):
-            warnings.warn(
-                f"attncal: {type(base).__name__} was using {self._orig_impl!r} attention; switched to eager "
-                "attention for calibration (restored when the patch is removed)",
-                stacklevel=3,
-            )
         for i, mod in enumerate(mods):
-            if hasattr(mod, "_attncal_state"):
-                raise RuntimeError("this model is already calibrated; remove the existing patch first")
             mod._attncal_state = _ModuleState(  # type: ignore[attr-defined]
-                layer=i, upcast_softmax=upcast, calibrated=i in self.layers, shared=self._shared
+                layer=i, upcast_softmax=sites.upcast_softmax, calibrated=i in self.layers, shared=self._shared
             )
-        base.config._attn_implementation = target
+        if sites.path == "interface":
+            target = SDPA_IMPL_NAME if implementation == "split" else IMPL_NAME
+            if target == IMPL_NAME and orig_impl not in (None, "eager", IMPL_NAME):
+                warnings.warn(
+                    f"attncal: {type(base).__name__} was using {orig_impl!r} attention; switched to eager "
+                    "attention for calibration (restored when the patch is removed)",
+                    stacklevel=3,
+                )
+            self._saved_impl = set_attn_implementation(base, target)
+        else:
+            for i in self.layers:
+                self._hooks += _softmax_hooks(mods[i])
         params = list(inspect.signature(base.forward).parameters)
         self._mask_pos = params.index("attention_mask") if "attention_mask" in params else None
-        self._hook = base.register_forward_pre_hook(self._capture_mask, with_kwargs=True)
+        self._hooks.append(base.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
         self._active = True
 
     @property
@@ -291,11 +562,12 @@ class CalibrationPatch:
     def remove(self) -> None:
         if not self._active:
             return
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         for mod in self._modules:
             if hasattr(mod, "_attncal_state"):
                 del mod._attncal_state
-        self.base.config._attn_implementation = self._orig_impl
+        restore_attn_implementation(self._saved_impl)
         self._active = False
 
     def __enter__(self) -> "CalibrationPatch":

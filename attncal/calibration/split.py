@@ -76,6 +76,7 @@ def split_calibrated_attention(
     geometry: BatchGeometry,
     scaling: float,
     mode: SplitMode = "loop",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Calibrate the attention output `full[B,H,Q,d]` (plain attention of the same inputs).
 
@@ -83,7 +84,9 @@ def split_calibrated_attention(
     `allowed` the model's mask as booleans broadcastable to [B,H,Q,K] (None: every
     token of the sequence may be attended), `geometry` from `compute_geometry` on the
     2-D token mask.  Q == K for mean pooling; cls/last pooling calibrates the pooling
-    row only.  Returns `full`, with the calibrated rows overwritten in place.
+    row only.  `bias` is an additive score bias broadcastable to [B,H,Q,K] (T5's relative
+    position bias), added to the scaled scores of every term.  Returns `full`, with the
+    calibrated rows overwritten in place.
     """
     if mode not in SPLIT_MODES:
         raise ValueError(f"mode must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
@@ -118,20 +121,27 @@ def split_calibrated_attention(
         row_valid = torch.ones(A, 1, dtype=torch.bool, device=dev)
         base = full[ai, :, r, :].unsqueeze(2)
     R = q.shape[2]
-    al = None
-    if allowed is not None:
-        al = allowed.expand(B, allowed.shape[1], allowed.shape[2], K)
-        al = al if everyone else al[ai]
-        if al.shape[2] != 1 and not rc.all_rows:  # the pooling row of a per-row mask: [A,h1,1,K]
-            al = al.gather(2, row_pos[:, None, :, None].expand(A, al.shape[1], R, K))
+    def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
+        """A [B|1,h,Q|1,K] mask or bias for the calibrated items and rows: [A,h,R|1,K]."""
+        if t is None:
+            return None
+        t = t.expand(B, t.shape[1], t.shape[2], K)
+        t = t if everyone else t[ai]
+        if t.shape[2] != 1 and not rc.all_rows:  # the pooling row of a per-row mask: [A,h1,1,K]
+            t = t.gather(2, row_pos[:, None, :, None].expand(A, t.shape[1], R, K))
+        return t
+
+    al = rows_of(allowed)
+    bi = rows_of(bias.to(work) if bias is not None else None)
 
     # Query rows in chunks: the extra memory is O(chunk) rows of accumulators, not O(S).
     chunk = ROW_CHUNK if rc.all_rows else R
     for lo in range(0, R, chunk):
         hi = min(R, lo + chunk)
         al_c = al[:, :, lo:hi] if al is not None and al.shape[2] != 1 else al
+        bi_c = bi[:, :, lo:hi] if bi is not None and bi.shape[2] != 1 else bi
         _calibrate_rows(q[:, :, lo:hi], k, v, al_c, base[:, :, lo:hi], row_valid[:, lo:hi], g, rc, scaling, work,
-                        mode)
+                        mode, bi_c)
     if rc.all_rows:
         if not everyone:
             full[ai] = base
@@ -152,12 +162,13 @@ def _calibrate_rows(
     scaling: float,
     work: torch.dtype,
     mode: SplitMode,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Overwrite `base[A,H,R,d]` (plain attention of rows `q`) with the calibrated rows, in place."""
     A, _, R, _ = q.shape
     dev = q.device
     lam = float(rc.strength)
-    acc, n_ne = _basket_terms(q, k, v, al, g, rc.basket_size, scaling, work, mode)  # [A,H,R,d], [A,h1,R]
+    acc, n_ne = _basket_terms(q, k, v, al, g, rc.basket_size, scaling, work, mode, bias)  # [A,H,R,d], [A,h1,R]
     t = g.t.to(work)[:, None, None]  # [A,1,1]
     shares: list[tuple[torch.Tensor, torch.Tensor]] = []
     lse = None
@@ -175,9 +186,11 @@ def _calibrate_rows(
             share = torch.full((A, 1, R), float(weight), dtype=work, device=dev)
         elif wmode == MODE_ORIGINAL:
             if lse is None:
-                lse = _row_lse(q, k, al, g.token_mask, scaling, work)  # [A,H,R]
+                lse = _row_lse(q, k, al, g.token_mask, scaling, work, bias)  # [A,H,R]
             k_i = k[ar, :, pos, :].to(work)  # [A,H,d]
             s = torch.einsum("ahrd,ahd->ahr", q.to(work), k_i) * scaling
+            if bias is not None:
+                s = s + bias.gather(3, pos[:, None, None, None].expand(A, bias.shape[1], bias.shape[2], 1))[..., 0]
             ok = _allowed_at(al, g.token_mask, pos)  # [A,h1,R]
             share = torch.where(ok, torch.exp(s - lse), 0.0)
         else:
@@ -214,8 +227,10 @@ def _basket_terms(
     scaling: float,
     work: torch.dtype,
     mode: SplitMode,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_b Attn(q; basket b) over non-empty baskets, and the count of non-empty baskets per row."""
+    """Σ_b Attn(q; basket b) over non-empty baskets, and the count of non-empty baskets per row
+    (`bias`: the additive score bias, [A,h,R|1,K] in `work` precision)."""
     A, H, R, d = q.shape
     K = k.shape[2]
     dev = q.device
@@ -235,9 +250,15 @@ def _basket_terms(
         h1, r1 = m.shape[1], m.shape[2]
         m = m.view(A, h1, r1, n, S).permute(0, 3, 1, 2, 4)  # [A,n,h1,r1,S]
         ne = m.any(-1)  # [A,n,h1,r1]
-        bias = torch.zeros(m.shape, dtype=q.dtype, device=dev).masked_fill_(~m, neg).reshape(A * n, h1, r1, S)
+        add = torch.zeros(m.shape, dtype=q.dtype, device=dev)
+        if bias is not None:
+            bb = bias.gather(3, pos[:, None, None, :].expand(A, bias.shape[1], bias.shape[2], n * S))
+            bb = bb.view(A, bb.shape[1], bb.shape[2], n, S).permute(0, 3, 1, 2, 4).to(q.dtype)
+            add = add + bb
+        add = add.masked_fill(~m, neg)
+        add = add.reshape(A * n, add.shape[2], add.shape[3], S)
         qb = q[:, None].expand(A, n, H, R, d).reshape(A * n, H, R, d)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=scaling).view(A, n, H, R, d)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=add, scale=scaling).view(A, n, H, R, d)
         acc = (ob.to(work) * ne[..., None].to(work)).sum(1)
         return acc, ne.sum(1).to(work).expand(A, ne.shape[2], R)
     acc = torch.zeros(A, H, R, d, dtype=work, device=dev)
@@ -249,6 +270,7 @@ def _basket_terms(
             kb, vb = k[:, :, lo:hi], v[:, :, lo:hi]
             valid = (torch.arange(lo, hi, device=dev) - common)[None, :] < C[:, None]  # [A,Sb]
             alb = al[..., lo:hi] if al is not None else None
+            bib = bias[..., lo:hi] if bias is not None else None
         else:
             j = b * S + torch.arange(S, device=dev)
             pos = (g.c0[:, None] + j[None, :]).clamp(max=K - 1)
@@ -256,10 +278,12 @@ def _basket_terms(
             idx = pos[:, None, :, None].expand(A, k.shape[1], S, d)
             kb, vb = k.gather(2, idx), v.gather(2, idx)
             alb = al.gather(3, pos[:, None, None, :].expand(A, al.shape[1], R, S)) if al is not None else None
+            bib = (bias.gather(3, pos[:, None, None, :].expand(A, bias.shape[1], bias.shape[2], S))
+                   if bias is not None else None)
         m = valid[:, None, None, :]
         if alb is not None:
             m = m & alb
-        if alb is None and bool(valid.all()):
+        if alb is None and bib is None and bool(valid.all()):
             # Every key of this basket is valid for every row: no mask, so SDPA can take its fused kernel.
             acc += F.scaled_dot_product_attention(q, kb, vb, scale=scaling).to(work)
             n_ne += 1.0
@@ -267,8 +291,11 @@ def _basket_terms(
         ne = m.any(-1)  # [A,h1|1,R|1]
         if not bool(ne.any()):
             continue
-        bias = torch.zeros(m.shape, dtype=q.dtype, device=dev).masked_fill_(~m, neg)
-        ob = F.scaled_dot_product_attention(q, kb, vb, attn_mask=bias, scale=scaling)
+        add = torch.zeros(m.shape, dtype=q.dtype, device=dev)
+        if bib is not None:
+            add = add + bib.to(q.dtype)
+        add = add.masked_fill(~m, neg)
+        ob = F.scaled_dot_product_attention(q, kb, vb, attn_mask=add, scale=scaling)
         if bool(ne.all()):
             acc += ob.to(work)
         else:
@@ -288,7 +315,7 @@ def _allowed_at(al: torch.Tensor | None, token_mask: torch.Tensor, pos: torch.Te
 
 def _row_lse(
     q: torch.Tensor, k: torch.Tensor, al: torch.Tensor | None, token_mask: torch.Tensor, scaling: float,
-    work: torch.dtype,
+    work: torch.dtype, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-sum-exp of each row's allowed scores, [A,H,R], computed LSE_CHUNK rows at a time."""
     A, H, R, _ = q.shape
@@ -297,6 +324,8 @@ def _row_lse(
     for lo in range(0, R, LSE_CHUNK):
         hi = min(lo + LSE_CHUNK, R)
         s = torch.matmul(q[:, :, lo:hi].to(work), kt) * scaling  # [A,H,r,K]
+        if bias is not None:
+            s = s + (bias[:, :, lo:hi] if bias.shape[2] != 1 else bias)
         m = token_mask[:, None, None, :]
         if al is not None:
             m = m & al[:, :, lo:hi] if al.shape[2] != 1 else m & al

@@ -25,13 +25,11 @@ def _int_list(text: str, name: str) -> list[int]:
 
 def _position_limit(info) -> int | None:
     """How many tokens the model can take (its position table; the ST max length may be lower)."""
-    cfg = json.loads((info.path / "config.json").read_text())
-    n = cfg.get("max_position_embeddings")
-    if n is None:
-        return None
-    if info.model_type == "xlm-roberta":
-        n -= int(cfg.get("pad_token_id", 1)) + 1
-    return int(n)
+    from transformers import AutoConfig
+
+    from ..modelinfo import position_limit
+
+    return position_limit(AutoConfig.from_pretrained(str(info.path)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,16 @@ LOG_FILE_HELP = "they are written to OUT/attncal-export.log"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..export.exporter import DEFAULT_OPSET, EXPORTERS, PLACEMENTS
+    from ..modelinfo import TESTED_MODEL_TYPES
+
+    p.epilog = (
+        "Tested architectures (CI, every graph and placement, parity <= 1e-5): "
+        + ", ".join(f"{v} ({k})" for k, v in TESTED_MODEL_TYPES.items())
+        + ". Any other architecture is exported when its attention can be calibrated in PyTorch (through "
+        "transformers' AttentionInterface, or one softmax per layer), its graph has one attention Softmax per "
+        "layer and the parity check passes; it is labelled untested in attncal.json and by `attncal inspect`. "
+        "Known to fail, with the reason: attention sinks; sentence-transformers modules other than Transformer, "
+        "Pooling, Dense and Normalize; --exporter torchscript on Gemma3.")
 
     p.add_argument("model", help="model directory, a hub id already in the local HF cache, or 'default'")
     p.add_argument("-o", "--out", required=True, help="output directory (sentence-transformers/optimum layout)")
@@ -32,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "calibration as attention over baskets, no probabilities, no custom op; attention: the "
                         "ORT-optimized graph's calibrated layers become one calibrated attention op each")
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
-                   help="do not write onnx/model_optimized.onnx (the ORT-optimized graph, BERT family only)")
+                   help="do not write onnx/model_optimized.onnx (the ORT-optimized graph; written where ONNX "
+                        "Runtime's transformer optimizer fuses every layer's attention)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--skip-check", action="store_true", help="do not run the parity check at export")
 

@@ -67,6 +67,15 @@ def run(args: argparse.Namespace) -> int:
     meta = exp.meta
     graphs = {g: (meta.get("graphs") or {}).get(g) or {"placement": meta.get("placement")} for g in exp.graphs}
     protos = {g: exp.check_graph(g) for g in graphs}  # every graph is checked before anything is printed
+    if meta.get("model_type"):
+        tested = meta.get("tested")
+        label = "" if tested is None else (" (tested architecture)" if tested else
+                                           " (UNTESTED architecture: exported because every step and the parity "
+                                           "check passed)")
+        print(f"model      {meta['model_type']} ({meta.get('architecture', '?')}, {meta.get('num_layers')} layers)"
+              f"{label}")
+    if meta.get("optimizer"):
+        print(f"optimizer  {meta['optimizer']}")
     if meta.get("calibrated"):
         print(f"export     {path}: layers {meta.get('calibrated_layers')}, pooling {meta.get('pooling')}, "
               f"requested placement {meta.get('placement')}")

@@ -97,7 +97,9 @@ def _dimension(export: Path, meta: dict) -> int:
             dims = o.type.tensor_type.shape.dim
             if dims and dims[-1].HasField("dim_value"):
                 return int(dims[-1].dim_value)
-    return int(json.loads((export / "config.json").read_text())["hidden_size"])
+    from ..artifact import config_int
+
+    return config_int(export, "hidden_size")
 
 
 def scan(files: list[InputFile], text_field: str, id_field: str, show_progress: bool = False) -> ScanResult:

@@ -16,7 +16,8 @@ import torch
 
 from ..calibration.config import CalibrationConfig
 from ..calibration.encode import TorchEncoder
-from ..calibration.patching import base_model_of, calibrate
+from ..calibration.patching import base_model_of, calibrate, restore_attn_implementation, set_attn_implementation
+from ..modelinfo import forward_kwargs
 
 
 @dataclass
@@ -64,19 +65,15 @@ def basket_mass(encoder: TorchEncoder, text: str, config: CalibrationConfig, lay
         spans.append((end, end + 1))
         labels.append("last token")
     rows = list(range(start, end + 1)) if rc.all_rows else [end if rc.pool_last else start]
-    kwargs = dict(batch, output_attentions=True)
-    if encoder.info.model_type == "qwen3":
-        kwargs["use_cache"] = False
+    kwargs = dict(batch, output_attentions=True, **forward_kwargs(encoder.model))
     # Attention probabilities are only returned by eager attention; the encoder may run SDPA.
-    base = base_model_of(encoder.model)
-    orig_impl = base.config._attn_implementation
-    base.config._attn_implementation = "eager"
+    saved = set_attn_implementation(base_model_of(encoder.model), "eager")
     try:
         before = encoder.model(**kwargs).attentions[layer]
         with calibrate(encoder.model, bound, implementation="efficient") as patch:
             after = encoder.model(**kwargs).attentions[layer]
     finally:
-        base.config._attn_implementation = orig_impl
+        restore_attn_implementation(saved)
     calibrated = patch.calls > 0 and not torch.equal(before, after)
     return BasketMass(labels, _row_mass(before, rows, spans), _row_mass(after, rows, spans), layer, pooling,
                       len(valid), bool(calibrated))

@@ -51,7 +51,6 @@ from ..modelinfo import ModelInfo, load_model_info
 EXPORTERS = ("dynamo", "torchscript")
 PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split", "attention")  # attncal.graphs.placements.CHOICES
 DEFAULT_OPSET = 18
-OPTIMIZABLE_TYPES = ("bert", "xlm-roberta")  # model types onnxruntime.transformers.optimizer fuses
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
 _SKIP_DIRS = {"onnx", "openvino", ".git", "__pycache__"}
 EXPORT_LOG_FILE = "attncal-export.log"  # third-party warnings and messages of the export (attncal.console)
@@ -95,13 +94,16 @@ def prepare_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def copy_model_files(info: ModelInfo, dest: Path) -> None:
-    """Config, tokenizer and sentence-transformers module files; never weights."""
+    """Config, tokenizer and sentence-transformers module files; never the encoder's weights.  Dense modules
+    keep theirs (small): sentence-transformers runs them after the ONNX graph when it loads the export."""
+    dense_dirs = {d.path.resolve() for d in info.dense}
     for src_root in dict.fromkeys([info.root, info.path]):
         for src in src_root.rglob("*"):
             rel = src.relative_to(src_root)
             if any(part in _SKIP_DIRS or part.startswith(".") for part in rel.parts):
                 continue
-            if src.is_dir() or src.name.endswith(_WEIGHT_SUFFIXES) or src.name == METADATA_FILE:
+            dense_file = src.parent.resolve() in dense_dirs
+            if src.is_dir() or (src.name.endswith(_WEIGHT_SUFFIXES) and not dense_file) or src.name == METADATA_FILE:
                 continue
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -130,21 +132,42 @@ def _example_inputs(tokenizer, use_token_types: bool):
     return tuple(batch[n] for n in names), names
 
 
-def torch_export(
-    info: ModelInfo, pooling: str, onnx_path: Path, opset: int, exporter: str, fp16: bool = False
-) -> list[str]:
-    """Export encoder + pooling to `onnx_path` (single file, external data when needed); returns input names."""
+def load_for_export(info: ModelInfo, fp16: bool = False):
+    """The model with eager attention (the graph's explicit Softmax), or ExportError naming the load step."""
     import torch
-    from transformers import AutoModel, AutoTokenizer
 
+    from ..modelinfo import load_transformer
+
+    dtype = torch.float16 if fp16 else torch.float32
+    try:
+        return load_transformer(info.path, attn_implementation="eager", dtype=dtype).eval()
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types here; one line names the cause
+        raise ExportError(f"loading the {info.model_type} model from {info.path} failed: {type(exc).__name__}: "
+                          f"{_first_line(exc)[:300]}") from exc
+
+
+def torch_export(
+    info: ModelInfo, pooling: str, onnx_path: Path, opset: int, exporter: str, fp16: bool = False, model=None
+) -> list[str]:
+    """Export encoder + pooling to `onnx_path` (single file, external data when needed); returns input names.
+    `model`: the already loaded model (`load_for_export`), else it is loaded here."""
+    import torch
+    import inspect
+
+    from transformers import AutoTokenizer
+
+    from ..modelinfo import forward_kwargs, load_dense_head
     from .wrapper import SentenceEmbeddingModule
 
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     tokenizer.padding_side = info.padding_side
-    dtype = torch.float16 if fp16 else torch.float32
-    model = AutoModel.from_pretrained(str(info.path), attn_implementation="eager", dtype=dtype).eval()
-    use_token_types = "token_type_ids" in tokenizer.model_input_names and info.model_type == "bert"
-    wrapper = SentenceEmbeddingModule(model, pooling, info.normalize, decoder=info.model_type == "qwen3").eval()
+    if model is None:
+        model = load_for_export(info, fp16)
+    # Token types are an input where the tokenizer emits them and the model reads them (BERT).
+    use_token_types = ("token_type_ids" in tokenizer.model_input_names
+                       and "token_type_ids" in inspect.signature(model.forward).parameters)
+    head = load_dense_head(info, torch.float16 if fp16 else torch.float32)
+    wrapper = SentenceEmbeddingModule(model, pooling, info.normalize, extra=forward_kwargs(model), head=head).eval()
     args, names = _example_inputs(tokenizer, use_token_types)
     outputs = ["last_hidden_state", "sentence_embedding"]
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,18 +217,44 @@ def _write_graph(model, path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=False)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
-    """ONNX Runtime's transformer optimizer fuses BERT-family attention (from a TorchScript export)."""
-    return opts.optimized and not opts.fp16 and info.model_type in OPTIMIZABLE_TYPES
+    """Whether to try ONNX Runtime's transformer optimizer (fp32 only).  Whether it writes a graph is a
+    capability of the model, decided by `_optimizer_fuses` on the optimizer's own output."""
+    return opts.optimized and not opts.fp16
 
 
 def _ort_optimize(path: Path, info: ModelInfo):
-    """ONNX Runtime's transformer optimizer (attention and layer-norm fusions)."""
+    """ONNX Runtime's transformer optimizer (attention and layer-norm fusions; its BERT fusions match any
+    encoder whose attention has the BERT shape, from a TorchScript export)."""
     from onnxruntime.transformers.optimizer import optimize_model
+    from transformers import AutoConfig
 
-    cfg = json.loads((info.path / "config.json").read_text())
-    return optimize_model(str(path), model_type="bert", num_heads=int(cfg["num_attention_heads"]),
-                          hidden_size=int(cfg["hidden_size"])).model
+    cfg = AutoConfig.from_pretrained(str(info.path))
+    return optimize_model(str(path), model_type="bert", num_heads=int(cfg.num_attention_heads),
+                          hidden_size=int(cfg.hidden_size)).model
+
+
+def _optimizer_fuses(info: ModelInfo, ts_raw: Path, cache: dict) -> tuple[bool, str]:
+    """Did ORT's optimizer fuse every layer's attention of the uncalibrated graph?  (ok, reason).
+
+    The optimized graph is written only then: a partly fused graph is neither what ORT users run
+    nor something the fused placements can rewrite.  The optimized proto is kept in `cache`."""
+    import onnx_ir as ir
+
+    from ..graphs.placement_base import count_fused_attention
+
+    if "proto" not in cache:
+        cache["proto"] = _ort_optimize(ts_raw, info)
+    n = count_fused_attention(ir.from_proto(cache["proto"]))
+    if n == info.num_layers:
+        return True, f"ONNX Runtime's optimizer fused attention in all {n} layers"
+    return False, (f"ONNX Runtime's transformer optimizer fused attention in {n} of {info.num_layers} layers of "
+                   f"this {info.model_type} graph, so no {OPTIMIZED_GRAPH} is written")
 
 
 def _optimized_graph(info: ModelInfo, ts_raw: Path, config: CalibrationConfig | None, placement: str | None,
@@ -303,10 +352,6 @@ def export(
     if opts.placement == "attention" and opts.calibrate and not opts.optimized:
         raise ValueError("--placement attention rewrites the ORT-optimized graph; drop --no-optimized")
     info = load_model_info(model)
-    if opts.placement == "attention" and opts.calibrate and not optimized_graph_applies(info, opts):
-        raise ValueError(f"--placement attention rewrites ONNX Runtime's fused attention, which its transformer "
-                         f"optimizer makes for the BERT family only ({', '.join(sorted(OPTIMIZABLE_TYPES))}), "
-                         f"not {info.model_type}; use --placement auto")
     out = Path(out).expanduser().resolve()
     prepare_out_dir(out, opts.overwrite)
     pooling = info.pooling if opts.config.pooling == "auto" else opts.config.pooling
@@ -322,11 +367,25 @@ def export(
             _set_max_length(tmp, opts.max_length)
         onnx_path = tmp / ONNX_SUBDIR / ONNX_FILE
         raw_path = tmp / ".raw" / ONNX_FILE
-        _log(f"[1/4] exporting {info.model_type} ({info.num_layers} layers) with the {opts.exporter} exporter, "
-             f"opset {opts.opset}", quiet)
+        _log(f"[1/4] exporting {info.model_type} ({info.architecture}, {info.num_layers} layers) with the "
+             f"{opts.exporter} exporter, opset {opts.opset}", quiet)
+        if not info.tested:
+            _log(f"note: {info.model_type} is not among attncal's tested architectures; the export goes ahead and "
+                 "is labelled untested, and the parity check guards it", quiet)
+        with console.third_party_output():
+            torch_model = load_for_export(info, opts.fp16)
+        if config is not None:  # can it be calibrated in PyTorch (the parity reference)?  Fail before exporting.
+            from ..calibration.patching import find_attention
+
+            with console.third_party_output():
+                sites = find_attention(torch_model)
+            sites.base.__dict__.pop("_attncal_sites", None)  # the probe's cache stays out of the traced module
+            del sites
         try:
             with console.third_party_output():
-                input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16)
+                input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16,
+                                           model=torch_model)
+            del torch_model
         except Exception as exc:  # torch.onnx failures are long; report the cause in one line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ExportError(f"torch.onnx ({opts.exporter}) failed to export {info.model_type}: "
@@ -355,17 +414,37 @@ def export(
             "placement": plan.portable if plan else None, "runtime": "any ONNX runtime (standard ONNX"
             + (", model-local function)" if result is not None and result.op_type else ")"),
             "fused_attention": result.fused_attention if result else 0}}
+        optimizer_note = None
+        fuses = False
+        cache: dict = {}
         if optimized_graph_applies(info, opts):
             ts_raw = raw_path
-            if opts.exporter != "torchscript":
-                ts_raw = tmp / ".raw-ts" / ONNX_FILE
+            step = "ONNX Runtime's transformer optimizer"
+            try:
+                if opts.exporter != "torchscript":
+                    ts_raw = tmp / ".raw-ts" / ONNX_FILE
+                    step = "the TorchScript export ONNX Runtime's optimizer needs"
+                    with console.third_party_output():
+                        torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
+                    step = "ONNX Runtime's transformer optimizer"
                 with console.third_party_output():
-                    torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
+                    fuses, optimizer_note = _optimizer_fuses(info, ts_raw, cache)
+            except Exception as exc:  # noqa: BLE001 - the optimized graph is optional; say why it is missing
+                optimizer_note = (f"{step} failed on this {info.model_type} model ({type(exc).__name__}: "
+                                  f"{_first_line(exc)[:200]}), so no {OPTIMIZED_GRAPH} is written")
+            if not fuses:
+                _log(f"[2/4] {optimizer_note}", quiet)
+                cache.clear()
+                shutil.rmtree(ts_raw.parent, ignore_errors=True)
+        if opts.placement == "attention" and config is not None and not fuses:
+            raise ExportError("--placement attention rewrites ONNX Runtime's fused attention: "
+                              + (optimizer_note or "this export writes no optimized graph")
+                              + "; use --placement auto")
+        if fuses:
             _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
                  + (f" with {plan.optimized} placement" if plan else ""), quiet)
             from ..graphs.placement_base import count_fused_attention
 
-            cache: dict = {}
             with console.third_party_output():
                 opt_model, _ = _optimized_graph(info, ts_raw, config, plan.optimized if plan else None,
                                                 info.num_layers, ts_raw.parent, cache)
@@ -404,6 +483,9 @@ def export(
             "op_attributes": result.attrs if result else None,
             "source_model": str(info.root),
             "model_type": info.model_type,
+            "architecture": info.architecture,
+            # Architectures outside modelinfo.TESTED_MODEL_TYPES export when every step passes, labelled so.
+            "tested": info.tested,
             "num_layers": info.num_layers,
             "pooling": pooling,
             "normalize": info.normalize,
@@ -415,6 +497,7 @@ def export(
             "exporter": opts.exporter,
             "placement": opts.placement if config is not None else None,
             "placement_reason": plan.reason if plan else None,
+            "optimizer": optimizer_note,
             "graphs": graphs,
             "fp16": opts.fp16,
             "files": loader_files(tmp),

@@ -52,12 +52,16 @@ def export_normalize(emb: torch.Tensor) -> torch.Tensor:
 
 
 class SentenceEmbeddingModule(nn.Module):
-    def __init__(self, model: nn.Module, pooling: str, normalize: bool, decoder: bool = False) -> None:
+    def __init__(self, model: nn.Module, pooling: str, normalize: bool, extra: dict | None = None,
+                 head: nn.Module | None = None) -> None:
+        """`extra`: fixed forward keyword arguments (`modelinfo.forward_kwargs`: no KV cache for decoders);
+        `head`: the sentence-transformers Dense modules (`modelinfo.load_dense_head`), after pooling."""
         super().__init__()
         self.model = model
+        self.head = head
         self.pooling = pooling
         self.normalize = normalize
-        self.decoder = decoder
+        self.extra = dict(extra or {})
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
@@ -65,10 +69,11 @@ class SentenceEmbeddingModule(nn.Module):
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
-        if self.decoder:
-            kwargs["use_cache"] = False
+        kwargs.update(self.extra)
         hidden = self.model(**kwargs).last_hidden_state
         emb = export_pool(hidden, attention_mask, self.pooling)
+        if self.head is not None:
+            emb = self.head(emb)
         if self.normalize:
             emb = export_normalize(emb)
         return hidden, emb

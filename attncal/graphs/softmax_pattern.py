@@ -5,7 +5,8 @@ the value `MatMul` as its first input, directly or through `Cast`/`Identity`
 nodes (fp32 upcasts in Qwen3/ModernBERT eager attention), or through an
 existing attncal calibration node.  Each match is attributed to a layer index
 from the exporter's scope metadata (`pkg.torch.onnx.name_scopes`, dynamo) or
-from the node name (TorchScript exporter: `/encoder/layer.3/attention/self/Softmax`).
+from the node name (TorchScript exporter: `/encoder/layer.3/attention/self/Softmax`): the first
+indexed layer container on the path (`layer.N`, `layers.N`, `block.N`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import onnx_ir as ir
 
 from .contract import DOMAIN
 
-_LAYER_RE = re.compile(r"(?:^|[./])(?:layer|layers)\.(\d+)(?:[./]|$)")
+# The first indexed layer container on the module path: `layer.3` (BERT), `layers.3` (Qwen3), `block.3` (T5,
+# whose block then holds `layer.0` = self-attention, `layer.1` = feed-forward).
+_LAYER_RE = re.compile(r"(?:^|[./])(?:layer|layers|block|blocks)\.(\d+)(?:[./]|$)")
 _PASS_THROUGH = {("", "Cast"), ("", "Identity"), ("", "Dropout")}
 FUSED_ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention"}
 

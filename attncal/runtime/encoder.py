@@ -9,7 +9,6 @@ from typing import Sequence
 import numpy as np
 
 from ..artifact import (
-    CONFIG_FILE,
     NATIVE_GRAPH,
     ONNX_FILE,
     ONNX_SUBDIR,
@@ -18,7 +17,7 @@ from ..artifact import (
     ExportDir,
     MissingArtifactError,
     check_model_files,
-    read_json,
+    config_int,
     read_metadata,
 )
 
@@ -159,6 +158,12 @@ class Encoder:
                                 f"({type(exc).__name__}: {_first_line(exc)})") from None
         self.tokenizer.padding_side = self.meta.get("padding_side", "right")
         self.max_length = self.meta.get("max_seq_length")
+        from ..modelinfo import UnsupportedModelError, read_prompts
+
+        try:
+            self.prompts, self.default_prompt_name = read_prompts(self.path)
+        except UnsupportedModelError as exc:
+            raise ArtifactError(self.path / "config_sentence_transformers.json", str(exc)) from None
         so = session_options
         if so is None:
             from .. import console
@@ -184,10 +189,7 @@ class Encoder:
         dim = self.session.get_outputs()[1].shape[-1]
         if isinstance(dim, int):
             return dim
-        cfg = read_json(self.path / CONFIG_FILE, "model config")
-        if not isinstance(cfg.get("hidden_size"), int):
-            raise ArtifactError(self.path / CONFIG_FILE, "has no integer 'hidden_size' (the embedding size)")
-        return int(cfg["hidden_size"])
+        return config_int(self.path, "hidden_size")
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         with self._tokenizer_lock:
@@ -212,12 +214,22 @@ class Encoder:
         batch_size: int = 32,
         show_progress: bool = False,
         sort_by_length: bool = True,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> np.ndarray:
         """`sentence_embedding` of every text, float32 [N, D], in input order ([0, D] for no text).
 
+        `prompt_name` / `prompt` put a prompt before every text as sentence-transformers does (EmbeddingGemma's
+        "query" / "document"); without them the model's default prompt applies, if it has one.
         Safe to call from several threads at once: tokenizer calls are serialised, ONNX Runtime
         sessions run concurrently."""
         texts = check_texts(texts)
+        from ..modelinfo import choose_prompt
+
+        text_prompt = choose_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt)
+        if text_prompt:
+            texts = [text_prompt + t for t in texts]
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         from tqdm.auto import tqdm

@@ -41,6 +41,7 @@ from ..artifact import (
     ArtifactError,
     MissingArtifactError,
     check_dir,
+    config_int,
     load_onnx_checked,
     open_export,
     read_json,
@@ -110,14 +111,21 @@ def _read_export(out_dir: Path) -> dict:
     inputs, dim, etype = _onnx_signature(onnx_file, protos[exp.graphs[0]])
     del protos
     if dim is None:
-        hidden = read_json(out_dir / CONFIG_FILE, "model config").get("hidden_size")
-        dim = hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
-    if not dim:
-        raise ArtifactError(onnx_file, "cannot tell the embedding size (no static dimension, no hidden_size "
-                                       "in config.json)")
+        try:
+            dim = config_int(out_dir, "hidden_size")
+        except ArtifactError:
+            raise ArtifactError(onnx_file, "cannot tell the embedding size (no static dimension, no hidden size "
+                                           "in config.json)") from None
     optimized = onnx_file.with_name(OPTIMIZED_ONNX_FILE)
     serve = optimized if optimized.is_file() else onnx_file
-    return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype}
+    from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
+
+    try:  # the model's default prompt, put before every text as attncal.Encoder and sentence-transformers do
+        prompt = choose_prompt(*read_prompts(out_dir))
+    except UnsupportedModelError as exc:
+        raise ArtifactError(out_dir / "config_sentence_transformers.json", str(exc)) from None
+    return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype,
+            "prompt": prompt}
 
 
 def _native_library(opts: RepoOptions) -> tuple[str | None, bool]:
@@ -211,7 +219,8 @@ def tokenizer_config(name: str, exp: dict, opts: RepoOptions) -> dict:
         "output": [{"name": n, "data_type": Enum("TYPE_INT64"), "dims": [-1]} for n in exp["inputs"]],
         "dynamic_batching": _batching(opts),
         "instance_group": [{"count": opts.instances, "kind": Enum("KIND_CPU")}],
-        "parameters": _params(max_length=max_len, padding_side=meta.get("padding_side", "right"), padding=padding),
+        "parameters": _params(max_length=max_len, padding_side=meta.get("padding_side", "right"), padding=padding,
+                              prompt=exp.get("prompt") or None),
     }
 
 

@@ -5,9 +5,11 @@ repository deploys on any Triton whose Python has numpy, transformers and
 tokenizers.  The tokenizer files sit beside this file in `tokenizer/`.
 
 Parameters (config.pbtxt): `max_length` (truncation length), `padding_side`
-(left | right) and `padding` ("longest": pad each request to its longest text,
+(left | right), `padding` ("longest": pad each request to its longest text,
 for the Python encoder which re-pads across requests; "max_length": pad to
-`max_length` so same-shape requests batch in the onnxruntime/TensorRT backends).
+`max_length` so same-shape requests batch in the onnxruntime/TensorRT backends)
+and `prompt` (the model's default sentence-transformers prompt, put before every
+text; absent when it has none).
 
 A request fails alone, with a message, when a text is not valid UTF-8, is
 empty, or the request holds no text; texts longer than `max_length` tokens are
@@ -36,6 +38,7 @@ class TritonPythonModel:
         self.tokenizer.padding_side = params.get("padding_side", "right")
         self.max_length = int(params["max_length"]) if params.get("max_length") else None
         self.padding = params.get("padding", "longest")
+        self.prompt = params.get("prompt", "")
         if self.padding not in ("longest", "max_length"):
             raise ValueError(f"padding must be longest or max_length, not {self.padding!r}")
         self.input_name = config["input"][0]["name"]
@@ -56,7 +59,7 @@ class TritonPythonModel:
                     raise ValueError(f"text {i} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
             if not text:
                 raise ValueError(f"text {i} is empty")
-            texts.append(text)
+            texts.append(self.prompt + text)
         return texts
 
     def _encode(self, texts):
