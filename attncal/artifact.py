@@ -203,7 +203,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "opset": (int,), "exporter": (str,), "placement": (str, _NONE), "placement_reason": (str, _NONE),
     "graphs": (dict,), "op_type": (str, _NONE), "op_attributes": (dict, _NONE), "fp16": (bool,),
     "parity": (dict, _NONE), "normalize": (bool,), "versions": (dict,), "files": (list,),
-    "architecture": (str,), "tested": (bool,), "optimizer": (str, _NONE)
+    "architecture": (str,), "tested": (bool,), "optimizer": (str, _NONE), "quantization": (dict, _NONE),
 }
 
 

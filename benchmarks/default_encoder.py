@@ -6,6 +6,11 @@ Texts are about `--tokens` tokens long; the two encoders run interleaved and the
 wall times is reported.
 
     python benchmarks/default_encoder.py [--texts 48] [--tokens 256] [--rounds 5] [--workdir DIR] [--json out.json]
+                                         [--int8]
+
+`--int8` adds `attncal export --quantize int8` of both (ratios to the fp32 uncalibrated Encoder, which users
+would otherwise run) and the cosine between int8 and fp32 calibrated embeddings of real prose (the Python
+Language Reference passages of `attncal eval --make-posq-example pyref`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--workdir", default=None, help="where the two exports are cached (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--int8", action="store_true", help="also time int8 exports and report the int8 cosine")
     ap.add_argument("--calibrated-first", action="store_true",
                     help="create the calibrated session first (in one process the first ONNX Runtime session "
                          "created can run slower than later ones: run both orders and compare)")
@@ -39,11 +45,17 @@ def main() -> None:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="attncal-default-"))
     outs = {}
-    for name, cal in (("uncalibrated", False), ("calibrated", True)):
+    variants = [("uncalibrated", False, None), ("calibrated", True, None)]
+    if args.int8:
+        variants += [("uncalibrated-int8", False, "int8"), ("calibrated-int8", True, "int8")]
+    for name, cal, quant in variants:
         outs[name] = work / name
         if not (outs[name] / "attncal.json").exists():
-            export(default_model_path(), outs[name], ExportOptions(calibrate=cal, overwrite=True), quiet=True)
-    order = ["calibrated", "uncalibrated"] if args.calibrated_first else ["uncalibrated", "calibrated"]
+            export(default_model_path(), outs[name], ExportOptions(calibrate=cal, overwrite=True, quantize=quant),
+                   quiet=True)
+    order = [v[0] for v in variants]
+    if args.calibrated_first:
+        order = order[1::2] + order[0::2]
     encs = {n: Encoder(outs[n], intra_op_threads=args.threads) for n in order}
     sentence = "Dense retrieval encodes each passage of a collection into one vector for nearest-neighbour search. "
     words = (sentence * (args.tokens // 8 + 10)).split()
@@ -72,12 +84,30 @@ def main() -> None:
         "threads": args.threads, "session_order": order, "graphs": {n: e.graph_file for n, e in encs.items()},
         "placement": json.loads((outs["calibrated"] / "attncal.json").read_text())["graphs"],
         "median_s": med, "ratio": med["calibrated"] / med["uncalibrated"],
+        "ratios_to_fp32_uncalibrated": {n: med[n] / med["uncalibrated"] for n in med},
     }
+    if args.int8:
+        res["int8_cosine_real_prose"] = _int8_cosine(encs)
     for g in res["placement"].values():
         g.pop("parity", None)
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+def _int8_cosine(encs: dict) -> dict:
+    """Cosine between int8 and fp32 calibrated embeddings of real prose passages (p1, p50, min)."""
+    import numpy as np
+
+    from attncal.eval.realtext import python_reference_documents
+
+    docs, _ = python_reference_documents()
+    passages = [d.text for d in docs][:256]
+    a = encs["calibrated-int8"].encode(passages)
+    b = encs["calibrated"].encode(passages)
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {"passages": len(passages), "p1": float(np.percentile(cos, 1)), "p50": float(np.median(cos)),
+            "min": float(cos.min())}
 
 
 if __name__ == "__main__":

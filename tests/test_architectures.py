@@ -130,7 +130,7 @@ def test_dense_modules_and_prompts(tmp_path, capsys):
     cfg = CalibrationConfig(pooling="mean", basket_size=BASKET)
     for src, dim in ((gemma, 24), (distiluse, 20)):
         out = tmp_path / f"{src.name}-out"
-        meta = export(src, out, ExportOptions(config=cfg), quiet=True)
+        meta = export(src, out, ExportOptions(config=cfg, optimized=src == distiluse), quiet=True)
         assert all(g["parity"]["max_abs"] <= 1e-5 for g in meta["graphs"].values())
         assert (out / "2_Dense" / "model.safetensors").exists(), "sentence-transformers runs Dense from the export"
         ref = TorchEncoder(src)

@@ -119,6 +119,10 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
         assert (out / f).exists(), f
     assert not any(p.suffix == ".safetensors" for p in out.rglob("*"))
     assert meta["tested"] is True and main(["check", str(out)]) == 0  # `attncal check` on every architecture
+    # The optimizer is tried on every architecture; where it fuses every layer the optimized graph is written.
+    fuses = arch in ("bert", "xlm-roberta", "distilbert", "roberta")
+    assert ("onnx/model_optimized.onnx" in meta["graphs"]) == fuses
+    assert ("in all 4 layers" if fuses else "so no onnx/model_optimized.onnx is written") in meta["optimizer"]
 
 
 def test_rewrite_is_idempotent_and_reports_missing_patterns(base_exports, tmp_path):

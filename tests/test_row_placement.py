@@ -113,7 +113,8 @@ def test_row_placement_export_matches_softmax_placement_and_torch(arch, exporter
     pooling = "last" if arch == "qwen3" else "cls"
     cfg = CalibrationConfig(pooling=pooling, basket_size=16, strength=0.8)
     path = tiny_models[arch]
-    opts = dict(exporter=exporter, check=False)
+    fuses = arch in ("bert", "xlm-roberta", "distilbert", "roberta")  # ORT's optimizer fuses their attention
+    opts = dict(exporter=exporter, check=False, optimized=fuses)
     export(path, tmp_path / "softmax", ExportOptions(config=cfg, **opts), quiet=True)
     meta = export(path, tmp_path / "row", ExportOptions(config=cfg, placement="row", **opts), quiet=True)
     assert meta["placement"] == "row"
@@ -121,7 +122,7 @@ def test_row_placement_export_matches_softmax_placement_and_torch(arch, exporter
     onnx.checker.check_model(model, full_check=True)  # the portable graph: standard ONNX + function body
     assert not any(n.domain == "com.microsoft" for n in model.graph.node)
     optimized = tmp_path / "row" / "onnx" / "model_optimized.onnx"
-    assert optimized.exists() == (arch in ("bert", "xlm-roberta", "distilbert", "roberta"))  # beside fused attention
+    assert optimized.exists() == fuses  # beside ORT-fused attention
     if optimized.exists():
         m = onnx.load(str(optimized))
         assert sum(n.op_type == "Attention" and n.domain == "com.microsoft" for n in m.graph.node) == 4

@@ -2,7 +2,8 @@
 calibrated export of each (default placement), parity with `attncal.Encoder` over HTTP.
 
 The EmbeddingGemma-shaped export (Dense modules, a default prompt) checks that the served tokenizer puts
-the model's default prompt before every text, as the Encoder and sentence-transformers do.
+the model's default prompt before every text, as the Encoder and sentence-transformers do; an int8 export
+(`--quantize int8`) is served the same way.
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ def served(tmp_path_factory):
     cases["gemma-st"] = dict(arch="gemma3_text", dense=((48, "Identity", False), (24, "Identity", False)),
                              prompts={"query": "task: search result | query: ", "document": "title: none | text: "},
                              default_prompt_name="document")
+    cases["bert-int8"] = dict(arch="bert", quantize="int8")
     encoders = {}
     for name, extra in cases.items():
         arch = extra.pop("arch", name)
+        quantize = extra.pop("quantize", None)
         src = save_synthetic_model(arch, root / f"src-{name}", seed=5, max_positions=128, max_seq_length=MAX_LEN,
                                    **extra)
         out = root / name
         export(str(src), out, ExportOptions(config=CalibrationConfig(basket_size=8, strength=1.0), check=False,
-                                            optimized=False),
+                                            optimized=False, quantize=quantize),
                quiet=True)
         build_repository(out, repo, RepoOptions(name=name.replace("_", "-"), max_batch=8, max_queue_delay_us=2000))
         encoders[name] = Encoder(out, providers=["CPUExecutionProvider"])

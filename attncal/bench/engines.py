@@ -21,7 +21,7 @@ from ..calibration.config import CalibrationConfig
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
            "ort-opt-cal", "ort-opt-split", "ort-opt-native", "ort-cal-lib", "ort-fused", "ort-fused-lib", "ort-split",
-           "ort-row")
+           "ort-row", "ort-int8", "ort-cal-int8")
 
 # engine -> (export directory, graph of that export, calibrated?, native library policy)
 #   ort / ort-opt:   the uncalibrated export's portable / ORT-optimized graph
@@ -33,6 +33,8 @@ ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", 
 #   ort-opt-split:   that export's onnx/model_optimized.onnx (split / row placement, no custom op) whatever is built
 #   ort-opt-native:  that export's onnx/model_optimized_native.onnx with the native library (required)
 #   ort-split/-row:  split / row placement on the portable graph (standard ONNX)
+#   ort-int8 / ort-cal-int8: `attncal export --quantize int8` of the uncalibrated / calibrated model, graph="auto"
+#                    as `Encoder` runs it (compare with ort-opt / ort-opt-cal)
 _ORT_ENGINES = {
     "ort": ("uncal", "portable", False),
     "ort-opt": ("uncal", "optimized", False),
@@ -45,10 +47,14 @@ _ORT_ENGINES = {
     "ort-opt-native": ("opt-cal", "native", True),
     "ort-split": ("split", "portable", None),
     "ort-row": ("row", "portable", None),
+    "ort-int8": ("uncal-int8", "auto", None),
+    "ort-cal-int8": ("opt-cal-int8", "auto", None),
 }
 _EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the workspace's placement)
     "uncal": None, "cal": "softmax", "fused": "fused-softmax", "opt-cal": "bench", "split": "split", "row": "row",
+    "uncal-int8": None, "opt-cal-int8": "bench",
 }
+_INT8_EXPORTS = ("uncal-int8", "opt-cal-int8")
 DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib",
                    "ort-fused-lib")
 
@@ -96,7 +102,8 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
         # TorchScript export: ONNX Runtime's transformer optimizer fuses its attention pattern.
         opts = ExportOptions(config=ws.config, calibrate=placement is not None, exporter="torchscript", check=False,
                              overwrite=True, placement=placement or "auto",
-                             optimized=name in ("uncal", "opt-cal"))
+                             optimized=name in ("uncal", "opt-cal", *_INT8_EXPORTS),
+                             quantize="int8" if name in _INT8_EXPORTS else None)
         try:
             export(ws.model, ws.export_dir(name), opts, quiet=quiet)
         except ValueError as exc:  # e.g. row placement with mean pooling

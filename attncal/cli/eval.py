@@ -8,6 +8,8 @@ Examples:
   attncal eval my-model --data my-posq --out results/
   attncal eval default --make-posq-example pyref --strength 0,0.5,1 --baselines sea --out results/
                                                      # real-prose example (the Python Language Reference)
+  attncal eval --compare uncal/ cal/ int8/ --data my-posq --out drift/
+                                                     # retrieval drift of exports against the first one
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--sea-chunk-tokens", type=int, default=128, help="SEA chunk size in tokens (default %(default)s)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    c = p.add_argument_group("comparing exports (retrieval drift)")
+    c.add_argument("--compare", nargs="+", metavar="EXPORT",
+                   help="score two or more attncal export directories on the same set, side by side, with each "
+                   "one's deltas against the first (the baseline); instead of MODEL")
+    c.add_argument("--bootstrap", type=int, default=None, metavar="N",
+                   help="paired bootstrap resamples of the queries for the delta intervals (default "
+                   "1000; seeded by --seed)")
     p.add_argument("--make-synthetic", metavar="DIR",
                    help="write the small synthetic position-controlled set to DIR; with a MODEL, evaluate on it")
     p.add_argument("--synthetic-per-class", type=int, default=30, help="passages per position class (default 30)")
@@ -83,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drop-words", type=float, default=0.5,
                    help="share of a sentence's words dropped to make its query (default %(default)s)")
     g.add_argument("--max-passages", type=int, default=None, help="keep a seeded sample of at most N passages")
-    g.add_argument("--seed", type=int, default=0, help="seed for query sentences and dropped words (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed for query sentences and dropped words, and for "
+                   "the bootstrap of --compare (default 0)")
     add_calibration_args(p)
     for action in p._actions:  # eval sweeps λ: --strength takes a comma-separated list here
         if action.dest == "strength":
@@ -171,7 +181,11 @@ def _make_posq(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_posq_example(args: argparse.Namespace) -> None:
+def _make_posq_example(args: argparse.Namespace, tokenizer_model: str | None = None) -> None:
+    """Build the real-prose set into --make-posq-example DIR and point --data at it.
+
+    Passages are counted with `tokenizer_model`'s tokenizer (with --compare: the
+    baseline export's), else MODEL's, else the default model's."""
     from ..eval.posq_builder import build_posq, load_tokenizer, write_posq
     from ..eval.realtext import python_reference_documents
 
@@ -181,7 +195,7 @@ def _make_posq_example(args: argparse.Namespace) -> None:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.overwrite)):
         raise FileExistsError(f"{out} exists and is not an empty directory; pass --overwrite to replace it")
     docs, source = python_reference_documents()
-    tokenizer, max_length, label = load_tokenizer(args.model or "default")
+    tokenizer, max_length, label = load_tokenizer(tokenizer_model or args.model or "default")
     posq = build_posq(docs, tokenizer, max_length, _posq_options(args), tokenizer_label=label, source=source)
     write_posq(out, posq, overwrite=args.overwrite)
     _print_posq(posq, out)
@@ -191,6 +205,12 @@ def _make_posq_example(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..eval import EvalOptions, evaluate, load_dataset, write_synthetic
 
+    if args.compare is not None:
+        from .eval_compare import run_compare
+
+        return run_compare(args)
+    if args.bootstrap is not None:
+        raise CLIError("--bootstrap applies to --compare only")
     makers = [f for f in ("make_synthetic", "make_posq", "make_posq_example") if getattr(args, f)]
     if len(makers) > 1:
         raise CLIError(" and ".join("--" + f.replace("_", "-") for f in makers) + " are exclusive")
@@ -226,10 +246,15 @@ def run(args: argparse.Namespace) -> int:
     from ..eval.report import markdown_table
 
     sys.stdout.write(markdown_table(results["rows"], data.groups))
+    return finish(args, results, "plots")
+
+
+def finish(args: argparse.Namespace, results: dict, plots: str) -> int:
+    """The notes, the command log beside the report, and where the report went (`plots`: their name)."""
     for n in results["notes"]:
         print(f"note: {n}")
     if args.out:
         write_command_log(args, Path(args.out) / LOG_FILE)
-        print(f"wrote {args.out} (results.md, results.json{', plots' if not args.no_plots else ''}, {LOG_FILE}) "
+        print(f"wrote {args.out} (results.md, results.json{', ' + plots if not args.no_plots else ''}, {LOG_FILE}) "
               f"in {results['seconds']} s")
     return 0

@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-calibration", action="store_true", help="export the uncalibrated model")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset, >= 18 (default %(default)s)")
     p.add_argument("--fp16", action="store_true", help="export weights and activations in float16")
+    p.add_argument("--quantize", choices=("int8",), default=None,
+                   help="int8: quantize every graph with ONNX Runtime's dynamic quantization (int8 weights per "
+                        "channel; attention core and calibration stay fp32), for CPU serving; parity is then "
+                        "judged by cosine to the fp32 PyTorch reference (see attncal check)")
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
@@ -62,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         check=not args.skip_check,
         placement=args.placement,
         optimized=args.optimized,
+        quantize=args.quantize,
     )
     try:
         meta = export(args.model, args.out, opts)
@@ -76,8 +81,14 @@ def run(args: argparse.Namespace) -> int:
         print("uncalibrated")
     for graph_file, g in meta["graphs"].items():
         line = f"  {graph_file}: placement {g['placement'] or 'none'}, fused attention nodes {g['fused_attention']}"
-        if g.get("parity"):
-            line += f", parity vs PyTorch max abs {g['parity']['max_abs']:.3g}"
+        if g.get("quantized_nodes"):
+            line += f", {g['quantized_nodes']} weight nodes int8"
+        par = g.get("parity")
+        if par:
+            line += f", parity vs PyTorch max abs {par['max_abs']:.3g}"
+            if par.get("precision") not in (None, "fp32"):
+                line += f", cosine min {par['min_cos']:.5f} p50 {par.get('p50_cos') or float('nan'):.5f} " \
+                        f"({par['precision']})"
         print(line)
     from ..export.exporter import EXPORT_LOG_FILE
 

@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
               f"{label}")
     if meta.get("optimizer"):
         print(f"optimizer  {meta['optimizer']}")
+    quant = meta.get("quantization")
+    if isinstance(quant, dict):
+        print(f"precision  {quant.get('precision')} ({quant.get('method')})")
+    elif meta.get("fp16"):
+        print("precision  fp16")
     if meta.get("calibrated"):
         print(f"export     {path}: layers {meta.get('calibrated_layers')}, pooling {meta.get('pooling')}, "
               f"requested placement {meta.get('placement')}")
@@ -85,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         _describe_graph(path / graph_file, info.get("placement") if meta.get("calibrated") else None,
                         protos[graph_file])
-        if isinstance(info.get("parity"), dict) and isinstance(info["parity"].get("max_abs"), (int, float)):
-            print(f"parity     max |Δ| vs PyTorch {info['parity']['max_abs']:.3g} at export")
+        par = info.get("parity")
+        if isinstance(par, dict) and isinstance(par.get("max_abs"), (int, float)):
+            cos = (f", cosine min {par['min_cos']:.5f} p50 {par['p50_cos']:.5f}"
+                   if isinstance(par.get("p50_cos"), (int, float)) and par.get("precision") != "fp32" else "")
+            print(f"parity     max |Δ| vs PyTorch {par['max_abs']:.3g}{cos} at export ({par.get('precision', 'fp32')})")
     return 0

@@ -4,10 +4,12 @@
 PosIR/BEIR layout), `evaluate` encodes, searches and scores a list of configs
 (nDCG@10 per position group, harmonic mean, PSI, deltas against the
 uncalibrated model), `write_synthetic` builds a small position-controlled set,
-`make_posq` builds a position-labelled set from a user's own documents and
-`python_reference_documents` gives the real-prose example corpus.
+`make_posq` builds a position-labelled set from a user's own documents,
+`python_reference_documents` gives the real-prose example corpus, and
+`compare_exports` reports the retrieval drift between attncal exports.
 """
 
+from .compare import CompareOptions, compare_exports
 from .data import Dataset, DataError, load_dataset
 from .posq_builder import Document, PosqOptions, build_posq, make_posq, write_posq
 from .metrics import GroupScores, group_scores, harmonic_mean, psi
@@ -16,7 +18,8 @@ from .realtext import python_reference_documents
 from .synthetic_set import make_passages, write_synthetic
 
 __all__ = [
-    "DataError", "Dataset", "Document", "EvalOptions", "PosqOptions", "build_posq", "make_posq",
+    "CompareOptions", "DataError", "Dataset", "Document", "EvalOptions", "PosqOptions", "build_posq", "make_posq",
+    "compare_exports",
     "python_reference_documents", "write_posq", "GroupScores", "evaluate", "exact_search", "group_scores",
     "harmonic_mean", "load_dataset", "make_passages", "psi", "write_synthetic",
 ]

@@ -68,7 +68,14 @@ def group_scores(
     group: Mapping[str, str],
     groups: tuple[str, ...],
 ) -> GroupScores:
-    pq = per_query(qrels, run)
+    return scores_from_per_query(per_query(qrels, run), group, groups)
+
+
+def scores_from_per_query(
+    pq: Mapping[str, Mapping[str, float]], group: Mapping[str, str], groups: tuple[str, ...]
+) -> GroupScores:
+    """Group the per-query scores of `per_query`; separate so that a caller that also needs the
+    per-query values (the paired bootstrap of `attncal eval --compare`) scores each run once."""
     by_group: dict[str, list[float]] = {g: [] for g in groups}
     for q, scores in pq.items():
         if q in group:
@@ -84,3 +91,15 @@ def group_scores(
         ndcg10=statistics.fmean(s["ndcg10"] for s in pq.values()),
         recall10=statistics.fmean(s["recall10"] for s in pq.values()),
     )
+
+
+def score_delta(scores: dict, base: dict) -> dict[str, float | None]:
+    """`scores` minus `base` (two `GroupScores.to_dict()`s): group_<name>, hm, psi, ndcg10, recall10;
+    None where either side is undefined (to_dict writes NaN as None)."""
+    def d(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a - b
+
+    out = {f"group_{g}": d(scores["groups"].get(g), base["groups"].get(g)) for g in base["groups"]}
+    for k in ("hm", "psi", "ndcg10", "recall10"):
+        out[k] = d(scores[k], base[k])
+    return out

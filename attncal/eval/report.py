@@ -29,7 +29,8 @@ def config_label(cfg: CalibrationConfig) -> str:
     return " ".join(parts)
 
 
-def _fmt(v: Any, signed: bool = False) -> str:
+def fmt(v: Any, signed: bool = False) -> str:
+    """A table cell: three decimals (signed for deltas), `n/a` for an undefined value."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
     return f"{v:+.3f}" if signed else f"{v:.3f}"
@@ -44,8 +45,8 @@ def markdown_table(rows: list[dict], groups: tuple[str, ...], key: str = "scores
         if s is None:
             continue
         delta = (row.get("delta") or {}).get("hm") if key == "scores" else None
-        cells = [row["label"], *(_fmt(s["groups"].get(g)) for g in groups), _fmt(s["hm"]), _fmt(s["psi"]),
-                 _fmt(s["ndcg10"]), _fmt(s["recall10"]), _fmt(delta, signed=True)]
+        cells = [row["label"], *(fmt(s["groups"].get(g)) for g in groups), fmt(s["hm"]), fmt(s["psi"]),
+                 fmt(s["ndcg10"]), fmt(s["recall10"]), fmt(delta, signed=True)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -9,9 +9,6 @@ a delta against it.
 from __future__ import annotations
 
 import json
-import math
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +19,8 @@ import numpy as np
 from ..calibration.config import CalibrationConfig
 from .data import Dataset
 from .encoders import Backend, EncodeCache, OnnxBackend, TorchBackend, chunker_id, segment_embed_average
-from .metrics import group_scores
+from .metrics import group_scores, score_delta
+from .output import atomic_output_dir, check_out_dir, hash_texts, json_default, library_versions
 from .report import config_label, markdown_table, plot_groups_vs_strength, plot_hm_psi_vs_strength, truncation_section
 
 BASELINES = ("sea",)
@@ -90,11 +88,9 @@ def open_backends(
     if src and Path(src).is_dir():
         notes.append(f"queries and the uncalibrated row are encoded in PyTorch from the export's source model {src}")
         return onnx, TorchBackend(src, batch_size=opts.batch_size, max_length=onnx.max_length), notes
-    from .encoders import content_lengths
-
+    untouched, longest = queries_left_uncalibrated(onnx, query_texts)
     rc = onnx.stored.resolve()
-    longest = max(content_lengths(onnx, query_texts)) - rc.n_isolated
-    if rc.skip_short and longest < rc.basket_size:
+    if untouched:
         notes.append(f"the export's source model is not on disk; queries (at most {longest} content tokens, less than "
                      f"one basket of {rc.basket_size}) are encoded by the export, which leaves them uncalibrated; "
                      "no uncalibrated corpus row")
@@ -104,6 +100,24 @@ def open_backends(
         f"encoded uncalibrated (the longest query has {longest} content tokens >= one basket of {rc.basket_size}); "
         "pass the model directory instead"
     )
+
+
+def queries_left_uncalibrated(onnx: OnnxBackend, query_texts: Sequence[str]) -> tuple[bool, int]:
+    """(whether the export's stored calibration provably leaves every query unchanged, longest query's
+    content tokens).
+
+    Queries are never calibrated (calibration is an indexing-time change); a
+    calibrated export may still encode them itself when every query is shorter
+    than one basket and skip_short is on, because the calibrated rows are then
+    skipped and the graph computes the uncalibrated embedding.
+    """
+    from .encoders import content_lengths
+
+    if onnx.stored is None:
+        return True, 0
+    rc = onnx.stored.resolve()
+    longest = max(content_lengths(onnx, query_texts), default=0) - rc.n_isolated
+    return bool(rc.skip_short and longest < rc.basket_size), longest
 
 
 def _length_bucket_of(lengths: dict[str, int], edges: Sequence[int]) -> dict[str, str]:
@@ -123,19 +137,6 @@ def _scores_dict(data: Dataset, run: dict, qids: Sequence[str], bucket_of_query:
     return out
 
 
-def _delta(s: dict, base: dict | None) -> dict | None:
-    if base is None:
-        return None
-
-    def d(a, b):
-        return None if a is None or b is None else a - b
-
-    out = {f"group_{g}": d(s["groups"].get(g), base["groups"].get(g)) for g in base["groups"]}
-    for k in ("hm", "psi", "ndcg10", "recall10"):
-        out[k] = d(s[k], base[k])
-    return out
-
-
 def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | None = None,
              overwrite: bool = False) -> dict:
     """Run the evaluation; write the report to `out` (atomically) when given. Returns results.json's content."""
@@ -151,9 +152,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
         edges = list(opts.length_buckets)
         if not edges or edges != sorted(set(edges)) or edges[0] < 1:
             raise ValueError(f"length buckets must be increasing positive token counts, got {edges}")
-    out_path = Path(out) if out is not None else None
-    if out_path is not None and out_path.exists() and any(out_path.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_path} exists and is not empty; pass --overwrite to replace it")
+    out_path = check_out_dir(out, overwrite)
     qids = data.query_ids()
     if not qids:
         raise ValueError(f"{data.name}: no query has both a relevant document and a position group")
@@ -174,7 +173,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
     cache = EncodeCache(opts.cache_dir)
     fp = data.fingerprint()
     q_enc = plain if plain is not None else backend
-    q_emb = cache.get_or_encode(q_enc, None, _hash_texts(q_texts), "queries",
+    q_emb = cache.get_or_encode(q_enc, None, hash_texts(q_texts), "queries",
                                 lambda: q_enc.encode(q_texts, None, desc="encode queries"))
     lengths = dict(zip(dids, token_counts(q_enc.tokenizer, d_texts)))
     truncation = truncation_stats(data, qids, lengths, effective_max_length(backend))
@@ -220,7 +219,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
     notes += cache.repaired
     base = next((r["scores"] for r in rows if r["kind"] == "uncalibrated"), None)
     for r in rows:
-        r["delta"] = None if r["kind"] == "uncalibrated" else _delta(r["scores"], base)
+        r["delta"] = None if r["kind"] == "uncalibrated" or base is None else score_delta(r["scores"], base)
     results = {
         "model": str(model),
         "backend": backend.kind,
@@ -238,7 +237,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
         "cache": {"dir": None if cache.root is None else str(cache.root), "hits": cache.hits, "misses": cache.misses,
                   "repaired": list(cache.repaired)},
         "notes": notes,
-        "versions": _versions(),
+        "versions": library_versions(),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if out_path is not None:
@@ -289,26 +288,7 @@ def truncation_note(t: dict) -> str:
             "'Length and truncation' in results.md for the scores without them")
 
 
-def _hash_texts(texts: Sequence[str]) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for t in texts:
-        h.update(t.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("attncal", "ir-measures", "torch", "transformers", "onnxruntime", "chonkie"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+_hash_texts = hash_texts  # the name docs/eval/bootstrap_ci.py imports
 
 
 def _example_passage(data: Dataset) -> str:
@@ -320,11 +300,7 @@ def _example_passage(data: Dataset) -> str:
 
 def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Backend | None,
            configs: list[CalibrationConfig], labels: list[str], opts: EvalOptions) -> None:
-    from ..artifact import commit_dir
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_output_dir(out) as tmp:
         rows = results["rows"]
         text = [f"# attncal eval: {data.name} ({data.layout}, {results['dataset']['passages']} passages, "
                 f"{results['dataset']['queries']} queries)\n\n",
@@ -356,17 +332,6 @@ def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Bac
                 results["plots"]["attention_baskets"] = "attention_baskets.png"
                 results["attention_example"] = dict(mass.to_dict(), config=labels[i])
         (tmp / "results.md").write_text("".join(text), encoding="utf-8")
-        (tmp / "results.json").write_text(json.dumps(results, indent=2, default=_json_default), encoding="utf-8")
-        tmp.chmod(0o755)
-        commit_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / "results.json").write_text(json.dumps(results, indent=2, default=json_default), encoding="utf-8")
 
 
-def _json_default(o):
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -76,6 +76,7 @@ class ExportOptions:
     check: bool = True
     placement: str = "auto"  # one of PLACEMENTS (attncal.graphs.placements)
     optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
+    quantize: str | None = None  # "int8": every written graph quantized (attncal.export.quantize)
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -347,6 +348,13 @@ def export(
         if opts.placement != "auto":
             raise ValueError(f"--placement {opts.placement} is float32 only; drop --fp16 or use --placement softmax")
         opts = replace(opts, placement="softmax")  # fp16: the softmax placement's function body computes in fp32
+    if opts.quantize is not None:
+        from .quantize import QUANTIZATIONS
+
+        if opts.quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {opts.quantize!r}")
+        if opts.fp16:
+            raise ValueError("--quantize int8 and --fp16 exclude each other (int8 weights, fp32 activations)")
     if opts.max_length is not None and opts.max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {opts.max_length}")
     if opts.placement == "attention" and opts.calibrate and not opts.optimized:
@@ -472,6 +480,18 @@ def export(
             cache.clear()
             shutil.rmtree(ts_raw.parent, ignore_errors=True)
         shutil.rmtree(raw_path.parent, ignore_errors=True)
+        quantization = None
+        if opts.quantize is not None:
+            from .quantize import METHOD, quantize_graph
+
+            _log(f"[2/4] quantizing every graph to {opts.quantize} (onnxruntime.quantization.quantize_dynamic, "
+                 "per-channel weights; attention core and calibration stay fp32)", quiet)
+            counts = {}
+            for graph_file in graphs:
+                with console.third_party_output():
+                    counts[graph_file] = quantize_graph(tmp / graph_file)
+                graphs[graph_file]["quantized_nodes"] = counts[graph_file]
+            quantization = {"precision": opts.quantize, "method": METHOD, "per_channel": True}
         for graph_file in graphs:  # the digest covers the graph as finally written (after annotations)
             stamp_onnx(tmp / graph_file)
         meta = {
@@ -500,6 +520,7 @@ def export(
             "optimizer": optimizer_note,
             "graphs": graphs,
             "fp16": opts.fp16,
+            "quantization": quantization,
             "files": loader_files(tmp),
             "versions": library_versions(),
             "parity": None,
