@@ -63,6 +63,14 @@ def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path,
     assert np.abs(got - ref).max() > 1e-5, "an int8 graph is not the fp32 graph"
     assert main(["check", str(out)]) == 0
     assert "int8" in capsys.readouterr().out
+    # `attncal encode` re-indexes with the int8 export: the shards hold what its Encoder computes.
+    from attncal.corpus.shards import read_embeddings
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(TEXTS)))
+    assert main(["encode", str(out), "--input", str(corpus), "--output", str(tmp_path / "shards"), "-q"]) == 0
+    ids, emb = read_embeddings(tmp_path / "shards")
+    assert ids == [str(i) for i in range(len(TEXTS))] and np.abs(emb - got).max() <= 1e-6
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "precision  int8 (onnxruntime.quantization.quantize_dynamic" in shown and "(int8)" in shown
