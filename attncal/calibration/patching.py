@@ -72,6 +72,22 @@ class AttentionSites:
     modules: tuple[nn.Module, ...]
     path: AttentionPath  # "interface": transformers' AttentionInterface; "softmax": the module's own softmax
     upcast_softmax: bool  # the model's eager softmax runs in float32 (replayed by attncal's eager attention)
+    # What the probe saw of the attention beyond plain scaled dot-product: "rotary" (position embeddings applied
+    # to Q and K), "position_bias" (an additive relative bias: T5, MPNet), "grouped_kv" (fewer KV than Q heads).
+    features: frozenset[str] = frozenset()
+
+
+def attention_features(module: nn.Module, kwargs_seen: set[str]) -> frozenset[str]:
+    """The `AttentionSites.features` of one attention module (its forward's inputs, the kwargs it passed)."""
+    params = set(inspect.signature(type(module).forward).parameters)
+    out = set()
+    if "position_embeddings" in params:
+        out.add("rotary")
+    if "position_bias" in params or "position_bias" in kwargs_seen:
+        out.add("position_bias")
+    if getattr(module, "num_key_value_groups", 1) > 1:
+        out.add("grouped_kv")
+    return frozenset(out)
 
 
 @dataclass
@@ -421,7 +437,8 @@ def find_attention(model: nn.Module) -> AttentionSites:
                 f"eager attention does not reproduce it (max |diff| {diff:.3g}); arguments attncal does not "
                 f"replay: {', '.join(unknown) or 'none (the difference is elsewhere)'}"
             )
-        sites = AttentionSites(base, modules, "interface", _upcasts_softmax(modules[0]))
+        sites = AttentionSites(base, modules, "interface", _upcasts_softmax(modules[0]),
+                               attention_features(modules[0], record.kwargs))
     else:
         soft = _layer_modules(_probe_softmax(base, batch), int(n_layers))
         if soft is None:
@@ -430,7 +447,7 @@ def find_attention(model: nn.Module) -> AttentionSites:
                 f"AttentionInterface ({len(record.calls)} calls for {n_layers} layers) nor computes one 4-D "
                 f"softmax per layer in a module of its own"
             )
-        sites = AttentionSites(base, soft, "softmax", False)
+        sites = AttentionSites(base, soft, "softmax", False, attention_features(soft[0], set()))
     base._attncal_sites = sites  # type: ignore[attr-defined]
     return sites
 

@@ -240,6 +240,18 @@ def _ort_optimize(path: Path, info: ModelInfo):
                           hidden_size=int(cfg.hidden_size)).model
 
 
+# Attention features (attncal.calibration.patching.attention_features) that ORT's BERT attention fusion
+# (onnxruntime.transformers FusionAttention) does not match: its pattern is Q/K/V MatMul + Add, scale, mask Add,
+# Softmax, ·V.  Skipping the attempt spares a TorchScript export and an optimizer run of the whole model
+# (minutes for a multi-billion-parameter embedder) that cannot fuse; every other model is tried and counted.
+_FUSION_BLOCKERS = {"rotary": "rotary position embeddings", "position_bias": "a relative position bias",
+                    "grouped_kv": "grouped key/value heads"}
+
+
+def _fusion_blockers(features: frozenset[str]) -> str:
+    return " and ".join(_FUSION_BLOCKERS[f] for f in sorted(features) if f in _FUSION_BLOCKERS)
+
+
 def _optimizer_fuses(info: ModelInfo, ts_raw: Path, cache: dict) -> tuple[bool, str]:
     """Did ORT's optimizer fuse every layer's attention of the uncalibrated graph?  (ok, reason).
 
@@ -382,13 +394,20 @@ def export(
                  "is labelled untested, and the parity check guards it", quiet)
         with console.third_party_output():
             torch_model = load_for_export(info, opts.fp16)
-        if config is not None:  # can it be calibrated in PyTorch (the parity reference)?  Fail before exporting.
-            from ..calibration.patching import find_attention
+        # Can it be calibrated in PyTorch (the parity reference)?  Fail before exporting.  The probe also says
+        # what the attention holds, which decides whether ORT's optimizer is worth trying (`_fusion_blockers`).
+        from ..calibration.patching import UnsupportedArchitectureError, find_attention
 
+        features: frozenset[str] = frozenset()
+        try:
             with console.third_party_output():
                 sites = find_attention(torch_model)
+            features = sites.features
             sites.base.__dict__.pop("_attncal_sites", None)  # the probe's cache stays out of the traced module
             del sites
+        except UnsupportedArchitectureError:
+            if config is not None:
+                raise
         try:
             with console.third_party_output():
                 input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16,
@@ -425,7 +444,13 @@ def export(
         optimizer_note = None
         fuses = False
         cache: dict = {}
-        if optimized_graph_applies(info, opts):
+        blockers = _fusion_blockers(features)
+        if optimized_graph_applies(info, opts) and blockers:
+            optimizer_note = (f"ONNX Runtime's transformer optimizer fuses BERT-shaped attention only; this "
+                              f"{info.model_type} attention has {blockers}, so it was not tried and no "
+                              f"{OPTIMIZED_GRAPH} is written")
+            _log(f"[2/4] {optimizer_note}", quiet)
+        elif optimized_graph_applies(info, opts):
             ts_raw = raw_path
             step = "ONNX Runtime's transformer optimizer"
             try:
