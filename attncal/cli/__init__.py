@@ -82,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def _commands() -> list[tuple[str, str, Callable]]:
-    from . import bench, check, demo, encode, eval, export, inspect, serve, triton_repo
+    from . import bench, check, demo, doctor, encode, eval, export, inspect, serve, triton_repo
 
     return [
         ("export", "export an encoder to ONNX with the calibration op", export),
@@ -94,6 +94,7 @@ def _commands() -> list[tuple[str, str, Callable]]:
         ("serve", "serve a model repository with Triton Inference Server", serve),
         ("encode", "re-index a corpus with an export: streaming, sharded, resumable (local, triton, ray)", encode),
         ("demo", "export the embedded default model calibrated and not, check and compare them", demo),
+        ("doctor", "report versions, the native library, accelerators and an export, for bug reports", doctor),
     ]
 
 
