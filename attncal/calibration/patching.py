@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -296,6 +297,7 @@ class _ProbeRecord:
 
 
 _probe: _ProbeRecord | None = None
+_probe_lock = threading.Lock()  # one probe forward at a time: `_probe` is where `_probe_forward` records
 
 
 def _probe_forward(module: nn.Module, query, key, value, attention_mask, **kwargs: Any):
@@ -407,18 +409,19 @@ def find_attention(model: nn.Module) -> AttentionSites:
     _register()
     batch = _probe_batch(base)
     record = _ProbeRecord()
-    saved = set_attn_implementation(base, PROBE_IMPL_NAME)
-    _probe = record
-    try:
-        with torch.no_grad():
-            probed = base(**batch).last_hidden_state
-    except Exception as exc:  # noqa: BLE001 - any failure of the probe forward is reported with its cause
-        raise UnsupportedArchitectureError(
-            f"attncal cannot calibrate {name}: a forward with attncal's attention failed ({type(exc).__name__}: {exc})"
-        ) from exc
-    finally:
-        _probe = None
-        restore_attn_implementation(saved)
+    with _probe_lock:
+        saved = set_attn_implementation(base, PROBE_IMPL_NAME)
+        _probe = record
+        try:
+            with torch.no_grad():
+                probed = base(**batch).last_hidden_state
+        except Exception as exc:  # noqa: BLE001 - any failure of the probe forward is reported with its cause
+            raise UnsupportedArchitectureError(
+                f"attncal cannot calibrate {name}: a forward with attncal's attention failed "
+                f"({type(exc).__name__}: {exc})") from exc
+        finally:
+            _probe = None
+            restore_attn_implementation(saved)
     modules = _layer_modules(record.calls, int(n_layers))
     if modules is not None:
         saved = set_attn_implementation(base, "eager")
