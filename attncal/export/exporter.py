@@ -414,9 +414,8 @@ def export(
                                            model=torch_model)
             del torch_model
         except Exception as exc:  # torch.onnx failures are long; report the cause in one line
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ExportError(f"torch.onnx ({opts.exporter}) failed to export {info.model_type}: "
-                              f"{type(exc).__name__}: {first[:300]}") from exc
+                              f"{type(exc).__name__}: {_first_line(exc)[:300]}") from exc
         ir_model = ir.load(raw_path)
         result = plan = None
         if config is not None:
