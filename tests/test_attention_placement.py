@@ -134,7 +134,7 @@ def test_refusals_say_why_and_leave_the_graph_unchanged(exports, tmp_path):
     with pytest.raises(AttentionPlacementError, match="is a graph output; cannot rewire it"):
         attention_placement.place(model, cfg, len(atts))
     assert ir.to_proto(model).SerializeToString() == before
-    for opts, why in ((dict(fp16=True), "--fp16 export does not have"),
+    for opts, why in ((dict(fp16=True), "--placement attention with --fp16: use --placement auto"),
                       (dict(optimized=False), "drop --no-optimized")):
         with pytest.raises(ValueError, match=why):
             export(src, tmp_path / "x", ExportOptions(config=cfg, placement="attention", **opts), quiet=True)

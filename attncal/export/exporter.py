@@ -218,15 +218,30 @@ def _write_graph(model, path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=False)
 
 
+def _to_fp16(model, placement: str | None, quiet: bool):
+    """(the optimized graph converted to float16 with its calibration kept float32, the nodes kept float32)."""
+    import onnx_ir as ir
+
+    from ..graphs import placements
+    from .fp16 import convert_to_fp16
+
+    prefix = placements.get(placement).FLOAT32_NODES if placement else None
+    _log("[2/4] converting the ORT-optimized graph to fp16 (ONNX Runtime's converter"
+         + (f"; {prefix}* calibration nodes stay fp32)" if prefix else ")"), quiet)
+    with console.third_party_output():
+        proto, kept = convert_to_fp16(ir.to_proto(model), prefix)
+    return ir.from_proto(proto), kept
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
 
 
 def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
-    """Whether to try ONNX Runtime's transformer optimizer (fp32 only).  Whether it writes a graph is a
+    """Whether to try ONNX Runtime's transformer optimizer (on an fp32 TorchScript export; --fp16 converts after).  Whether it writes a graph is a
     capability of the model, decided by `_optimizer_fuses` on the optimizer's own output."""
-    return opts.optimized and not opts.fp16
+    return opts.optimized
 
 
 def _ort_optimize(path: Path, info: ModelInfo):
@@ -353,13 +368,12 @@ def export(
         raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
     if opts.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
-    if opts.placement in ("row", "split", "attention", "auto") and opts.fp16 and opts.calibrate:  # fp16: softmax
-        if opts.placement == "attention":
-            raise ValueError("--placement attention rewrites the ORT-optimized graph, which a --fp16 export does not "
-                             "have; drop --fp16 or use --placement softmax")
-        if opts.placement != "auto":
-            raise ValueError(f"--placement {opts.placement} is float32 only; drop --fp16 or use --placement softmax")
-        opts = replace(opts, placement="softmax")  # fp16: the softmax placement's function body computes in fp32
+    if opts.placement in ("row", "split", "attention") and opts.fp16 and opts.calibrate:
+        # fp16: the portable graph takes softmax placement (its op computes in fp32); auto also places the
+        # optimized graphs, which are converted to fp16 after placement (attncal.export.fp16).
+        raise ValueError(f"--placement {opts.placement} with --fp16: use --placement auto (softmax on the portable "
+                         "graph, auto's choice on the optimized graphs, converted to fp16 after placement) or "
+                         "--placement softmax")
     if opts.quantize is not None:
         from .quantize import QUANTIZATIONS
 
@@ -422,6 +436,9 @@ def export(
             from ..graphs import placements
 
             plan = placements.plan(opts.placement, config.resolve())
+            if opts.fp16 and plan.portable != "softmax":
+                plan = replace(plan, portable="softmax", reason=plan.reason + "; --fp16: the portable graph takes "
+                               "softmax placement (its op computes in float32)")
             _log(f"[2/4] {plan.portable} placement in layers {layers} ({plan.reason})", quiet)
             result = placements.get(plan.portable).place(ir_model, config, info.num_layers)
         else:
@@ -453,7 +470,7 @@ def export(
             ts_raw = raw_path
             step = "ONNX Runtime's transformer optimizer"
             try:
-                if opts.exporter != "torchscript":
+                if opts.exporter != "torchscript" or opts.fp16:  # the optimizer works on fp32 (fp16 comes after)
                     ts_raw = tmp / ".raw-ts" / ONNX_FILE
                     step = "the TorchScript export ONNX Runtime's optimizer needs"
                     with console.third_party_output():
@@ -484,11 +501,14 @@ def export(
             note = _fusion_note(opt_model, capture.lines())
             if note:
                 _log(f"note: {note}", quiet)
-            _write_graph(opt_model, tmp / OPTIMIZED_GRAPH)
+            kept = _to_fp16(opt_model, plan.optimized if plan else None, quiet) if opts.fp16 else None
+            _write_graph(kept[0] if kept else opt_model, tmp / OPTIMIZED_GRAPH)
             del opt_model
             graphs[OPTIMIZED_GRAPH] = {
                 "placement": plan.optimized if plan else None, "runtime": "ONNX Runtime (com.microsoft contrib ops)",
                 "fused_attention": n_fused}
+            if kept:
+                graphs[OPTIMIZED_GRAPH]["float32_nodes"] = kept[1]
             if plan is not None and plan.native:
                 _log(f"[2/4] ORT-optimized graph with {plan.native} placement, for the native library "
                      f"({NATIVE_GRAPH})", quiet)
@@ -499,6 +519,8 @@ def export(
                     "placement": plan.native, "fused_attention": count_fused_attention(native_model),
                     "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library "
                                f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
+                if opts.fp16:
+                    native_model, graphs[NATIVE_GRAPH]["float32_nodes"] = _to_fp16(native_model, plan.native, quiet)
                 _write_graph(native_model, tmp / NATIVE_GRAPH)
                 del native_model
             cache.clear()

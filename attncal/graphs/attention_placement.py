@@ -29,6 +29,8 @@ from .rewrite import model_opset
 
 NAME = "attention"
 OPTIMIZE_FIRST = True
+# None: the calibrated attention op takes float16 Q/K/V and computes its softmax and calibration in float32 itself.
+FLOAT32_NODES: str | None = None
 
 
 class AttentionPlacementError(ValueError):

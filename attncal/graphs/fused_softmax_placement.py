@@ -27,6 +27,8 @@ from .softmax_pattern import SoftmaxPatternError
 
 NAME = "fused-softmax"
 OPTIMIZE_FIRST = False
+# None: the ai.attncal op computes in float32 whatever its input type (contract).
+FLOAT32_NODES: str | None = None
 
 
 def _last_axis_softmax(node: ir.Node | None) -> bool:

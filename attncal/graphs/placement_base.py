@@ -5,7 +5,9 @@ A placement is one module under `attncal/graphs/` with the same entry point,
 the plain export (standard ONNX, any runtime) or ONNX Runtime's optimized graph (fused
 `com.microsoft::Attention` nodes).  `OPTIMIZE_FIRST` says how the optimized graph is made: True
 means "optimize the uncalibrated export, then place" (row, split: they keep the fusions), False means
-"place on the plain graph, then optimize" (softmax: calibrated layers stay unfused).
+"place on the plain graph, then optimize" (softmax: calibrated layers stay unfused).  `FLOAT32_NODES` is
+the node-name prefix of the calibration math the placement writes in standard ops, which a float16
+conversion of the optimized graph keeps in float32 (None where an ai.attncal op computes it in float32).
 
 Every placement checks before it edits: all of its refusals, for every calibrated layer, run before
 the first change to the model, so a refused placement leaves the graph exactly as it was (and a caller

@@ -53,6 +53,8 @@ from .softmax_pattern import AttentionSoftmax, find_attention_softmaxes
 
 NAME = "row"
 OPTIMIZE_FIRST = True
+# Node-name prefix of the calibrated row's standard-op math, kept float32 in a float16 graph (attncal.export.fp16).
+FLOAT32_NODES: str | None = "attncal_row_"
 
 
 class RowPlacementError(ValueError):

@@ -19,6 +19,8 @@ from .softmax_pattern import SoftmaxPatternError
 
 NAME = "softmax"
 OPTIMIZE_FIRST = False
+# None: the ai.attncal op computes in float32 whatever its input type (contract).
+FLOAT32_NODES: str | None = None
 
 
 def check(model: ir.Model, config: CalibrationConfig, num_layers: int) -> CalibrationPlan:

@@ -52,6 +52,9 @@ f32 = np.float32
 
 NAME = "split"
 OPTIMIZE_FIRST = True
+# Node-name prefix of what this placement adds in standard ops: the calibration math, kept float32 when an
+# optimized graph is converted to float16 (attncal.export.fp16).
+FLOAT32_NODES: str | None = "attncal_split_"
 
 
 class SplitPlacementError(ValueError):

@@ -1,0 +1,95 @@
+"""fp16 exports for GPU serving: the ORT-optimized graphs (split or row, and the native attention graph) are
+converted after placement by ONNX Runtime's converter, with the placement's calibration nodes kept float32.
+Parity against the fp32 PyTorch reference uses the fp16 tolerances, here on ONNX Runtime's CPU provider."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from attncal import CalibrationConfig
+from attncal.export.exporter import ExportOptions, export
+from attncal.graphs import placements
+from attncal.runtime import Encoder
+from attncal.runtime.parity import TOLERANCES
+from attncal.synthetic import save_synthetic_model, synthetic_text
+
+TEXTS = [synthetic_text(n, seed=n) for n in (5, 60, 150, 400)]
+FP16_MAX_ABS = TOLERANCES["fp16"][0]
+
+
+def _float_types(model: onnx.ModelProto, prefix: str | None) -> tuple[set[str], set[str]]:
+    """(element types of the initializers read by nodes outside `prefix`, ... read by nodes inside it)."""
+    inits = {i.name: onnx.TensorProto.DataType.Name(i.data_type) for i in model.graph.initializer}
+    inside, outside = set(), set()
+    for n in model.graph.node:
+        kept = bool(prefix) and n.name.startswith(prefix)
+        for i in n.input:
+            if inits.get(i) in ("FLOAT", "FLOAT16") and n.op_type in ("MatMul", "Attention", "SkipLayerNormalization"):
+                (inside if kept else outside).add(inits[i])
+    return outside, inside
+
+
+def _peaky_model(path, pooling: str):
+    """A tiny BERT whose attention is far from uniform (query and key weights scaled up), so that calibration
+    moves the embedding well beyond fp16 rounding: random-weight attention is nearly flat, and calibrating a
+    flat row changes little."""
+    import torch
+    from transformers import AutoModel
+
+    src = save_synthetic_model("bert", path, seed=4, pooling=pooling, max_positions=512)
+    model = AutoModel.from_pretrained(src)
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(8.0)
+            layer.attention.self.key.weight.mul_(8.0)
+    model.save_pretrained(src)
+    return src
+
+
+@pytest.mark.parametrize("pooling,optimized", [("mean", "split"), ("cls", "row")])
+def test_fp16_export_writes_optimized_graphs_with_fp32_calibration(tmp_path, pooling, optimized):
+    src = _peaky_model(tmp_path / "src", pooling)
+    cfg = CalibrationConfig(basket_size=16, strength=1.0, layers="last-half")
+    meta = export(src, tmp_path / "fp16", ExportOptions(config=cfg, fp16=True), quiet=True)
+    graphs = meta["graphs"]
+    assert set(graphs) == {"onnx/model.onnx", "onnx/model_optimized.onnx", "onnx/model_optimized_native.onnx"}
+    assert graphs["onnx/model.onnx"]["placement"] == "softmax"
+    assert graphs["onnx/model_optimized.onnx"]["placement"] == optimized
+    assert graphs["onnx/model_optimized_native.onnx"]["placement"] == "attention"
+    prefix = placements.get(optimized).FLOAT32_NODES
+    assert graphs["onnx/model_optimized.onnx"]["float32_nodes"] > 0 and prefix
+    assert graphs["onnx/model_optimized_native.onnx"]["float32_nodes"] == 0
+    for name, g in graphs.items():
+        assert g["parity"]["ok"] and g["parity"]["precision"] == "fp16", (name, g["parity"])
+        assert g["parity"]["max_abs"] <= FP16_MAX_ABS, (name, g["parity"])
+        assert g["fused_attention"] == 4 or name == "onnx/model.onnx"
+    outside, inside = _float_types(onnx.load(tmp_path / "fp16" / "onnx" / "model_optimized.onnx"), prefix)
+    assert outside == {"FLOAT16"}  # the model's own weights are converted
+    assert inside == {"FLOAT"}  # the calibration's projections stay float32
+    assert json.loads((tmp_path / "fp16" / "attncal.json").read_text())["fp16"] is True
+
+    # The calibration is really in the fp16 graphs: each is much closer to the fp32 calibrated export than to
+    # the fp32 uncalibrated one.
+    export(src, tmp_path / "cal32", ExportOptions(config=cfg), quiet=True)
+    export(src, tmp_path / "uncal32", ExportOptions(config=cfg, calibrate=False), quiet=True)
+    cal32 = Encoder(tmp_path / "cal32", graph="optimized", native=False).encode(TEXTS)
+    uncal32 = Encoder(tmp_path / "uncal32", graph="optimized", native=False).encode(TEXTS)
+    effect = np.abs(cal32 - uncal32).max()
+    for graph, native in (("optimized", False), ("native", True)):
+        cal16 = Encoder(tmp_path / "fp16", graph=graph, native=native).encode(TEXTS)
+        assert cal16.dtype == np.float32
+        error = np.abs(cal16 - cal32).max()
+        print(f"{pooling} {graph}: fp16 vs fp32 calibrated {error:.2e}; calibration moves the embedding {effect:.2e}")
+        assert error <= FP16_MAX_ABS and error < effect / 2, (graph, error, effect)  # uncalibrated: error ~ effect
+
+
+def test_fp16_refuses_explicit_optimized_placements(tmp_path):
+    src = save_synthetic_model("bert", tmp_path / "src", seed=4, pooling="mean", max_positions=128)
+    for placement in ("split", "row"):
+        with pytest.raises(ValueError, match=f"--placement {placement} with --fp16: use --placement auto"):
+            export(src, tmp_path / "x", ExportOptions(placement=placement, fp16=True), quiet=True)
+    assert not (tmp_path / "x").exists()
