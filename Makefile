@@ -5,7 +5,11 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# `make test` installs the checkout editable (pure Python; the tests build the native library into
+# build/plugins); `make demo` installs the platform wheel, native library inside, as `pip install .` gives users.
+# Each stamp says which install .venv holds, so switching between the two reinstalls.
 STAMP  := $(VENV)/.attncal-installed
+DEMO_STAMP := $(VENV)/.attncal-demo-installed
 OVERLAY := $(VENV)/loader-overlay
 # Triton's Python-backend stub needs numpy < 2, so the server gets its own environment (no torch).
 TRITON_VENV  ?= .venv-triton
@@ -15,15 +19,16 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test bench-core plugins gpu-check serving-env install clean
+.PHONY: demo test bench-core plugins gpu-check serving-env install wheel clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml tests/loaders/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,demo,serving]'
+	$(PY) -m pip install -q -e '.[test,demo,serving,docs]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
+	@rm -f $(DEMO_STAMP)
 	@touch $(STAMP)
 
 # attncal/serving/env.py needs only the standard library, so the base interpreter runs it and creates the server's
@@ -34,23 +39,27 @@ $(TRITON_STAMP): attncal/serving/requirements-triton.txt
 
 serving-env: $(TRITON_STAMP)
 
-# The demo times the calibrated model with the native kernel when it can be built here (a C++
-# compiler, cmake and npm for the ONNX Runtime headers); otherwise, or if the build fails, it says so
-# and times the ONNX function body.  `attncal demo` prints which one ran.
-demo: $(STAMP)
-	@if command -v cmake >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && \
-	    { command -v c++ || command -v g++ || command -v clang++; } >/dev/null 2>&1; then \
-	  $(PY) -c "from attncal.runtime import oplib; print('native kernel library:', oplib.build_library())" || \
-	    echo "attncal: building the native kernel library failed (see build/plugins/build.log); the demo uses the ONNX function body"; \
-	else \
-	  echo "attncal: no C++ compiler, cmake or npm here: the native kernel library is not built; the demo uses the ONNX function body"; \
-	fi
+# The demo runs what `pip install .` gives a user: the platform wheel, with the native kernel library compiled
+# into the package (scikit-build-core: a C++17 compiler and CMake; the ONNX Runtime headers come once from npm).
+# Where that build fails, it says so and installs the pure-Python package: the demo then times the ONNX function
+# body, and `attncal demo` prints which one ran.
+$(DEMO_STAMP): pyproject.toml $(wildcard plugins/*.txt plugins/*/*.h plugins/*/*.cc plugins/*/*.cu plugins/*/*.cmake)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q '.[demo]' || { \
+	  echo "attncal: building the native kernel library failed (above); installing without it: the demo uses the ONNX function body"; \
+	  $(PY) -m pip install -q '.[demo]' -C wheel.cmake=false; }
+	@rm -f $(STAMP)
+	@touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/attncal demo
 
-# The slowest tests are listed at the end of every run (CI's log shows where its time goes).
+# The slowest tests are listed at the end of every run (CI's log shows where its time goes).  pytest-xdist
+# runs one worker per core, each test file on one worker (module fixtures are built once).
 test:
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(TRITON_STAMP)
-	ATTNCAL_REQUIRE_SERVING=1 $(PY) -m pytest -q --durations=25
+	ATTNCAL_REQUIRE_SERVING=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=25
 
 # Native kernels: the ORT custom-op library (CPU, + CUDA when nvcc is present), and the TensorRT
 # plugin where TensorRT is found. The tests build it on demand too.
@@ -58,6 +67,13 @@ plugins: $(STAMP)
 	$(PY) -c "from attncal.runtime import oplib; print(oplib.build_library())"
 
 # On a GPU machine with torch and nvcc: kernel correctness, bandwidth and torch timing.
+# A platform wheel in dist/ (native library inside; CUDA where nvcc is found), repaired to a manylinux tag.
+# OpenBLAS stays the scipy-openblas32 dependency's (the library's RUNPATH finds it in site-packages).
+wheel: $(STAMP)
+	rm -rf dist/raw && $(PY) -m pip wheel . --no-deps -w dist/raw
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair dist/raw/attncal-*.whl --exclude libscipy_openblas.so -w dist
+	rm -rf dist/raw
+
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py --json results/gpu_check.json
 

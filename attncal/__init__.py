@@ -6,6 +6,7 @@ The short public API::
     export("path/to/model", "out/")          # the attncal.export package forwards to exporter.export
     emb = Encoder("out/").encode(texts)      # attncal.runtime.Encoder
     report = check("out/")                   # attncal.runtime.parity.check_parity
+    get_library_path()                       # the packaged ONNX Runtime custom-op library (attncal.native)
 
 `ExportOptions`, `Encoder`, `check`, `ArtifactError` and `encode_corpus` (when the
 `attncal.corpus` package is installed) are imported on first use, so `import attncal` does not
@@ -20,6 +21,7 @@ import importlib
 from typing import Any
 
 from .calibration import CalibrationConfig, apply, calibrate, compute_geometry, encode_torch, reference
+from .native import get_cuda_library_path, get_library_path, get_tensorrt_plugin_path
 
 __version__ = "0.1.0"
 
@@ -52,4 +54,5 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["ArtifactError", "CalibrationConfig", "Encoder", "ExportOptions", "apply", "calibrate", "check",
-           "compute_geometry", "encode_corpus", "export", "encode_torch", "reference", "__version__"]
+           "compute_geometry", "encode_corpus", "export", "encode_torch", "get_cuda_library_path", "get_library_path",
+           "get_tensorrt_plugin_path", "reference", "__version__"]

@@ -107,3 +107,34 @@ def test_tensorrt_headers_one_setting(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="ATTNCAL_TENSORRT_HEADERS=.*nowhere: no NvInferRuntime.h"):
         oplib.tensorrt_headers()
     assert "ATTNCAL_TENSORRT_HEADERS" in oplib.TENSORRT_HEADERS_HELP
+
+
+def test_package_library_comes_before_the_checkout_build(built, tmp_path, monkeypatch):
+    """A platform wheel's attncal/lib wins over a source checkout's build/plugins; get_library_path and its
+    siblings name both places when neither has the library."""
+    import attncal
+    from attncal import native
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    monkeypatch.setattr(native, "PACKAGE_LIB_DIR", pkg)
+    assert oplib.resolve_library() == built and attncal.get_library_path() == str(built)
+    (pkg / oplib.ORT_LIBRARY).write_bytes(b"packaged")
+    (pkg / oplib.CUDA_LIBRARY).write_bytes(b"packaged")
+    assert oplib.resolve_library() == pkg / oplib.ORT_LIBRARY
+    assert attncal.get_library_path() == str(pkg / oplib.ORT_LIBRARY)
+    assert attncal.get_cuda_library_path() == str(pkg / oplib.CUDA_LIBRARY)
+    assert oplib.build_info() is None  # the packaged folder has no attncal_build.json here
+    with pytest.raises(FileNotFoundError, match=r"TensorRT plugin \(libattncal_trt_plugin\.so\) is not installed: "
+                                                r"it is neither in the package .*pkg\) nor in a source checkout's build"):
+        attncal.get_tensorrt_plugin_path()
+    (pkg / oplib.ORT_LIBRARY).unlink()
+    built.unlink()
+    with pytest.raises(FileNotFoundError, match=r"ONNX Runtime custom-op library .* with `pip install .`"):
+        attncal.get_library_path()
+
+
+def test_build_library_needs_a_checkout(monkeypatch, tmp_path):
+    monkeypatch.setattr(oplib, "PLUGINS_DIR", tmp_path / "plugins")
+    with pytest.raises(oplib.BuildError, match="building needs a source checkout"):
+        oplib.build_library(tmp_path / "b")

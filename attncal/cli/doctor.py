@@ -76,8 +76,10 @@ def _native() -> dict[str, Any]:
     info["library"] = str(lib) if lib is not None else None
     if lib is None:
         info["loads"] = False
-        info["note"] = "not built: `make plugins` (portable graphs then run their ONNX function bodies)"
+        info["note"] = ("not installed: install a platform wheel (`pip install .` builds one), or run `make plugins` "
+                        "in a source checkout (portable graphs then run their ONNX function bodies)")
         return info
+    info["packaged"] = lib.parent == oplib.PACKAGE_LIB_DIR
     try:
         import onnxruntime as ort
 

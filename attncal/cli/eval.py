@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = (__doc__ or "").split("\n", 1)[1]
     p.add_argument("model", nargs="?", help="model directory, 'default', or an attncal export directory "
                    "(an export evaluates its stored calibration only)")
-    p.add_argument("--data", help="dataset directory (FineWeb-PosQ or PosIR/BEIR layout; see README)")
+    p.add_argument("--data", help="dataset directory (FineWeb-PosQ or PosIR/BEIR layout; see docs/evaluation.md)")
     p.add_argument("--configs", help="YAML file: a list of calibration config mappings (optional 'name' each)")
     p.add_argument("--baselines", default="", help="comma-separated baselines: sea (Segment Embed Average)")
     p.add_argument("-o", "--out", help="output directory for results.md, results.json and the plots "

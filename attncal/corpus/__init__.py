@@ -1,6 +1,6 @@
 """Re-index a corpus with a calibrated export: streaming input, Parquet shards, resume, three engines.
 
-`encode_corpus` is the Python API of `attncal encode`; see docs/readme/reindexing.md.
+`encode_corpus` is the Python API of `attncal encode`; see docs/reindexing.md.
 """
 
 from .api import ENGINES, EncodeResult, encode_corpus, scan

@@ -228,7 +228,7 @@ def encode_corpus(
 ) -> EncodeResult:
     """Encode every valid row of `input` with the export `model` into Parquet shards under `output`.
 
-    Same options as `attncal encode` (see docs/readme/reindexing.md).  `workers` is the number of
+    Same options as `attncal encode` (see docs/reindexing.md).  `workers` is the number of
     worker processes (local), concurrent requests (triton) or Encoder actors (ray).  Raises
     `ValueError` / `FileNotFoundError` / `FileExistsError` (subclasses included) for bad input,
     before anything is written.

@@ -1,7 +1,7 @@
 """Rewrites of the portable graph that let ONNX Runtime apply, at load time, the fusions it applies to
 optimum's and TorchScript exports of the same model (issue 20, item 5).  Values are unchanged; the
 graph stays standard ONNX.  The exporter runs both after the placement, before saving
-`onnx/model.onnx` (README, "What `attncal export` writes")."""
+`onnx/model.onnx` (docs/cli.md, "What `attncal export` writes")."""
 
 from __future__ import annotations
 

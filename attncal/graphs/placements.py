@@ -4,8 +4,8 @@ Each placement is one module with the same entry point, `place(model, config, nu
 (see `placement_base`); the exporter looks one up here and calls it, for the portable graph and,
 where ONNX Runtime's transformer optimizer applies, for the optimized graph.
 
-`auto` (the default) follows what `attncal bench` measured on this project's machine (README,
-"Placement"):
+`auto` (the default) follows what `attncal bench` measured on this project's machine
+(docs/placements.md; the figures are in docs/benchmarks.md):
 * cls / last pooling -> `row`: one row is recomputed beside the attention; every fused attention
   node is kept and calibration costs 0-2 % over the uncalibrated optimized graph.
 * mean pooling -> `split` on the optimized graph: every row is calibrated, so the probabilities

@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Iterator, Literal, Sequence
 
 from ..graphs.inplace_shapes import annotate_inplace_shapes  # noqa: F401  (re-exported)
+from ..native import (BUILD_INFO, CUDA_LIBRARY, ORT_LIBRARY, PACKAGE_LIB_DIR, TRT_LIBRARY,  # noqa: F401  (re-exported)
+                      default_build_dir, find_library)
 
-ORT_LIBRARY = "libattncal_ort.so"
-CUDA_LIBRARY = "libattncal_cuda.so"
-TRT_LIBRARY = "libattncal_trt_plugin.so"
-BUILD_INFO = "attncal_build.json"
 NATIVE_ENV = "ATTNCAL_NATIVE"
 """Environment variable that turns the native library off ("0", "off", "false", "no")."""
 FALLBACK_MESSAGE = "attncal: native kernel library not built (make plugins); using the ONNX function body"
@@ -85,20 +83,14 @@ def tensorrt_headers(version: str | None = None) -> Path | None:
     return sets[version]
 
 
-def default_build_dir() -> Path:
-    """$ATTNCAL_PLUGIN_BUILD_DIR, else <repo>/build/plugins."""
-    env = os.environ.get("ATTNCAL_PLUGIN_BUILD_DIR")
-    return Path(env) if env else _REPO / "build" / "plugins"
-
-
 def default_library_path() -> Path | None:
-    """The ORT custom-op library: $ATTNCAL_ORT_LIBRARY if set, else the default
-    build's library; None when neither exists (nothing is built here)."""
+    """The ORT custom-op library: $ATTNCAL_ORT_LIBRARY if set, else the installed package's
+    (a platform wheel's ``attncal/lib``), else a source checkout's build (:func:`default_build_dir`);
+    None when none exists (nothing is built here)."""
     env = os.environ.get("ATTNCAL_ORT_LIBRARY")
     if env:
         return Path(env) if Path(env).is_file() else None
-    lib = default_build_dir() / ORT_LIBRARY
-    return lib if lib.is_file() else None
+    return find_library(ORT_LIBRARY)
 
 
 _fallback_lock = threading.Lock()
@@ -142,8 +134,10 @@ def resolve_library(enabled: bool | None = None, *, notice: bool = True) -> Path
     if lib is not None:
         return lib
     if enabled:
-        expected = os.environ.get("ATTNCAL_ORT_LIBRARY") or str(default_build_dir() / ORT_LIBRARY)
-        raise FileNotFoundError(f"attncal native kernel library not found at {expected} (build it: make plugins)")
+        expected = os.environ.get("ATTNCAL_ORT_LIBRARY") or \
+            f"{PACKAGE_LIB_DIR / ORT_LIBRARY} or {default_build_dir() / ORT_LIBRARY}"
+        raise FileNotFoundError(f"attncal native kernel library not found at {expected} (install a platform wheel "
+                                "with `pip install .`, or build it in a source checkout: make plugins)")
     if notice:
         _say_fallback_once()
     return None
@@ -161,8 +155,13 @@ def find_nvcc() -> str | None:
 
 
 def build_info(build_dir: str | os.PathLike | None = None) -> dict | None:
-    """What the last build in `build_dir` produced: {"ort", "cuda", "cuda_archs", "tensorrt"}."""
-    path = Path(build_dir or default_build_dir()) / BUILD_INFO
+    """What the build in `build_dir` produced: {"ort", "gemm", "cuda", "cuda_archs", "tensorrt"}.
+    Default: the folder of the library sessions register (:func:`default_library_path`), else the
+    checkout's build folder."""
+    if build_dir is None:
+        lib = default_library_path()
+        build_dir = lib.parent if lib is not None else default_build_dir()
+    path = Path(build_dir) / BUILD_INFO
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -212,6 +211,9 @@ def build_library(
         raise ValueError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {gemm!r}")
     if not ort and cuda == "off":
         raise ValueError("nothing to build: ort=False and cuda='off'")
+    if not (PLUGINS_DIR / "CMakeLists.txt").is_file():
+        raise BuildError(f"no plugins/ sources at {PLUGINS_DIR}: building needs a source checkout; an installed "
+                         "platform wheel carries its libraries already (attncal.get_library_path())")
     cmake = shutil.which("cmake")
     if cmake is None:
         raise BuildError("cmake was not found on PATH; it is needed to build plugins/")

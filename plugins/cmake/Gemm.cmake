@@ -2,13 +2,16 @@
 #   ATTNCAL_GEMM=AUTO (default): OpenBLAS from the scipy-openblas32 wheel when the build's Python
 #     has it, else the built-in loops, with a notice saying what is missing and what it costs.
 #   ATTNCAL_GEMM=openblas | eigen | builtin: that one (openblas and eigen fail when not found).
-# README "Native kernels" has the measured comparison behind the default.
+# docs/native-kernels.md ("GEMM library") has the measured comparison behind the default.
 # Sets ATTNCAL_GEMM_USED in the caller's scope (written to attncal_build.json).
 set(ATTNCAL_GEMM "AUTO" CACHE STRING "GEMM of the CPU calibrated-attention kernel: AUTO, openblas, eigen or builtin")
 set(ATTNCAL_PYTHON "" CACHE FILEPATH "Python whose scipy-openblas32 wheel provides OpenBLAS (default: python3 on PATH)")
 
 function(_attncal_find_openblas inc_var lib_var)
   set(py "${ATTNCAL_PYTHON}")
+  if(NOT py AND Python_EXECUTABLE)  # scikit-build-core passes the build environment's interpreter
+    set(py "${Python_EXECUTABLE}")
+  endif()
   if(NOT py)
     find_program(py NAMES python3 python)
   endif()
@@ -44,13 +47,16 @@ function(attncal_link_gemm target)
       target_compile_definitions(${target} PRIVATE ATTNCAL_GEMM_OPENBLAS)
       # Found at run time beside the wheel it came from (the venv's site-packages).
       set_property(TARGET ${target} APPEND PROPERTY BUILD_RPATH "${ob_dir}")
+      # Installed into a platform wheel as site-packages/attncal/lib/: OpenBLAS is then the installed
+      # scipy-openblas32 runtime dependency's, two folders up (auditwheel repair --exclude keeps it out).
+      set_property(TARGET ${target} APPEND PROPERTY INSTALL_RPATH "$ORIGIN/../../scipy_openblas32/lib")
       set(used openblas)
     elseif(want STREQUAL "openblas")
       message(FATAL_ERROR "ATTNCAL_GEMM=openblas but the scipy-openblas32 wheel was not found in ${ATTNCAL_PYTHON} "
                           "(pip install scipy-openblas32)")
     else()
       message(WARNING "attncal: scipy-openblas32 not found (pip install scipy-openblas32): the calibrated-attention "
-                      "kernel uses the built-in GEMM, slower than OpenBLAS (README, Native kernels)")
+                      "kernel uses the built-in GEMM, slower than OpenBLAS (docs/native-kernels.md)")
     endif()
   elseif(want STREQUAL "eigen")
     find_path(EIGEN3_INCLUDE_DIR Eigen/Core PATH_SUFFIXES eigen3)

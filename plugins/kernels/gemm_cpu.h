@@ -17,7 +17,7 @@
 //     inner loop over the contiguous dimension (AVX-512 / AVX2 clones).
 // Every backend is deterministic for a given shape, so the kernel's results do
 // not depend on the thread count (each row block is one call, on one thread).
-// README "Native kernels" gives the measured comparison and why the default is
+// docs/native-kernels.md gives the measured comparison and why the default is
 // what it is.
 #ifndef ATTNCAL_GEMM_CPU_H_
 #define ATTNCAL_GEMM_CPU_H_

@@ -1,0 +1,92 @@
+"""The documentation: README.md is a short front page whose links all resolve, and the MkDocs site
+under docs/ (mkdocs.yml) builds with `mkdocs build --strict`: no broken link or anchor, no page
+missing from the navigation, no docstring that mkdocstrings cannot render."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+README_MAX_LINES = 250
+
+_MD_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_IMG_SRC = re.compile(r"<img\s[^>]*\bsrc\s*=\s*[\"']([^\"']+)[\"']", re.IGNORECASE)
+_FENCE = re.compile(r"^(```|~~~)")
+
+
+def _prose(text: str) -> str:
+    """The Markdown outside fenced code blocks (a `](` inside a code sample is not a link)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if _FENCE.match(line.lstrip()):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _relative_targets(text: str) -> list[str]:
+    prose = _prose(text)
+    targets = _MD_LINK.findall(prose) + _IMG_SRC.findall(prose)
+    return [t for t in targets if not re.match(r"^(https?:|mailto:|#)", t)]
+
+
+def test_mkdocs_build_strict(tmp_path):
+    try:
+        import mkdocs  # noqa: F401
+    except ImportError:
+        pytest.skip("mkdocs is not installed: the `docs` extra (pip install -e '.[docs]', part of `make test`)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    if proc.returncode != 0:
+        pytest.fail(f"mkdocs build --strict failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    assert (tmp_path / "site" / "index.html").is_file()
+    assert (tmp_path / "site" / "reference" / "encoder" / "index.html").is_file()
+
+
+def test_readme_is_a_short_front_page():
+    n = len(README.read_text(encoding="utf-8").splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}); move detail to docs/"
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub and MkDocs' toc give a heading (lower case, punctuation dropped, spaces -> '-')."""
+    text = re.sub(r"[`*_]|<[^>]+>", "", heading).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return re.sub(r"[ ]+", "-", text)
+
+
+def _anchors(md_file: Path) -> set[str]:
+    prose = _prose(md_file.read_text(encoding="utf-8"))
+    return {_slug(m) for m in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", prose, re.MULTILINE)}
+
+
+def test_readme_relative_links_resolve():
+    text = README.read_text(encoding="utf-8")
+    targets = _relative_targets(text)
+    assert targets, "README.md links to no docs page"
+    missing = [t for t in targets if t.split("#", 1)[0] and not (REPO / t.split("#", 1)[0]).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+    # Anchors: into a Markdown file (README's own "#..." links included).
+    linked = [t for t in targets if "#" in t and t.split("#", 1)[0].endswith(".md")]
+    linked += [f"README.md{t}" for t in _MD_LINK.findall(_prose(text)) if t.startswith("#")]
+    bad = [t for t in linked if t.split("#", 1)[1] not in _anchors(REPO / t.split("#", 1)[0])]
+    assert not bad, f"README.md links to anchors that do not exist: {bad}"
+
+
+def test_link_parser_sees_links_and_images():
+    sample = ('See [docs](docs/cli.md#x), ![pic](docs/a.png "t") and <img src="docs/b.png" width=3>, '
+              "[web](https://example.org), [anchor](#here).\n```\n[not](a/link.md)\n```\n")
+    assert _relative_targets(sample) == ["docs/cli.md#x", "docs/a.png", "docs/b.png"]
+    assert _slug("What `attncal export` writes") == "what-attncal-export-writes"
+    assert _slug("Set-up from a checkout: two commands") == "set-up-from-a-checkout-two-commands"

