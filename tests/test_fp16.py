@@ -11,6 +11,7 @@ import onnx
 import pytest
 
 from attncal import CalibrationConfig
+from attncal.cli import main
 from attncal.export.exporter import ExportOptions, export
 from attncal.graphs import placements
 from attncal.runtime import Encoder
@@ -51,7 +52,7 @@ def _peaky_model(path, pooling: str):
 
 
 @pytest.mark.parametrize("pooling,optimized", [("mean", "split"), ("cls", "row")])
-def test_fp16_export_writes_optimized_graphs_with_fp32_calibration(tmp_path, pooling, optimized):
+def test_fp16_export_writes_optimized_graphs_with_fp32_calibration(tmp_path, capsys, pooling, optimized):
     src = _peaky_model(tmp_path / "src", pooling)
     cfg = CalibrationConfig(basket_size=16, strength=1.0, layers="last-half")
     meta = export(src, tmp_path / "fp16", ExportOptions(config=cfg, fp16=True), quiet=True)
@@ -70,7 +71,12 @@ def test_fp16_export_writes_optimized_graphs_with_fp32_calibration(tmp_path, poo
     outside, inside = _float_types(onnx.load(tmp_path / "fp16" / "onnx" / "model_optimized.onnx"), prefix)
     assert outside == {"FLOAT16"}  # the model's own weights are converted
     assert inside == {"FLOAT"}  # the calibration's projections stay float32
-    assert json.loads((tmp_path / "fp16" / "attncal.json").read_text())["fp16"] is True
+    written = json.loads((tmp_path / "fp16" / "attncal.json").read_text())
+    assert written["fp16"] is True and "convert_float_to_float16" in written["fp16_method"]
+    assert main(["inspect", str(tmp_path / "fp16")]) == 0
+    shown = capsys.readouterr().out
+    assert "precision  fp16 (portable graph exported in fp16; ORT-optimized graphs: onnxruntime" in shown
+    assert f"{graphs['onnx/model_optimized.onnx']['float32_nodes']} calibration nodes kept float32" in shown
 
     # The calibration is really in the fp16 graphs: each is much closer to the fp32 calibrated export than to
     # the fp32 uncalibrated one.

@@ -186,7 +186,7 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
         from ..runtime import oplib
 
         if oplib.default_library_path() is None:
-            raise EngineUnavailable("the native op library is not built (make plugins)")
+            raise EngineUnavailable("the native op library is not installed (pip install . or make plugins)")
     path = ws.export_dir(export_name)
     if not (path / "attncal.json").exists():
         raise EngineUnavailable(f"no export for {name} at {path}")

@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         line = f"  {graph_file}: placement {g['placement'] or 'none'}, fused attention nodes {g['fused_attention']}"
         if g.get("quantized_nodes"):
             line += f", {g['quantized_nodes']} weight nodes int8"
+        if isinstance(g.get("float32_nodes"), int):
+            line += f", fp16 with {g['float32_nodes']} calibration nodes float32"
         par = g.get("parity")
         if par:
             line += f", parity vs PyTorch max abs {par['max_abs']:.3g}"

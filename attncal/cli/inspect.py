@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(quant, dict):
         print(f"precision  {quant.get('precision')} ({quant.get('method')})")
     elif meta.get("fp16"):
-        print("precision  fp16")
+        method = meta.get("fp16_method")
+        print("precision  fp16 (portable graph exported in fp16" + (f"; ORT-optimized graphs: {method})" if method
+                                                                     else ")"))
     if meta.get("calibrated"):
         print(f"export     {path}: layers {meta.get('calibrated_layers')}, pooling {meta.get('pooling')}, "
               f"requested placement {meta.get('placement')}")
@@ -90,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print()
         _describe_graph(path / graph_file, info.get("placement") if meta.get("calibrated") else None,
                         protos[graph_file])
+        if isinstance(info.get("float32_nodes"), int):
+            print(f"fp16       converted after placement; {info['float32_nodes']} calibration nodes kept float32")
         par = info.get("parity")
         if isinstance(par, dict) and isinstance(par.get("max_abs"), (int, float)):
             cos = (f", cosine min {par['min_cos']:.5f} p50 {par['p50_cos']:.5f}"

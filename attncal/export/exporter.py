@@ -47,6 +47,7 @@ from ..artifact import (  # noqa: F401  (the layout names are re-exported here f
 )
 from ..calibration.config import CalibrationConfig
 from ..modelinfo import ModelInfo, load_model_info
+from .fp16 import METHOD as FP16_METHOD, convert_to_fp16
 
 EXPORTERS = ("dynamo", "torchscript")
 PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split", "attention")  # attncal.graphs.placements.CHOICES
@@ -223,7 +224,6 @@ def _to_fp16(model, placement: str | None, quiet: bool):
     import onnx_ir as ir
 
     from ..graphs import placements
-    from .fp16 import convert_to_fp16
 
     prefix = placements.get(placement).FLOAT32_NODES if placement else None
     _log("[2/4] converting the ORT-optimized graph to fp16 (ONNX Runtime's converter"
@@ -239,8 +239,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
-    """Whether to try ONNX Runtime's transformer optimizer (on an fp32 TorchScript export; --fp16 converts after).  Whether it writes a graph is a
-    capability of the model, decided by `_optimizer_fuses` on the optimizer's own output."""
+    """Whether to try ONNX Runtime's transformer optimizer (on an fp32 TorchScript export; --fp16 converts
+    after placement).  Whether it writes a graph is a capability of the model, decided by `_optimizer_fuses`
+    on the optimizer's own output."""
     return opts.optimized
 
 
@@ -501,14 +502,14 @@ def export(
             note = _fusion_note(opt_model, capture.lines())
             if note:
                 _log(f"note: {note}", quiet)
-            kept = _to_fp16(opt_model, plan.optimized if plan else None, quiet) if opts.fp16 else None
-            _write_graph(kept[0] if kept else opt_model, tmp / OPTIMIZED_GRAPH)
-            del opt_model
             graphs[OPTIMIZED_GRAPH] = {
                 "placement": plan.optimized if plan else None, "runtime": "ONNX Runtime (com.microsoft contrib ops)",
                 "fused_attention": n_fused}
-            if kept:
-                graphs[OPTIMIZED_GRAPH]["float32_nodes"] = kept[1]
+            if opts.fp16:
+                opt_model, graphs[OPTIMIZED_GRAPH]["float32_nodes"] = _to_fp16(opt_model, plan and plan.optimized,
+                                                                                quiet)
+            _write_graph(opt_model, tmp / OPTIMIZED_GRAPH)
+            del opt_model
             if plan is not None and plan.native:
                 _log(f"[2/4] ORT-optimized graph with {plan.native} placement, for the native library "
                      f"({NATIVE_GRAPH})", quiet)
@@ -566,6 +567,7 @@ def export(
             "optimizer": optimizer_note,
             "graphs": graphs,
             "fp16": opts.fp16,
+            "fp16_method": FP16_METHOD if opts.fp16 and OPTIMIZED_GRAPH in graphs else None,
             "quantization": quantization,
             "files": loader_files(tmp),
             "versions": library_versions(),

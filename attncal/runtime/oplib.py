@@ -23,11 +23,12 @@ from typing import Iterator, Literal, Sequence
 
 from ..graphs.inplace_shapes import annotate_inplace_shapes  # noqa: F401  (re-exported)
 from ..native import (BUILD_INFO, CUDA_LIBRARY, ORT_LIBRARY, PACKAGE_LIB_DIR, TRT_LIBRARY,  # noqa: F401  (re-exported)
-                      default_build_dir, find_library)
+                      default_build_dir, find_library, library_dirs)
 
 NATIVE_ENV = "ATTNCAL_NATIVE"
 """Environment variable that turns the native library off ("0", "off", "false", "no")."""
-FALLBACK_MESSAGE = "attncal: native kernel library not built (make plugins); using the ONNX function body"
+FALLBACK_MESSAGE = ("attncal: native kernel library not installed (`pip install .` builds it into the package; "
+                    "`make plugins` in a source checkout); using the ONNX function body")
 _OFF_VALUES = frozenset({"0", "off", "false", "no"})
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -134,8 +135,7 @@ def resolve_library(enabled: bool | None = None, *, notice: bool = True) -> Path
     if lib is not None:
         return lib
     if enabled:
-        expected = os.environ.get("ATTNCAL_ORT_LIBRARY") or \
-            f"{PACKAGE_LIB_DIR / ORT_LIBRARY} or {default_build_dir() / ORT_LIBRARY}"
+        expected = os.environ.get("ATTNCAL_ORT_LIBRARY") or " or ".join(str(d / ORT_LIBRARY) for d in library_dirs())
         raise FileNotFoundError(f"attncal native kernel library not found at {expected} (install a platform wheel "
                                 "with `pip install .`, or build it in a source checkout: make plugins)")
     if notice:
