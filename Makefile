@@ -66,7 +66,6 @@ test:
 plugins: $(STAMP)
 	$(PY) -c "from attncal.runtime import oplib; print(oplib.build_library())"
 
-# On a GPU machine with torch and nvcc: kernel correctness, bandwidth and torch timing.
 # A platform wheel in dist/ (native library inside; CUDA where nvcc is found), repaired to a manylinux tag.
 # OpenBLAS stays the scipy-openblas32 dependency's (the library's RUNPATH finds it in site-packages).
 wheel: $(STAMP)
@@ -74,6 +73,7 @@ wheel: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair dist/raw/attncal-*.whl --exclude libscipy_openblas.so -w dist
 	rm -rf dist/raw
 
+# On a GPU machine with torch and nvcc: kernel correctness, bandwidth and torch timing.
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py --json results/gpu_check.json
 
