@@ -34,13 +34,14 @@ BUILD_INFO = "attncal_build.json"
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
 """Where a platform wheel installs the libraries (plugins/CMakeLists.txt's install rules)."""
 
-_REPO = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The source checkout this package runs from (editable install); in an installed wheel, site-packages."""
 
 
 def default_build_dir() -> Path:
     """A source checkout's build of plugins/: $ATTNCAL_PLUGIN_BUILD_DIR, else <repo>/build/plugins."""
     env = os.environ.get("ATTNCAL_PLUGIN_BUILD_DIR")
-    return Path(env) if env else _REPO / "build" / "plugins"
+    return Path(env) if env else CHECKOUT / "build" / "plugins"
 
 
 def library_dirs() -> list[Path]:
@@ -90,5 +91,5 @@ def get_tensorrt_plugin_path() -> str:
                     "to TensorRT's public headers to build it without libnvinfer. " + _INSTALL_HINT)
 
 
-__all__ = ["BUILD_INFO", "CUDA_LIBRARY", "ORT_LIBRARY", "PACKAGE_LIB_DIR", "TRT_LIBRARY", "default_build_dir",
+__all__ = ["BUILD_INFO", "CHECKOUT", "CUDA_LIBRARY", "ORT_LIBRARY", "PACKAGE_LIB_DIR", "TRT_LIBRARY", "default_build_dir",
            "find_library", "get_cuda_library_path", "get_library_path", "get_tensorrt_plugin_path", "library_dirs"]

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Iterator, Literal, Sequence
 
 from ..graphs.inplace_shapes import annotate_inplace_shapes  # noqa: F401  (re-exported)
-from ..native import (BUILD_INFO, CUDA_LIBRARY, ORT_LIBRARY, PACKAGE_LIB_DIR, TRT_LIBRARY,  # noqa: F401  (re-exported)
-                      default_build_dir, find_library, library_dirs)
+from ..native import (BUILD_INFO, CHECKOUT, CUDA_LIBRARY, ORT_LIBRARY, PACKAGE_LIB_DIR,  # noqa: F401 (re-exported)
+                      TRT_LIBRARY, default_build_dir, find_library, library_dirs)
 
 NATIVE_ENV = "ATTNCAL_NATIVE"
 """Environment variable that turns the native library off ("0", "off", "false", "no")."""
@@ -31,8 +31,7 @@ FALLBACK_MESSAGE = ("attncal: native kernel library not installed (`pip install 
                     "`make plugins` in a source checkout); using the ONNX function body")
 _OFF_VALUES = frozenset({"0", "off", "false", "no"})
 
-_REPO = Path(__file__).resolve().parents[2]
-PLUGINS_DIR = _REPO / "plugins"
+PLUGINS_DIR = CHECKOUT / "plugins"
 
 TENSORRT_HEADERS_ENV = "ATTNCAL_TENSORRT_HEADERS"
 """The one setting for TensorRT's public headers, read by the CMake build and the tests: a
@@ -227,7 +226,7 @@ def build_library(
             f"-DATTNCAL_WITH_CUDA={cuda.upper()}",
             f"-DATTNCAL_WITH_TENSORRT={tensorrt.upper()}",
             f"-DATTNCAL_CUDA_ARCHS={';'.join(str(a) for a in cuda_archs)}",
-            "-DATTNCAL_ORT_HEADER_CACHE=" + str(_REPO / "build" / "ort-headers"),
+            "-DATTNCAL_ORT_HEADER_CACHE=" + str(CHECKOUT / "build" / "ort-headers"),
             # The calibrated-attention kernel's GEMM (plugins/cmake/Gemm.cmake); OpenBLAS comes from this
             # interpreter's scipy-openblas32 wheel.
             f"-DATTNCAL_GEMM={gemm.upper() if gemm == 'auto' else gemm}",
