@@ -69,8 +69,12 @@ class AttentionPlan {
     plan_items(mask, B, Q, K, p, &items_, &keep_);
     // The additive mask bias, one row per item: 0 at valid keys, float32's lowest at masked ones.
     bias_.assign(static_cast<size_t>(B * K), 0.f);
+    masked_.assign(static_cast<size_t>(B), 0);
     for (int64_t i = 0; i < B * K; ++i)
-      if (mask[i] == 0) bias_[i] = std::numeric_limits<float>::lowest();
+      if (mask[i] == 0) {
+        bias_[i] = std::numeric_limits<float>::lowest();
+        masked_[i / K] = 1;
+      }
     rows_ = std::max<int64_t>(1, std::min<int64_t>({Q, kMaxRows, kBlockBytes / (4 * K)}));
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < sh_.N; ++h)
@@ -117,9 +121,11 @@ class AttentionPlan {
     const float* bias = bias_.data() + u.b * K;
     const int64_t c0 = it.active ? std::max(u.q0, it.q_lo) : u.q1;
     const int64_t c1 = it.active ? std::min(u.q1, it.q_hi + 1) : u.q1;
+    // An item without masked keys has a zero bias row: skipping the pass is exact (s + 0 == s).
+    const bool add_bias = masked_[u.b] != 0;
     for (int64_t r = 0; r < R; ++r) {
       float* row = s + r * K;
-      add_row(row, bias, K);
+      if (add_bias) add_row(row, bias, K);
       const int64_t q = u.q0 + r;
       if (q >= c0 && q < c1) {
         softmax_calibrate_row(row, row, K, it, p, sc);
@@ -146,6 +152,7 @@ class AttentionPlan {
   int64_t rows_ = 1;
   std::vector<ItemPlan> items_;
   std::vector<float> keep_, bias_;
+  std::vector<char> masked_;  // per item: 1 when some key is masked
   std::vector<AttentionUnit> units_;
 };
 

@@ -16,8 +16,9 @@
 //
 // Why it is shaped like this:
 // * Each row is two streaming passes over its keys, both per basket: one sum
-//   and one scale by a constant (no per-element branch or division), so the
-//   compiler vectorises them.  The per-row scalars are computed in double and
+//   and one scale by a constant (no per-element branch or division); the sums
+//   and maxima are written on 8-float vectors (the compiler leaves lane loops
+//   over arrays scalar), the maps are vectorised by it.  The per-row scalars are computed in double and
 //   divide by `total` rather than multiplying by its reciprocal: a subnormal
 //   fixed weight makes `total` subnormal and 1/total overflow.
 // * float16 is computed in float32 (a per-thread row buffer).
@@ -169,40 +170,63 @@ inline Scratch& thread_scratch() {
 }
 
 // ---------------------------------------------------------------- row math
-// Sum of n floats in 8 independent lanes (vectorised; the order is fixed).
+// The row reductions run in 8 independent lanes, in a fixed order (so results do not depend on
+// the thread count), as a GCC/Clang vector: written as loops over a float[8], GCC 12 keeps them
+// scalar (one vaddss / vmaxss per key, measured 3-4x slower than the vector form); the arithmetic
+// per lane is the same either way.
+#if !defined(__GNUC__)
+#error "attncal's CPU kernels need GCC or Clang (vector extensions)"
+#endif
+typedef float Lanes8 __attribute__((vector_size(32)));
+
+// Declares Lanes8 v holding x[0..8), loaded through memcpy (x need not be aligned).  A macro, not a
+// function: passing a 32-byte vector by value has a target-dependent ABI (GCC's -Wpsabi).
+#define ATTNCAL_LANES8_LOAD(v, x) \
+  Lanes8 v;                       \
+  std::memcpy(&v, (x), sizeof v)
+
+inline float combine8(const Lanes8& a, float tail) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail;
+}
+
+// Sum of n floats in 8 lanes.
 inline float sum_lanes(const float* x, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  Lanes8 acc = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += x[i + j];
+    ATTNCAL_LANES8_LOAD(v, x + i);
+    acc += v;
   }
   float tail = 0.f;
   for (; i < n; ++i) tail += x[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+  return combine8(acc, tail);
 }
 
 inline float sum_masked_lanes(const float* x, const float* m, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  Lanes8 acc = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * m[i + j];
+    ATTNCAL_LANES8_LOAD(v, x + i);
+    ATTNCAL_LANES8_LOAD(w, m + i);
+    acc += v * w;
   }
   float tail = 0.f;
   for (; i < n; ++i) tail += x[i] * m[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+  return combine8(acc, tail);
 }
 
-// Sum of x[k] * 0 over n floats in 8 lanes (vectorised): 0 when every x[k] is finite, NaN when
-// one is NaN or infinite.
+// Sum of x[k] * 0 over n floats in 8 lanes: 0 when every x[k] is finite, NaN when one is NaN or
+// infinite.
 inline float nonfinite_probe(const float* x, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  Lanes8 acc = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * 0.f;
+    ATTNCAL_LANES8_LOAD(v, x + i);
+    acc += v * 0.f;
   }
   float tail = 0.f;
   for (; i < n; ++i) tail += x[i] * 0.f;
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+  return combine8(acc, tail);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
@@ -308,6 +332,22 @@ inline float exp_nonpos(float x) {
   return x < -104.0f ? 0.0f : (x == x ? v : x);
 }
 
+// max over a row of n > 0 floats in 8 lanes (a single running maximum is a serial chain the
+// compiler may not reorder: ~4 cycles per key).  A NaN score may or may not win the
+// maximum, depending on its lane; either way x - max is NaN at that key, so the softmax sum is NaN.
+ATTNCAL_CLONES static float row_max(const float* x, int64_t n) {
+  Lanes8 mx = {x[0], x[0], x[0], x[0], x[0], x[0], x[0], x[0]};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    ATTNCAL_LANES8_LOAD(v, x + i);
+    mx = v > mx ? v : mx;
+  }
+  float m = mx[0];
+  for (int j = 1; j < 8; ++j) m = mx[j] > m ? mx[j] : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
 // exp(x - m) over a row of n floats (a straight map: vectorised).
 ATTNCAL_CLONES static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
@@ -319,19 +359,10 @@ ATTNCAL_CLONES static void exp_shifted_row(const float* x, float* y, int64_t n, 
 // becomes NaN at every key, as ONNX Runtime's Softmax and torch.softmax give: x - max is NaN at
 // some key, exp_nonpos keeps it, and the NaN sum spreads it over the row.
 ATTNCAL_CLONES static void softmax_row(const float* x, float* y, int64_t n) {
-  float mx[8];
-  for (int j = 0; j < 8; ++j) mx[j] = x[0];
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) mx[j] = x[i + j] > mx[j] ? x[i + j] : mx[j];
-  }
-  float m = mx[0];
-  for (int j = 1; j < 8; ++j) m = mx[j] > m ? mx[j] : m;
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  exp_shifted_row(x, y, n, m);
+  exp_shifted_row(x, y, n, row_max(x, n));
   const float sum = sum_lanes(y, n);
   const float inv = 1.0f / sum;  // sum >= 1 (the max term is exp(0)), or NaN
-  for (i = 0; i < n; ++i) y[i] *= inv;
+  for (int64_t i = 0; i < n; ++i) y[i] *= inv;
 }
 
 // Widen / narrow float16 rows (vectorisable).
@@ -365,9 +396,7 @@ inline void softmax_calibrate_row_f32(const float* x, float* y, int64_t K, const
   const RowPlan& rp = it.rp;
   const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
   const float* m = it.keep;
-  float mx = x[0];
-  for (int64_t i = 1; i < K; ++i) mx = x[i] > mx ? x[i] : mx;  // NaN scores: caught by the sum below
-  exp_shifted_row(x, y, K, mx);
+  exp_shifted_row(x, y, K, row_max(x, K));  // NaN scores: caught by the sum below
   ensure_baskets(sc, n);
   float* A = sc.baskets.data();
   float* h = sc.coef.data();
