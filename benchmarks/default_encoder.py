@@ -57,18 +57,8 @@ def main() -> None:
     if args.calibrated_first:
         order = order[1::2] + order[0::2]
     encs = {n: Encoder(outs[n], intra_op_threads=args.threads) for n in order}
-    sentence = "Dense retrieval encodes each passage of a collection into one vector for nearest-neighbour search. "
-    words = (sentence * (args.tokens // 8 + 10)).split()
     tok = encs["uncalibrated"].tokenizer
-    texts = []
-    for i in range(args.texts):
-        target = max(8, args.tokens - 24 + (i % 7) * 8)  # ~tokens +- 24, mixed lengths
-        n = target
-        text = " ".join(words[:n])
-        while len(tok(text)["input_ids"]) > target and n > 2:
-            n -= 2
-            text = " ".join(words[:n])
-        texts.append(text)
+    texts = make_texts(tok, args.texts, args.tokens)
     lengths = [len(tok(t)["input_ids"]) for t in texts]
     for e in encs.values():
         e.encode(texts)  # warm-up
@@ -93,6 +83,22 @@ def main() -> None:
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+def make_texts(tokenizer, count: int, tokens: int) -> list[str]:
+    """`count` English texts of about `tokens` tokens (+- 24, mixed lengths) under `tokenizer`."""
+    sentence = "Dense retrieval encodes each passage of a collection into one vector for nearest-neighbour search. "
+    words = (sentence * (tokens // 8 + 10)).split()
+    texts = []
+    for i in range(count):
+        target = max(8, tokens - 24 + (i % 7) * 8)
+        n = target
+        text = " ".join(words[:n])
+        while len(tokenizer(text)["input_ids"]) > target and n > 2:
+            n -= 2
+            text = " ".join(words[:n])
+        texts.append(text)
+    return texts
 
 
 def _int8_cosine(encs: dict) -> dict:

@@ -1,7 +1,7 @@
 """GPU check of the CUDA calibration kernels (one command, <= 5 minutes of GPU time).
 
-For a machine with an NVIDIA GPU, torch (CUDA build) and nvcc, but neither
-onnxruntime-gpu nor TensorRT.  It:
+For a machine with an NVIDIA GPU, torch (CUDA build) and nvcc; onnxruntime-gpu is
+used by section 8 only, where it is installed, and TensorRT not at all.  It:
 
   1. compiles plugins/kernels/calibration_cuda.cu with nvcc for this GPU
      (attncal.runtime.oplib.compile_cuda_kernel; no CMake or ORT headers needed);
@@ -31,7 +31,11 @@ onnxruntime-gpu nor TensorRT.  It:
      every load path) and against each other; deterministic edge cases (NaN rules,
      rows the tiled kernel queues for the per-row kernel); against torch SDPA + the
      split identity (attncal.calibration.split); time and peak memory against torch's
-     flash SDPA at B=8, S=8192, 12 heads x 64, float16 (targets <= 1.15x, <= 1.05x).
+     flash SDPA at B=8, S=8192, 12 heads x 64, float16 (targets <= 1.15x, <= 1.05x);
+  8. the `attncal export --fp16` exports of all-MiniLM-L6-v2 on ONNX Runtime's CUDA provider
+     (benchmarks/fp16_exports.py): parity of every graph against the fp32 PyTorch reference
+     with `attncal check`'s fp16 tolerances, and the default Encoder's time, calibrated vs
+     uncalibrated; skipped, saying so, where onnxruntime-gpu is not installed.
 
 None of this has run on a GPU yet (no GPU was lent when it was written): every expected
 figure in comments is a design expectation, not a measurement.
@@ -53,6 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp16_exports (section 8)
 
 from attncal.runtime import oplib  # noqa: E402
 
@@ -932,6 +937,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="randomized correctness cases of the calibrated attention kernels (default 150)")
     ap.add_argument("--skip-attention", action="store_true", help="skip the calibrated attention section")
     ap.add_argument("--skip-model", action="store_true", help="skip the torch model timing")
+    ap.add_argument("--skip-exports", action="store_true",
+                    help="skip section 8 (fp16 exports on ONNX Runtime's CUDA provider)")
     ap.add_argument("--out-dir", default=None, help="where to put the compiled library (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -982,6 +989,12 @@ def main(argv: list[str] | None = None) -> int:
             results["split_long_context"] = split_long_context()
             print("split placement on CUDA (SDPA), 8 x 8192, mean pooling:",
                   json.dumps(results["split_long_context"]))
+        if not args.skip_exports:
+            import fp16_exports
+            from attncal.modelinfo import default_model_path
+
+            results["fp16_exports"] = fp16_exports.run(default_model_path(), out_dir / "exports")
+            print("fp16 exports on ONNX Runtime CUDA:", json.dumps(results["fp16_exports"], indent=1))
     if "calibrated_attention" in results:
         ca = results["calibrated_attention"]
         summary = {"calibrated_attention": {
