@@ -21,8 +21,9 @@ from attncal.artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
 from attncal.export.exporter import ExportError, ExportOptions, export
-from attncal.graphs import attention_placement
+from attncal.graphs import attention_placement, projected_attention_placement
 from attncal.graphs.attention_placement import AttentionPlacementError
+from attncal.graphs.projected_attention_placement import ProjectedAttentionPlacementError
 from attncal.graphs.placements import plan
 from attncal.graphs.rewrite import remove_calibration
 from attncal.graphs.softmax_pattern import SoftmaxPatternError
@@ -56,14 +57,18 @@ def op_types(path: Path) -> list[str]:
 def test_auto_writes_the_native_graph_and_it_matches_pytorch(exports, pooling):
     src, out, meta, cfg = exports[pooling]
     graphs = meta["graphs"]
-    assert graphs[NATIVE_GRAPH]["placement"] == "attention"
+    assert graphs[NATIVE_GRAPH]["placement"] == "projected-attention"  # fp32: the op projects Q, K, V itself
     assert graphs[OPTIMIZED_GRAPH]["placement"] == ("split" if pooling == "mean" else "row")
     assert all(g["parity"]["ok"] for g in graphs.values()), "the export checks every graph"
     assert graphs[NATIVE_GRAPH]["parity"]["max_abs"] <= 1e-5
     ops = op_types(out / NATIVE_GRAPH)
     n_cal = len(meta["calibrated_layers"])
-    op = "AllRowsCalibratedAttention" if pooling == "mean" else "PooledRowCalibratedAttention"
+    op = "AllRowsCalibratedProjectedAttention" if pooling == "mean" else "PooledRowCalibratedProjectedAttention"
     assert ops.count(op) == n_cal and ops.count("Attention") == meta["num_layers"] - n_cal  # others untouched
+    graph = onnx.load(str(out / NATIVE_GRAPH), load_external_data=False).graph
+    inits = {i.name for i in graph.initializer}
+    for node in (n for n in graph.node if n.op_type == op):  # one node per layer: the fused node's packed weights
+        assert node.input[1] in inits and node.input[2] in inits and node.input[3] == "attention_mask"
     assert graphs[NATIVE_GRAPH]["fused_attention"] == meta["num_layers"]
     ref = TorchEncoder(src, attn_implementation="eager").encode(TEXTS, cfg.with_pooling(pooling))
     enc = Encoder(out, providers=["CPUExecutionProvider"])
@@ -71,6 +76,19 @@ def test_auto_writes_the_native_graph_and_it_matches_pytorch(exports, pooling):
     assert np.abs(enc.encode(TEXTS) - ref).max() <= 1e-5
     split = Encoder(out, providers=["CPUExecutionProvider"], graph="optimized").encode(TEXTS)
     assert np.abs(split - ref).max() <= 1e-5
+
+
+def test_explicit_attention_placement_keeps_separate_projections(exports, tmp_path):
+    """`--placement attention` on a float32 export: the Q, K and V projections stay MatMul + Add (what fp16 and
+    int8 exports get in their native graph) before the unprojected op, with parity."""
+    src, _, _, cfg = exports["mean"]
+    meta = export(src, tmp_path / "att", ExportOptions(config=cfg, exporter="torchscript", placement="attention"),
+                  quiet=True)
+    graph = meta["graphs"][OPTIMIZED_GRAPH]
+    assert graph["placement"] == "attention" and graph["parity"]["ok"] and graph["parity"]["max_abs"] <= 1e-5
+    ops = op_types(tmp_path / "att" / OPTIMIZED_GRAPH)
+    assert ops.count("AllRowsCalibratedAttention") == len(meta["calibrated_layers"])
+    assert "AllRowsCalibratedProjectedAttention" not in ops
 
 
 def test_without_the_library_the_split_graph_runs(exports, monkeypatch, tmp_path, capfd):
@@ -106,7 +124,8 @@ def test_inspect_triton_repo_and_encode_name_the_graph(exports, tmp_path, capsys
     _, out, _, _ = exports["mean"]
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
-    assert "placement attention" in shown and "AllRowsCalibratedAttention" in shown and "native library" in shown
+    assert "placement projected-attention" in shown and "AllRowsCalibratedProjectedAttention" in shown
+    assert "native library" in shown
     assert main(["triton-repo", str(out), "-o", str(tmp_path / "repo"), "--backend", "onnxruntime", "--name", "m"]) == 0
     shown = capsys.readouterr().out
     assert f"serves the export's {NATIVE_GRAPH}" in shown
@@ -134,10 +153,17 @@ def test_refusals_say_why_and_leave_the_graph_unchanged(exports, tmp_path):
     with pytest.raises(AttentionPlacementError, match="is a graph output; cannot rewire it"):
         attention_placement.place(model, cfg, len(atts))
     assert ir.to_proto(model).SerializeToString() == before
-    for opts, why in ((dict(fp16=True), "--placement attention with --fp16: use --placement auto"),
-                      (dict(optimized=False), "drop --no-optimized")):
+    with pytest.raises(ProjectedAttentionPlacementError, match="is a graph output; cannot rewire it"):
+        projected_attention_placement.place(model, cfg, len(atts))
+    assert ir.to_proto(model).SerializeToString() == before
+    for placement, opts, why in (
+            ("attention", dict(fp16=True), "--placement attention with --fp16: use --placement auto"),
+            ("attention", dict(optimized=False), "drop --no-optimized"),
+            ("projected-attention", dict(fp16=True), "--placement projected-attention with --fp16"),
+            ("projected-attention", dict(quantize="int8"), "quantizes only separate projection MatMuls"),
+            ("projected-attention", dict(optimized=False), "drop --no-optimized")):
         with pytest.raises(ValueError, match=why):
-            export(src, tmp_path / "x", ExportOptions(config=cfg, placement="attention", **opts), quiet=True)
+            export(src, tmp_path / "x", ExportOptions(config=cfg, placement=placement, **opts), quiet=True)
     qwen = save_synthetic_model("qwen3", tmp_path / "qwen", seed=1, pooling="mean", max_positions=64)
     with pytest.raises(ExportError, match="rewrites ONNX Runtime's fused attention: ONNX Runtime's transformer "
                                           "optimizer fuses BERT-shaped attention only; this qwen3 attention has "
@@ -154,9 +180,18 @@ def test_refusals_say_why_and_leave_the_graph_unchanged(exports, tmp_path):
 
 def test_plan_names_the_native_graph():
     mean = plan("auto", CalibrationConfig(pooling="mean").resolve())
-    assert (mean.portable, mean.optimized, mean.native) == ("fused-softmax", "split", "attention")
+    assert (mean.portable, mean.optimized, mean.native) == ("fused-softmax", "split", "projected-attention")
+    assert "Q/K/V projection" in mean.reason
     cls = plan("auto", CalibrationConfig(pooling="cls").resolve())
-    assert (cls.portable, cls.optimized, cls.native) == ("row", "row", "attention")
+    assert (cls.portable, cls.optimized, cls.native) == ("row", "row", "projected-attention")
+    for precision in ("fp16", "int8"):  # separate projections: float16/CUDA kernels, ORT's quantizer
+        assert plan("auto", CalibrationConfig(pooling="mean").resolve(), precision).native == "attention"
+    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, int8"):
+        plan("auto", CalibrationConfig(pooling="mean").resolve(), "bf16")
+    with pytest.raises(ValueError, match="writes a float32 op; a int8 export keeps separate"):
+        plan("projected-attention", CalibrationConfig(pooling="mean").resolve(), "int8")
+    projected = plan("projected-attention", CalibrationConfig(pooling="cls").resolve())
+    assert (projected.portable, projected.optimized, projected.native) == ("row", "projected-attention", None)
     explicit = plan("attention", CalibrationConfig(pooling="mean").resolve())
     assert (explicit.portable, explicit.optimized, explicit.native) == ("fused-softmax", "attention", None)
     assert plan("split", CalibrationConfig(pooling="mean").resolve()).native is None

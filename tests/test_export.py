@@ -219,7 +219,7 @@ def test_real_minilm_parity(minilm_exports):
     # the optimized graph, the calibrated attention op on the native graph, each parity-checked at export.
     assert metas["cal"]["calibrated_layers"] == [3, 4, 5] and metas["cal"]["op_type"] == "SoftmaxAllRowsCalibration"
     graphs = metas["cal"]["graphs"]
-    assert [g["placement"] for g in graphs.values()] == ["fused-softmax", "split", "attention"]
+    assert [g["placement"] for g in graphs.values()] == ["fused-softmax", "split", "projected-attention"]
     assert all(g["parity"]["ok"] and g["parity"]["max_abs"] <= 1e-5 for g in graphs.values())
     long_text = [" ".join(["Calibration spreads the pooling attention over the whole passage."] * 30)]
     a = Encoder(root / "uncal").encode(long_text)

@@ -52,8 +52,9 @@ def _registered_ops(library: Path) -> dict[str, bool]:
         specs[base.op_type] = base
         fused = op_spec(CalibrationConfig(pooling=pooling).resolve(), 0, fused_softmax=True)
         specs[with_softmax(base.op_type)] = fused
-        att = attention_op_spec(CalibrationConfig(pooling=pooling).resolve(), 0, num_heads=2)
-        specs[att.op_type] = att
+        for projected in (False, True):
+            att = attention_op_spec(CalibrationConfig(pooling=pooling).resolve(), 0, num_heads=2, projected=projected)
+            specs[att.op_type] = att
     out = {}
     for op_type in ALL_OP_TYPES:
         so = ort.SessionOptions()

@@ -39,12 +39,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="where calibration goes (default auto: row for cls/last pooling; for mean pooling split "
                         "on the ORT-optimized graph and fused-softmax on the portable graph; plus, beside the "
-                        "ORT-optimized graph, onnx/model_optimized_native.onnx with the attention placement, which "
-                        "the runtime picks where the attncal native library is loaded). "
+                        "ORT-optimized graph, onnx/model_optimized_native.onnx with the projected-attention "
+                        "placement (fp32; attention for --fp16 and --quantize), which the runtime picks where the "
+                        "attncal native library is loaded). "
                         "softmax: op after each calibrated Softmax; fused-softmax: one op computes the Softmax and "
                         "the calibration; row: the pooling row is recomputed beside the attention; split: "
                         "calibration as attention over baskets, no probabilities, no custom op; attention: the "
-                        "ORT-optimized graph's calibrated layers become one calibrated attention op each")
+                        "ORT-optimized graph's calibrated layers become their Q/K/V projections and one calibrated "
+                        "attention op each; projected-attention: one op each that also computes the projections "
+                        "(float32 only)")
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
                    help="do not write onnx/model_optimized.onnx (the ORT-optimized graph; written where ONNX "
                         "Runtime's transformer optimizer fuses every layer's attention)")

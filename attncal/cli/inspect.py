@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _describe_graph(model_file: Path, placement: str | None, model=None) -> None:
     import onnx
 
-    from ..graphs.contract import DOMAIN, is_all_rows, is_attention, takes_scores
+    from ..graphs.contract import DOMAIN, is_all_rows, is_attention, is_projected, takes_scores
 
     if model is None:
         model = load_onnx_checked(model_file, interface=False)
@@ -32,7 +32,7 @@ def _describe_graph(model_file: Path, placement: str | None, model=None) -> None
         if nodes and fused:
             placement = "row"
         if any(is_attention(n.op_type) for n in nodes):
-            placement = "attention"
+            placement = "projected-attention" if any(is_projected(n.op_type) for n in nodes) else "attention"
     print(f"model      {model_file}")
     print(f"opset      {opset}; attention Softmax nodes: {softmaxes}; fused attention nodes: {fused}; "
           f"function bodies: {functions or 'none'}")

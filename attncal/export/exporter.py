@@ -50,7 +50,8 @@ from ..modelinfo import ModelInfo, load_model_info
 from .fp16 import METHOD as FP16_METHOD, convert_to_fp16
 
 EXPORTERS = ("dynamo", "torchscript")
-PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split", "attention")  # attncal.graphs.placements.CHOICES
+PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split", "attention",  # attncal.graphs.placements.CHOICES
+              "projected-attention")
 DEFAULT_OPSET = 18
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
 _SKIP_DIRS = {"onnx", "openvino", ".git", "__pycache__"}
@@ -369,7 +370,7 @@ def export(
         raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
     if opts.placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
-    if opts.placement in ("row", "split", "attention") and opts.fp16 and opts.calibrate:
+    if opts.placement in ("row", "split", "attention", "projected-attention") and opts.fp16 and opts.calibrate:
         # fp16: the portable graph takes softmax placement (its op computes in fp32); auto also places the
         # optimized graphs, which are converted to fp16 after placement (attncal.export.fp16).
         raise ValueError(f"--placement {opts.placement} with --fp16: use --placement auto (softmax on the portable "
@@ -384,8 +385,11 @@ def export(
             raise ValueError("--quantize int8 and --fp16 exclude each other (int8 weights, fp32 activations)")
     if opts.max_length is not None and opts.max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {opts.max_length}")
-    if opts.placement == "attention" and opts.calibrate and not opts.optimized:
-        raise ValueError("--placement attention rewrites the ORT-optimized graph; drop --no-optimized")
+    if opts.placement in ("attention", "projected-attention") and opts.calibrate and not opts.optimized:
+        raise ValueError(f"--placement {opts.placement} rewrites the ORT-optimized graph; drop --no-optimized")
+    if opts.placement == "projected-attention" and opts.quantize is not None and opts.calibrate:
+        raise ValueError("--placement projected-attention with --quantize int8: ONNX Runtime's quantizer quantizes "
+                         "only separate projection MatMuls; use --placement attention (or auto)")
     info = load_model_info(model)
     out = Path(out).expanduser().resolve()
     prepare_out_dir(out, opts.overwrite)
@@ -436,7 +440,8 @@ def export(
         if config is not None:
             from ..graphs import placements
 
-            plan = placements.plan(opts.placement, config.resolve())
+            precision = "fp16" if opts.fp16 else (opts.quantize or "fp32")
+            plan = placements.plan(opts.placement, config.resolve(), precision)
             if opts.fp16 and plan.portable != "softmax":
                 plan = replace(plan, portable="softmax", reason=plan.reason + "; --fp16: the portable graph takes "
                                "softmax placement (its op computes in float32)")
@@ -486,8 +491,8 @@ def export(
                 _log(f"[2/4] {optimizer_note}", quiet)
                 cache.clear()
                 shutil.rmtree(ts_raw.parent, ignore_errors=True)
-        if opts.placement == "attention" and config is not None and not fuses:
-            raise ExportError("--placement attention rewrites ONNX Runtime's fused attention: "
+        if opts.placement in ("attention", "projected-attention") and config is not None and not fuses:
+            raise ExportError(f"--placement {opts.placement} rewrites ONNX Runtime's fused attention: "
                               + (optimizer_note or "this export writes no optimized graph")
                               + "; use --placement auto")
         if fuses:

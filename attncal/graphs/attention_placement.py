@@ -37,11 +37,11 @@ class AttentionPlacementError(ValueError):
     """Attention placement does not apply to this graph."""
 
 
-def _check_layer(graph: ir.Graph, att: ir.Node):
-    parts = fused_attention_parts(att, AttentionPlacementError)
+def _check_layer(graph: ir.Graph, att: ir.Node, error: type[ValueError] = AttentionPlacementError):
+    parts = fused_attention_parts(att, error)
     if any(o is att.outputs[0] for o in graph.outputs):
-        raise AttentionPlacementError(f"the context of {att.name} is a graph output; cannot rewire it (the fused "
-                                      "node is replaced, and a graph output would be left without its producer)")
+        raise error(f"the context of {att.name} is a graph output; cannot rewire it (the fused "
+                    "node is replaced, and a graph output would be left without its producer)")
     return parts
 
 
@@ -49,29 +49,39 @@ def place(model: ir.Model, config: CalibrationConfig, num_layers: int,
           mask_input: str = "attention_mask") -> PlacementResult:
     """Rewrite the selected layers of an ORT-optimized graph; every refusal, for every selected layer,
     comes before the first edit."""
+    return rewrite(model, config, num_layers, mask_input, projected=False, error=AttentionPlacementError)
+
+
+def rewrite(model: ir.Model, config: CalibrationConfig, num_layers: int, mask_input: str, projected: bool,
+            error: type[ValueError]) -> PlacementResult:
+    """Each selected layer's fused `Attention` becomes the calibrated attention op: after its Q, K and V
+    projections (three MatMul + Add), or, `projected`, the op that computes them itself from the fused
+    node's packed weight and bias (`projected_attention_placement`)."""
     rc = config.resolve()
     if not has_fused_attention(model):
-        raise AttentionPlacementError(
+        raise error(
             "attention placement rewrites ONNX Runtime's fused com.microsoft::Attention nodes, and this graph has "
             "none (the portable graph); it applies to the ORT-optimized graph only")
     graph = model.graph
-    atts, mask = fused_layers(model, num_layers, mask_input, AttentionPlacementError,
-                              "attention placement needs")
+    atts, mask = fused_layers(model, num_layers, mask_input, error, "attention placement needs")
     selected = config.layer_indices(num_layers)
-    attrs = attention_op_spec(rc, 0, num_heads=1).attrs
+    attrs = attention_op_spec(rc, 0, num_heads=1, projected=projected).attrs
     common = {k: v for k, v in attrs.items() if k not in ("layer", "num_heads", "scale")}
     if not selected or rc.strength == 0.0:
         return PlacementResult(selected, None, common, count_fused_attention(model))
-    parts = {layer: _check_layer(graph, atts[layer]) for layer in selected}
-    function = ir.serde.deserialize_function(make_function(attention_op_spec(rc, 0, 1).op_type, model_opset(model)))
-    op_type = function.name
+    parts = {layer: _check_layer(graph, atts[layer], error) for layer in selected}
+    op_type = attention_op_spec(rc, 0, 1, projected=projected).op_type
+    function = ir.serde.deserialize_function(make_function(op_type, model_opset(model)))
     for layer in selected:
         x, W, bias, heads, scale = parts[layer]
         att = atts[layer]
         ops = Ops(graph, f"attncal_attention_layer{layer}")
-        q, k, v = qkv_projections(ops, x, W, bias)
-        spec = attention_op_spec(rc, layer, num_heads=heads, scale=float(scale))
-        context = ops(spec.op_type, q, k, v, mask, domain=DOMAIN, **spec.attrs)
+        spec = attention_op_spec(rc, layer, num_heads=heads, scale=float(scale), projected=projected)
+        if projected:  # the fused node's own packed weight and bias initializers, in ORT's layout
+            inputs = (x, att.inputs[1], att.inputs[2])
+        else:
+            inputs = qkv_projections(ops, x, W, bias)
+        context = ops(spec.op_type, *inputs, mask, domain=DOMAIN, **spec.attrs)
         old = att.outputs[0]
         context.name, context.type, context.shape = f"{ops.prefix}/context", old.type, old.shape
         old.replace_all_uses_with(context)

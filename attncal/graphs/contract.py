@@ -99,6 +99,21 @@ never run on a GPU yet).
   (exp(-inf) = 0).  A NaN or an infinity in `value` makes that item's and
   head's context non-finite in every row (0·NaN and 0·inf are NaN at keys of
   probability 0), as the unfused graph's MatMul does.
+
+Calibrated attention with the projection inside: `PooledRowCalibratedProjectedAttention` and
+`AllRowsCalibratedProjectedAttention`, what ONNX Runtime's `com.microsoft::Attention` is to its
+`MultiHeadAttention`.  Why: ONNX Runtime plans the separate Q, K and V projections of the graph as
+tensors of its memory pattern, which needs 6-17 % more peak memory than the fused `Attention`,
+whose projection lives in scratch (docs/native-kernels.md); this op keeps it in scratch too.
+
+* Inputs: `input` float[B,S,H_in] (the layer's hidden states), `weight` float[H_in,3*N*D] and
+  `bias` float[3*N*D] (ONNX Runtime `Attention`'s packed layout: the Q, K and V columns one after
+  the other), `attention_mask` int64[B,S].  float32 only.
+* Attributes and output: those of the calibrated attention op of the same calibration; the output
+  is `context` float[B,S,N*D].
+* Semantics: qkv = input·weight + bias in float32 (a float32 matrix product, whose summation
+  order is the implementation's as for MatMul, then the bias added), split into query, key and
+  value along the last axis, then exactly the calibrated attention op above on them (S_q == S_k).
 """
 
 from __future__ import annotations
@@ -118,11 +133,17 @@ ATTENTION_POOLED_OP = "PooledRowCalibratedAttention"
 ATTENTION_ALL_ROWS_OP = "AllRowsCalibratedAttention"
 # The attention placement writes these; native CPU and CUDA kernels in plugins/kernels/.
 ATTENTION_OP_TYPES = (ATTENTION_POOLED_OP, ATTENTION_ALL_ROWS_OP)
-ALL_OP_TYPES = OP_TYPES + ATTENTION_OP_TYPES
+PROJECTED_POOLED_OP = "PooledRowCalibratedProjectedAttention"
+PROJECTED_ALL_ROWS_OP = "AllRowsCalibratedProjectedAttention"
+# The same attention with the Q, K and V projection inside (float32; native CPU kernel only).
+PROJECTED_OP_TYPES = (PROJECTED_POOLED_OP, PROJECTED_ALL_ROWS_OP)
+ALL_OP_TYPES = OP_TYPES + ATTENTION_OP_TYPES + PROJECTED_OP_TYPES
 _WITH_SOFTMAX = {POOLED_OP: SOFTMAX_POOLED_OP, ALL_ROWS_OP: SOFTMAX_ALL_ROWS_OP}
 _WITH_ATTENTION = {POOLED_OP: ATTENTION_POOLED_OP, ALL_ROWS_OP: ATTENTION_ALL_ROWS_OP}
-_CALIBRATION_OF = {v: k for k, v in (*_WITH_SOFTMAX.items(), *_WITH_ATTENTION.items())}
+_WITH_PROJECTED = {POOLED_OP: PROJECTED_POOLED_OP, ALL_ROWS_OP: PROJECTED_ALL_ROWS_OP}
+_CALIBRATION_OF = {v: k for k, v in (*_WITH_SOFTMAX.items(), *_WITH_ATTENTION.items(), *_WITH_PROJECTED.items())}
 ATTENTION_INPUTS = ("query", "key", "value", "attention_mask")
+PROJECTED_INPUTS = ("input", "weight", "bias", "attention_mask")
 
 # name -> ("int" | "float", meaning); `pool_last` only on the pooled-row ops, `num_heads` and `scale`
 # only on the calibrated attention ops.
@@ -156,8 +177,15 @@ def takes_scores(op_type: str) -> bool:
 
 
 def is_attention(op_type: str) -> bool:
-    """True for the calibrated attention ops (inputs query, key, value, attention_mask)."""
-    return _check(op_type) in ATTENTION_OP_TYPES
+    """True for the calibrated attention ops, projected or not (output: the context; attributes
+    `num_heads` and `scale`)."""
+    return _check(op_type) in ATTENTION_OP_TYPES + PROJECTED_OP_TYPES
+
+
+def is_projected(op_type: str) -> bool:
+    """True for the calibrated attention ops that also compute the Q, K and V projection (inputs
+    input, weight, bias, attention_mask)."""
+    return _check(op_type) in PROJECTED_OP_TYPES
 
 
 def calibration_of(op_type: str) -> str:
@@ -171,9 +199,10 @@ def with_softmax(op_type: str) -> str:
     return _WITH_SOFTMAX[calibration_of(op_type)]
 
 
-def with_attention(op_type: str) -> str:
-    """The calibrated attention op that applies the same calibration."""
-    return _WITH_ATTENTION[calibration_of(op_type)]
+def with_attention(op_type: str, projected: bool = False) -> str:
+    """The calibrated attention op (with the Q, K and V projection inside when `projected`) that
+    applies the same calibration."""
+    return (_WITH_PROJECTED if projected else _WITH_ATTENTION)[calibration_of(op_type)]
 
 
 def is_all_rows(op_type: str) -> bool:
@@ -182,12 +211,14 @@ def is_all_rows(op_type: str) -> bool:
 
 def first_input(op_type: str) -> str:
     if is_attention(op_type):
-        return ATTENTION_INPUTS[0]
+        return input_names(op_type)[0]
     return "scores" if takes_scores(op_type) else "probs"
 
 
 def input_names(op_type: str) -> list[str]:
     """The op's inputs in order."""
+    if is_projected(op_type):
+        return list(PROJECTED_INPUTS)
     return list(ATTENTION_INPUTS) if is_attention(op_type) else [first_input(op_type), "attention_mask"]
 
 
@@ -230,13 +261,15 @@ def op_spec(rc: ResolvedCalibration, layer: int, *, fused_softmax: bool = False)
     return OpSpec(with_softmax(spec.op_type), spec.attrs) if fused_softmax else spec
 
 
-def attention_op_spec(rc: ResolvedCalibration, layer: int, num_heads: int, scale: float = 0.0) -> OpSpec:
-    """The calibrated attention node for `rc` in layer `layer`: `op_spec`'s attributes plus
-    `num_heads` and `scale` (0 = 1/sqrt(head_size))."""
+def attention_op_spec(rc: ResolvedCalibration, layer: int, num_heads: int, scale: float = 0.0,
+                      projected: bool = False) -> OpSpec:
+    """The calibrated attention node for `rc` in layer `layer` (with the Q, K and V projection inside
+    when `projected`): `op_spec`'s attributes plus `num_heads` and `scale` (0 = 1/sqrt(head_size))."""
     if int(num_heads) < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     spec = op_spec(rc, layer)
-    return OpSpec(with_attention(spec.op_type), {**spec.attrs, "num_heads": int(num_heads), "scale": float(scale)})
+    return OpSpec(with_attention(spec.op_type, projected),
+                  {**spec.attrs, "num_heads": int(num_heads), "scale": float(scale)})
 
 
 def resolved_from_attrs(op_type: str, attrs: dict[str, int | float]) -> ResolvedCalibration:

@@ -33,7 +33,8 @@ import itertools
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from .contract import ALL_OP_TYPES, DOMAIN, attribute_names, input_names, is_all_rows, is_attention, takes_scores
+from .contract import (ALL_OP_TYPES, DOMAIN, attribute_names, input_names, is_all_rows, is_attention, is_projected,
+                       takes_scores)
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
 
@@ -275,6 +276,14 @@ def _attention_body(b: _Builder, all_rows: bool) -> str:
     return b.op("CastLike", b.op("Reshape", context, out_shape), "query")
 
 
+def _projected_body(b: _Builder, all_rows: bool) -> str:
+    """The projected calibrated attention ops' body: `input`·`weight` + `bias` split into `query`,
+    `key` and `value` (ONNX Runtime `Attention`'s packed layout), then `_attention_body`."""
+    qkv = b.op("Add", b.op("MatMul", "input", "weight"), "bias")
+    b.nodes.append(helper.make_node("Split", [qkv], ["query", "key", "value"], axis=-1, num_outputs=3))
+    return _attention_body(b, all_rows)
+
+
 def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
     """The model-local FunctionProto for `op_type`, using ONNX domain opset `opset`.
 
@@ -286,7 +295,9 @@ def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
     if opset < MIN_OPSET:
         raise ValueError(f"the calibration function body needs opset >= {MIN_OPSET}, got {opset}")
     b = _Builder()
-    if is_attention(op_type):
+    if is_projected(op_type):
+        out = _projected_body(b, all_rows=is_all_rows(op_type))
+    elif is_attention(op_type):
         out = _attention_body(b, all_rows=is_all_rows(op_type))
     elif takes_scores(op_type):
         out = _softmax_body(b, "scores", all_rows=is_all_rows(op_type))

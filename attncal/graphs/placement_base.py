@@ -38,12 +38,12 @@ class PlacementResult:
 def count_fused_attention(model: ir.Model) -> int:
     """Fused attention nodes that compute a layer's attention (the ones a calibration must not lose):
     ONNX Runtime's, and the calibrated attention ops that replace them (one pass over the keys too)."""
-    from .contract import ATTENTION_OP_TYPES, DOMAIN
+    from .contract import ATTENTION_OP_TYPES, DOMAIN, PROJECTED_OP_TYPES
     from .softmax_pattern import FUSED_ATTENTION_OPS
 
     # Main graph only: split placement's per-basket calls live inside a Loop body.
     return sum(1 for n in model.graph if (n.domain == "com.microsoft" and n.op_type in FUSED_ATTENTION_OPS)
-               or (n.domain == DOMAIN and n.op_type in ATTENTION_OP_TYPES))
+               or (n.domain == DOMAIN and n.op_type in ATTENTION_OP_TYPES + PROJECTED_OP_TYPES))
 
 
 def fused_attention_nodes(graph: ir.Graph) -> list[ir.Node]:

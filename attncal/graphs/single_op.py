@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from .contract import DOMAIN, VERSION, OpSpec, first_input, input_names, is_attention
+from .contract import DOMAIN, VERSION, OpSpec, first_input, input_names, is_attention, is_projected
 from .function_body import make_function
 
 
@@ -13,10 +13,19 @@ def single_op_model(spec: OpSpec, opset: int = 18, float16: bool = False, with_f
     """`calibrated = <op>(probs, attention_mask)` with dynamic [B,H,Q,K] / [B,K] inputs (the first
     input is named `scores` for the Softmax-fused ops).  For the calibrated attention ops:
     `context = <op>(query, key, value, attention_mask)` with dynamic [B,S_q,N*D], [B,S_k,N*D],
-    [B,S_k,N*D_v], [B,S_k] inputs and a [B,S_q,N*D_v] output."""
+    [B,S_k,N*D_v], [B,S_k] inputs and a [B,S_q,N*D_v] output; for the projected ones
+    `context = <op>(input, weight, bias, attention_mask)` with [B,S,H_in], [H_in,3*N*D], [3*N*D],
+    [B,S] inputs (weight and bias as graph inputs here) and a [B,S,N*D] output."""
     dtype = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
     names = input_names(spec.op_type)
-    if is_attention(spec.op_type):
+    if is_projected(spec.op_type):
+        output = "context"
+        inputs = [helper.make_tensor_value_info("input", dtype, ["B", "S", "H_in"]),
+                  helper.make_tensor_value_info("weight", dtype, ["H_in", "ND3"]),
+                  helper.make_tensor_value_info("bias", dtype, ["ND3"]),
+                  helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"])]
+        outputs = [helper.make_tensor_value_info(output, dtype, ["B", "S", "ND"])]
+    elif is_attention(spec.op_type):
         output = "context"
         inputs = [helper.make_tensor_value_info("query", dtype, ["B", "S_q", "ND"]),
                   helper.make_tensor_value_info("key", dtype, ["B", "S_k", "ND"]),

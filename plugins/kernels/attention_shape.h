@@ -12,6 +12,9 @@ namespace attncal {
 struct AttentionShape {
   int64_t B = 0, S_q = 0, S_k = 0, N = 0, D = 0, D_v = 0;
   float scale = 0.f;  // resolved: never 0
+  // Row strides of query, key and value (0: unpacked, N*D, N*D and N*D_v); a packed [B,S,3*N*D] tensor
+  // (Q|K|V per token, as ONNX Runtime's Attention projects it) is read with 3*N*D for all three.
+  int64_t ld_q = 0, ld_k = 0, ld_v = 0;
 };
 
 }  // namespace attncal

@@ -90,16 +90,17 @@ class AttentionPlan {
     const AttentionUnit& u = units_[i];
     const ItemPlan& it = items_[u.b];
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = u.q1 - u.q0;
-    const int64_t ldq = sh_.N * D, ldv = sh_.N * Dv;
+    const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.N * D;
+    const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.N * Dv, ldo = sh_.N * Dv;
     AttentionScratch& as = thread_attention_scratch();
     Scratch& sc = thread_scratch();
     ensure(as.scores, R * K);
     float* s = as.scores.data();
     const T* q_src = query + (u.b * sh_.S_q + u.q0) * ldq + u.h * D;
-    const T* k_src = key + u.b * K * ldq + u.h * D;
+    const T* k_src = key + u.b * K * ldk + u.h * D;
     const T* v_src = value + u.b * K * ldv + u.h * Dv;
     const float *qf, *kf, *vf;
-    int64_t lq = ldq, lk = ldq, lv = ldv;
+    int64_t lq = ldq, lk = ldk, lv = ldv;
     if constexpr (std::is_same<T, float>::value) {
       qf = q_src;
       kf = k_src;
@@ -109,7 +110,7 @@ class AttentionPlan {
       ensure(as.k, K * D);
       ensure(as.v, K * Dv);
       widen_block(q_src, R, D, ldq, as.q.data());
-      widen_block(k_src, K, D, ldq, as.k.data());
+      widen_block(k_src, K, D, ldk, as.k.data());
       widen_block(v_src, K, Dv, ldv, as.v.data());
       qf = as.q.data();
       kf = as.k.data();
@@ -133,13 +134,13 @@ class AttentionPlan {
         softmax_row(row, row, K, sc);
       }
     }
-    T* out = context + (u.b * sh_.S_q + u.q0) * ldv + u.h * Dv;
+    T* out = context + (u.b * sh_.S_q + u.q0) * ldo + u.h * Dv;
     if constexpr (std::is_same<T, float>::value) {
-      gemm_nn(R, Dv, K, s, K, vf, lv, out, ldv);
+      gemm_nn(R, Dv, K, s, K, vf, lv, out, ldo);
     } else {
       ensure(as.ctx, R * Dv);
       gemm_nn(R, Dv, K, s, K, vf, lv, as.ctx.data(), Dv);
-      for (int64_t r = 0; r < R; ++r) narrow_row(as.ctx.data() + r * Dv, out + r * ldv, Dv);
+      for (int64_t r = 0; r < R; ++r) narrow_row(as.ctx.data() + r * Dv, out + r * ldo, Dv);
     }
   }
 

@@ -59,6 +59,10 @@ inline bool IsAttentionOp(const char* name) {
   return n == AttentionOpName(false) || n == AttentionOpName(true);
 }
 OrtStatusPtr ORT_API_CALL InferAttentionContext(const OrtCustomOp* op, OrtShapeInferContext* ctx);
+// Writes output 0 as a rank-3 tensor of `type_of`'s element type with these dims and symbolic names; writes
+// nothing when a dim is unknown without a name (ORT then infers it at run time).
+OrtStatusPtr SetContextShape(OrtShapeInferContext* ctx, const OrtTensorTypeAndShapeInfo* type_of,
+                             const int64_t (&dims)[3], const char* const (&names)[3]);
 // Checks query/key/value/mask shapes against the contract; fills `shape` (scale left to the caller).
 Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
                                  const std::vector<int64_t>& v, const std::vector<int64_t>& mask, bool all_rows,

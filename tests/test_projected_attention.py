@@ -1,0 +1,106 @@
+"""The projected calibrated attention ops (PooledRowCalibratedProjectedAttention /
+AllRowsCalibratedProjectedAttention: the calibrated attention op with the Q, K and V projection inside,
+ONNX Runtime `Attention`'s packed weight layout; contract.py).  The native CPU kernel against the
+unprojected op fed with the same projections and against the op's function body, on random shapes,
+attribute sets and masks (both padding sides, holes, empty items); bit-identical at 1, 2 and 4
+threads; refusals that name the bad shape."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from attncal.graphs.contract import attention_op_spec
+from attncal.graphs.single_op import single_op_model
+from test_calibrated_attention import random_attention_spec
+from test_native_kernel import library, mixed_mask  # noqa: F401  (library: the built-library fixture)
+
+
+def session(model, library=None, threads: int = 1) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if library is not None:
+        so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def random_case(rng: random.Random, np_rng: np.random.Generator):
+    """(projected spec, unprojected spec, feeds, q, k, v): one random item batch under one attribute set."""
+    S, N, D, _, _, scale, rc, _ = random_attention_spec(rng, [1, 2, 3, 5, 8, 16], max_heads=4)
+    layer = rng.randint(0, 30)
+    proj = attention_op_spec(rc, layer, num_heads=N, scale=scale, projected=True)
+    plain = attention_op_spec(rc, layer, num_heads=N, scale=scale)
+    B, K, h_in = rng.randint(1, 3), rng.randint(1, 4 * S + 3), rng.randint(1, 40)
+    x = np_rng.standard_normal((B, K, h_in)).astype(np.float32)
+    w = (np_rng.standard_normal((h_in, 3 * N * D)) / np.sqrt(h_in)).astype(np.float32)
+    b = np_rng.standard_normal(3 * N * D).astype(np.float32)
+    mask = mixed_mask(rng, B, K, holes=0.0 if rng.random() < 0.5 else 0.3).numpy()
+    q, k, v = np.split(x @ w + b, 3, axis=-1)
+    return proj, plain, {"input": x, "weight": w, "bias": b, "attention_mask": mask}, q, k, v
+
+
+def test_native_matches_the_unprojected_op_and_the_function_body(library):
+    rng, np_rng = random.Random(31), np.random.default_rng(31)
+    worst_plain = worst_body = 0.0
+    for _ in range(150):
+        proj, plain, f, q, k, v = random_case(rng, np_rng)
+        native = session(single_op_model(proj, with_function=False), library).run(None, f)[0]
+        ref = session(single_op_model(plain, with_function=False), library).run(
+            None, {"query": q, "key": k, "value": v, "attention_mask": f["attention_mask"]})[0]
+        assert native.shape == ref.shape == q.shape
+        worst_plain = max(worst_plain, float(np.abs(native - ref).max()))
+        m = f["attention_mask"].astype(bool)
+        if not (m[:, 1:] & ~m[:, :-1] & np.maximum.accumulate(m, axis=1)[:, :-1]).any():
+            # No hole inside an item's valid span: there the function bodies of every calibration op disagree
+            # with the oracle and the native kernels (found here; see the issue 20 closing note), so the
+            # body is compared on masks without holes only.
+            body = session(single_op_model(proj)).run(None, f)[0]  # no library: ONNX Runtime inlines the body
+            worst_body = max(worst_body, float(np.abs(native - body).max()))
+    # The projections are float32 GEMMs in both (numpy's here, OpenBLAS's in the kernel): equal up to their rounding.
+    assert worst_plain <= 1e-5 and worst_body <= 1e-5, (worst_plain, worst_body)
+
+
+def test_native_is_bit_identical_across_threads_and_counts(library):
+    rng, np_rng = random.Random(7), np.random.default_rng(7)
+    count = ctypes.CDLL(str(library)).attncal_debug_attention_count
+    count.restype, count.argtypes = ctypes.c_uint64, []
+    from attncal.calibration import CalibrationConfig
+
+    for pooling in ("mean", "cls", "last"):
+        spec = attention_op_spec(CalibrationConfig(pooling=pooling, basket_size=64).resolve(), 3, num_heads=4,
+                                 projected=True)
+        B, K, h_in = 3, 700, 48  # several projection blocks and query-row units per head
+        f = {"input": np_rng.standard_normal((B, K, h_in)).astype(np.float32),
+             "weight": (np_rng.standard_normal((h_in, 3 * 4 * 16)) / 7).astype(np.float32),
+             "bias": np_rng.standard_normal(3 * 4 * 16).astype(np.float32),
+             "attention_mask": mixed_mask(rng, B, K, holes=0.5).numpy()}
+        before = count()
+        outs = [session(single_op_model(spec, with_function=False), library, t).run(None, f)[0] for t in (1, 2, 4)]
+        assert count() - before == 3, "the native kernel ran"
+        assert all(np.array_equal(outs[0], o) for o in outs[1:])
+        assert np.isfinite(outs[0]).all()
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda f: f.update(weight=f["weight"][:, :-3]), "3\\*N\\*D divisible by 3\\*num_heads=6"),
+    (lambda f: f.update(weight=f["weight"][:-1]), "H_in = input's last dimension"),
+    (lambda f: f.update(bias=f["bias"][:-1]), "and bias \\[3\\*N\\*D\\]"),
+    (lambda f: f.update(attention_mask=f["attention_mask"][:, :-1]), "attention_mask must be \\[B,S\\]=\\[2,9\\]"),
+    (lambda f: f.update(input=f["input"][0]), "Invalid rank for input: input"),  # ONNX Runtime's own check
+])
+def test_bad_shapes_are_refused_with_the_shapes(library, change, message):
+    from attncal.calibration import CalibrationConfig
+
+    spec = attention_op_spec(CalibrationConfig(pooling="mean", basket_size=2).resolve(), 0, num_heads=2,
+                             projected=True)
+    rng = np.random.default_rng(0)
+    f = {"input": rng.standard_normal((2, 9, 5)).astype(np.float32),
+         "weight": rng.standard_normal((5, 3 * 2 * 4)).astype(np.float32),
+         "bias": rng.standard_normal(3 * 2 * 4).astype(np.float32), "attention_mask": np.ones((2, 9), np.int64)}
+    change(f)
+    with pytest.raises(Exception, match=message):
+        session(single_op_model(spec, with_function=False), library).run(None, f)
