@@ -22,9 +22,10 @@ where ONNX Runtime's transformer optimizer applies, for the optimized graph.
   native graph (`onnx/model_optimized_native.onnx`): each calibrated layer's fused attention becomes
   one calibrated attention op, softmax, calibration and the product with V in one pass (the native
   CPU kernel); in float32 exports the op also computes the Q, K and V projection
-  (`projected-attention`), in fp16 and int8 exports it follows separate projections (`attention`).  The runtime runs it where the attncal native library
-  is loaded and the optimized graph (no custom op, or the function body) everywhere else, so a
-  machine without the library is never slower than before (`attncal.runtime.encoder.select_graph`).
+  (`projected-attention`), in fp16 and int8 exports it follows separate projections (`attention`).
+  The runtime runs it where the attncal native library is loaded and the optimized graph (no custom
+  op, or the function body) everywhere else, so a machine without the library is never slower than
+  before (`attncal.runtime.encoder.select_graph`).
 """
 
 from __future__ import annotations
