@@ -67,10 +67,10 @@ def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
         idx = mask[b].nonzero().flatten()
         if len(idx) == 0:
             continue
-        C = len(idx) - rc.n_isolated
+        start, end = int(idx[0]), int(idx[-1])
+        C = end - start + 1 - rc.n_isolated  # the span's length: a hole inside it still counts
         if C <= 0 or (rc.skip_short and C < rc.basket_size):
             continue
-        start, end = int(idx[0]), int(idx[-1])
         if rc.all_rows:
             out[b, start : end + 1] = True
         else:

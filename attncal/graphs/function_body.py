@@ -122,7 +122,8 @@ def _body(b: _Builder, all_rows: bool) -> str:
     end_c = b.op("Max", end, zero_i)
     # Basket membership P[B,K,n]: key k is content (c0 <= k < c0 + C) of basket (k - c0) // S.
     rel = b.op("Sub", b.op("Unsqueeze", pos, ax0), c0)  # [B,K]
-    content = b.op("And", b.op("GreaterOrEqual", rel, zero_i), b.op("Less", rel, C))
+    # Masked keys inside the span (holes) are not content: out of the basket masses, 0 in calibrated rows.
+    content = b.op("And", b.op("And", b.op("GreaterOrEqual", rel, zero_i), b.op("Less", rel, C)), valid)
     basket_of = b.op("Div", b.op("Max", rel, zero_i), S)  # [B,K]
     baskets = b.op("Range", zero_i, n_max, one_i)  # [n]
     member = b.op("And", b.op("Unsqueeze", content, ax_last),
@@ -139,8 +140,10 @@ def _body(b: _Builder, all_rows: bool) -> str:
     # --- the rows to calibrate: x [B,H,R,K] (R = 1 for the pooling row, Q for all rows)
     if all_rows:
         x_native = "probs"
+        pos_b = b.op("Unsqueeze", pos, ax0)  # [1,Q] (Q == K)
+        in_span = b.op("And", b.op("GreaterOrEqual", pos_b, start), b.op("LessOrEqual", pos_b, end))  # [B,Q]
         row_active = b.op("And", b.op("Unsqueeze", active, ax_12),
-                          b.op("Unsqueeze", valid, b.axes(1, 3)))  # [B,1,Q,1]: valid query rows
+                          b.op("Unsqueeze", in_span, b.axes(1, 3)))  # [B,1,Q,1]: the rows of the valid span
     else:
         pool_last = b.attr("pool_last", "int")
         row = b.op("Where", b.op("Equal", pool_last, one_i), end_c, start_c)  # [B,1]
