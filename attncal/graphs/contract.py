@@ -103,7 +103,7 @@ never run on a GPU yet).
 Calibrated attention with the projection inside: `PooledRowCalibratedProjectedAttention` and
 `AllRowsCalibratedProjectedAttention`, what ONNX Runtime's `com.microsoft::Attention` is to its
 `MultiHeadAttention`.  Why: ONNX Runtime plans the separate Q, K and V projections of the graph as
-tensors of its memory pattern, which needs 6-17 % more peak memory than the fused `Attention`,
+tensors of its memory pattern, which needs 6-27 % more peak memory than the fused `Attention`,
 whose projection lives in scratch (docs/native-kernels.md); this op keeps it in scratch too.
 
 * Inputs: `input` float[B,S,H_in] (the layer's hidden states), `weight` float[H_in,3*N*D] and

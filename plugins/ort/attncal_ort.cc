@@ -225,31 +225,31 @@ Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vecto
   return Ort::Status{nullptr};
 }
 
+OrtStatusPtr ReadInputShape(OrtShapeInferContext* ctx, size_t index, size_t rank, InputShape* shape) {
+  const OrtApi& api = Ort::GetApi();
+  shape->ok = false;
+  size_t n = 0, r = 0;
+  if (OrtStatusPtr st = api.ShapeInferContext_GetInputCount(ctx, &n)) return st;
+  if (index >= n || rank > 3) return nullptr;
+  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, index, &shape->info)) return st;
+  if (OrtStatusPtr st = api.GetDimensionsCount(shape->info, &r)) return st;
+  if (r != rank) return nullptr;
+  if (OrtStatusPtr st = api.GetDimensions(shape->info, shape->dims, rank)) return st;
+  if (OrtStatusPtr st = api.GetSymbolicDimensions(shape->info, shape->names, rank)) return st;
+  shape->ok = true;
+  return nullptr;
+}
+
 // context: query's [B,S_q] and value's last dimension, symbolic dims included; as InferSameAsProbs,
 // nothing is written when a dim is unknown without a name (ORT then infers it at run time).
 OrtStatusPtr ORT_API_CALL InferAttentionContext(const OrtCustomOp*, OrtShapeInferContext* ctx) {
-  const OrtApi& api = Ort::GetApi();
-  size_t n = 0;
-  if (OrtStatusPtr st = api.ShapeInferContext_GetInputCount(ctx, &n)) return st;
-  if (n < 3) return nullptr;
-  OrtTensorTypeAndShapeInfo* qi = nullptr;
-  OrtTensorTypeAndShapeInfo* vi = nullptr;
-  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &qi)) return st;
-  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 2, &vi)) return st;
-  size_t rq = 0, rv = 0;
-  if (OrtStatusPtr st = api.GetDimensionsCount(qi, &rq)) return st;
-  if (OrtStatusPtr st = api.GetDimensionsCount(vi, &rv)) return st;
-  if (rq != 3 || rv != 3) return nullptr;
-  int64_t qd[3], vd[3];
-  const char* qn[3] = {nullptr, nullptr, nullptr};
-  const char* vn[3] = {nullptr, nullptr, nullptr};
-  if (OrtStatusPtr st = api.GetDimensions(qi, qd, 3)) return st;
-  if (OrtStatusPtr st = api.GetSymbolicDimensions(qi, qn, 3)) return st;
-  if (OrtStatusPtr st = api.GetDimensions(vi, vd, 3)) return st;
-  if (OrtStatusPtr st = api.GetSymbolicDimensions(vi, vn, 3)) return st;
-  const int64_t dims[3] = {qd[0], qd[1], vd[2]};
-  const char* const names[3] = {qn[0], qn[1], vn[2]};
-  return SetContextShape(ctx, qi, dims, names);
+  InputShape q, v;
+  if (OrtStatusPtr st = ReadInputShape(ctx, 0, 3, &q)) return st;
+  if (OrtStatusPtr st = ReadInputShape(ctx, 2, 3, &v)) return st;
+  if (!q.ok || !v.ok) return nullptr;
+  const int64_t dims[3] = {q.dims[0], q.dims[1], v.dims[2]};
+  const char* const names[3] = {q.names[0], q.names[1], v.names[2]};
+  return SetContextShape(ctx, q.info, dims, names);
 }
 
 OrtStatusPtr SetContextShape(OrtShapeInferContext* ctx, const OrtTensorTypeAndShapeInfo* type_of,
@@ -397,11 +397,7 @@ bool IsProjectedOp(const char* name) {
 Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                  const std::vector<int64_t>& b, const std::vector<int64_t>& mask, int64_t num_heads,
                                  attncal::AttentionShape* shape, int64_t* hidden_in) {
-  auto dims = [](const std::vector<int64_t>& d) {
-    std::string s = "[";
-    for (size_t i = 0; i < d.size(); ++i) s += (i ? "," : "") + std::to_string(d[i]);
-    return s + "]";
-  };
+  const auto dims = attncal_ort::Dims;
   auto bad = [](const std::string& why) { return Ort::Status(("attncal: " + why).c_str(), ORT_INVALID_ARGUMENT); };
   if (x.size() != 3 || w.size() != 2 || b.size() != 1) {
     return bad("input, weight and bias must be [B,S,H_in], [H_in,3*N*D] and [3*N*D], got " + dims(x) + ", " +
@@ -428,27 +424,13 @@ Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vecto
 // context: input's [B,S] (symbolic dims included) and a third of weight's columns; nothing is written when
 // a dim is unknown without a name (as InferAttentionContext).
 OrtStatusPtr ORT_API_CALL InferProjectedContext(const OrtCustomOp*, OrtShapeInferContext* ctx) {
-  const OrtApi& api = Ort::GetApi();
-  size_t n = 0;
-  if (OrtStatusPtr st = api.ShapeInferContext_GetInputCount(ctx, &n)) return st;
-  if (n < 2) return nullptr;
-  OrtTensorTypeAndShapeInfo* xi = nullptr;
-  OrtTensorTypeAndShapeInfo* wi = nullptr;
-  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &xi)) return st;
-  if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, 1, &wi)) return st;
-  size_t rx = 0, rw = 0;
-  if (OrtStatusPtr st = api.GetDimensionsCount(xi, &rx)) return st;
-  if (OrtStatusPtr st = api.GetDimensionsCount(wi, &rw)) return st;
-  if (rx != 3 || rw != 2) return nullptr;
-  int64_t xd[3], wd[2];
-  const char* xn[3] = {nullptr, nullptr, nullptr};
-  if (OrtStatusPtr st = api.GetDimensions(xi, xd, 3)) return st;
-  if (OrtStatusPtr st = api.GetSymbolicDimensions(xi, xn, 3)) return st;
-  if (OrtStatusPtr st = api.GetDimensions(wi, wd, 2)) return st;
-  if (wd[1] <= 0 || wd[1] % 3 != 0) return nullptr;
-  const int64_t out_dims[3] = {xd[0], xd[1], wd[1] / 3};
-  const char* const names[3] = {xn[0], xn[1], ""};
-  return attncal_ort::SetContextShape(ctx, xi, out_dims, names);
+  attncal_ort::InputShape x, w;
+  if (OrtStatusPtr st = attncal_ort::ReadInputShape(ctx, 0, 3, &x)) return st;
+  if (OrtStatusPtr st = attncal_ort::ReadInputShape(ctx, 1, 2, &w)) return st;
+  if (!x.ok || !w.ok || w.dims[1] <= 0 || w.dims[1] % 3 != 0) return nullptr;
+  const int64_t out_dims[3] = {x.dims[0], x.dims[1], w.dims[1] / 3};
+  const char* const names[3] = {x.names[0], x.names[1], ""};
+  return attncal_ort::SetContextShape(ctx, x.info, out_dims, names);
 }
 
 // One tile of qkv = input * weight + bias (one GEMM, then the bias added).  Tiles of up to 256 rows (256 measured

@@ -59,6 +59,15 @@ inline bool IsAttentionOp(const char* name) {
   return n == AttentionOpName(false) || n == AttentionOpName(true);
 }
 OrtStatusPtr ORT_API_CALL InferAttentionContext(const OrtCustomOp* op, OrtShapeInferContext* ctx);
+// One input's type/shape as shape inference sees it: `ok` when the input exists and has the expected rank
+// (<= 3); dims are -1 and names non-empty where a dim is symbolic.
+struct InputShape {
+  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
+  int64_t dims[3] = {0, 0, 0};
+  const char* names[3] = {nullptr, nullptr, nullptr};
+  bool ok = false;
+};
+OrtStatusPtr ReadInputShape(OrtShapeInferContext* ctx, size_t index, size_t rank, InputShape* shape);
 // Writes output 0 as a rank-3 tensor of `type_of`'s element type with these dims and symbolic names; writes
 // nothing when a dim is unknown without a name (ORT then infers it at run time).
 OrtStatusPtr SetContextShape(OrtShapeInferContext* ctx, const OrtTensorTypeAndShapeInfo* type_of,
