@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# At its peak the suite holds about 3 GB in the temporary directory (the wheel test's user venv,
+# real-weight exports); passing tests' directories are removed as they finish (pyproject's
+# tmp_path_retention_policy), so a full disk shows up here first instead of as scattered OSErrors.
+NEEDED_TMP_GB = 4.0
+
+
+def pytest_report_header(config) -> str:
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    warn = f"  WARNING: under {NEEDED_TMP_GB:.0f} GiB; tests that write real-weight exports may fail with ENOSPC" \
+        if free < NEEDED_TMP_GB else ""
+    return f"attncal: {free:.1f} GiB free in {tempfile.gettempdir()}{warn}"
 
 
 def random_mask(rng: random.Random, B: int, K: int, left: bool, min_len: int = 0) -> torch.Tensor:

@@ -293,6 +293,41 @@ def test_python_encoder_model_library_policy(tmp_path, monkeypatch, capsys):
     assert registered == [str(lib), str(lib)]
 
 
+def _fake_tritonserver(tmp_path, name: str, body: str) -> Path:
+    exe = tmp_path / name
+    exe.write_text("#!/bin/sh\n" + body + "\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_temporary_log_dropped_after_clean_stop_kept_otherwise(repo, tmp_path):
+    """Benchmarks and tests start hundreds of servers: their temporary logs must not pile up in /tmp."""
+    clean = _fake_tritonserver(tmp_path, "clean", "trap 'exit 0' TERM; while :; do sleep 0.05; done")
+    ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    for keep in (False, True):
+        s = TritonServer(repo, tritonserver=clean, keep_log=keep, **ports).start()
+        log = s.log_file
+        assert log is not None and log.is_file()
+        time.sleep(0.3)  # the trap is set
+        assert s.stop(timeout_s=10) == 0
+        assert log.exists() == keep, f"keep_log={keep}"
+        log.unlink(missing_ok=True)
+    # A server that failed keeps its log: the error names it.
+    failing = _fake_tritonserver(tmp_path, "failing", "echo E boom; exit 0")
+    s = TritonServer(repo, tritonserver=failing, **ports).start()
+    with pytest.raises(Exception, match="before it was ready") as info:
+        s.wait_ready(20)
+    s.stop()
+    assert s.log_file.is_file() and str(s.log_file) in str(info.value)
+    assert "boom" in s.log_text()
+    s.log_file.unlink()
+    # An explicit log file is the user's: never removed.
+    mine = tmp_path / "mine.log"
+    s = TritonServer(repo, tritonserver=clean, log_file=mine, **ports).start()
+    time.sleep(0.3)
+    assert s.stop(timeout_s=10) == 0 and mine.is_file()
+
+
 def test_env_problems_are_named(tmp_path):
     with pytest.raises(ServingEnvError, match="no serving environment"):
         check_env(tmp_path / "nowhere")

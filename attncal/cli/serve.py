@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tritonserver", default=None,
                    help="your own tritonserver binary, run as is (default: the one in the serving env)")
     p.add_argument("--env", default=None, help="serving env (default $ATTNCAL_TRITON_ENV or .venv-triton)")
-    p.add_argument("--log-file", default=None, help="server log (default: a temporary file)")
+    p.add_argument("--log-file", default=None, help="server log (default: a temporary file, kept)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness (default %(default)s)")
 
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"port {port} is not in 1..65535")
     server = TritonServer(args.repo, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, host=args.host, tritonserver=args.tritonserver,
-                          env_dir=args.env, log_file=args.log_file)
+                          env_dir=args.env, log_file=args.log_file, keep_log=True)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -89,7 +89,10 @@ class TritonServer:
         log_file: str | os.PathLike | None = None,
         exit_timeout_s: int = 10,
         extra_args: list[str] | tuple[str, ...] = (),
+        keep_log: bool = False,
     ) -> None:
+        """``log_file`` None: a temporary file, removed after a clean stop (exit status 0) unless
+        ``keep_log``; kept whenever the server failed, so that the errors that name it can be read."""
         self.repo = Path(repo).resolve()
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.host = host
@@ -98,6 +101,9 @@ class TritonServer:
         self.log_file = Path(log_file) if log_file else None
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args)
+        self.keep_log = keep_log
+        self._temp_log = False
+        self._failed = False
         self.proc: subprocess.Popen | None = None
         self._shm_prefix = f"attncal{uuid.uuid4().hex[:10]}_"
 
@@ -147,6 +153,7 @@ class TritonServer:
             fd, name = tempfile.mkstemp(prefix="attncal-triton-", suffix=".log")
             os.close(fd)
             self.log_file = Path(name)
+            self._temp_log = True
         log = open(self.log_file, "ab")
         try:
             self.proc = subprocess.Popen(cmd, env=environ, stdout=log, stderr=subprocess.STDOUT,
@@ -184,11 +191,13 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 rc = self.proc.returncode
+                self._failed = True
                 raise ServerError(f"tritonserver exited with status {rc} before it was ready; "
                                   f"{diagnose(self.log_text())} (full log: {self.log_file})")
             if self.is_ready():
                 return self
             time.sleep(0.25)
+        self._failed = True
         self.stop()
         raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s; {diagnose(self.log_text())}; "
                           f"a silent hang at model load usually means nvidia_pytriton.libs is not on "
@@ -221,7 +230,15 @@ class TritonServer:
                 self.kill()
         self._reap_group()
         self._cleanup_shm()
+        if self.proc.returncode == 0:
+            self._drop_temp_log()
         return self.proc.returncode
+
+    def _drop_temp_log(self) -> None:
+        # A temporary log of a server that started and stopped cleanly says nothing anyone will
+        # read; hundreds of runs (benchmarks, tests) would otherwise pile them up in /tmp.
+        if self._temp_log and not self.keep_log and not self._failed and self.log_file is not None:
+            self.log_file.unlink(missing_ok=True)
 
     def kill(self) -> None:
         """SIGKILL the server and its Python stubs."""
