@@ -15,15 +15,26 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # At its peak the suite holds about 3 GB in the temporary directory (the wheel test's user venv,
 # real-weight exports); passing tests' directories are removed as they finish (pyproject's
-# tmp_path_retention_policy), so a full disk shows up here first instead of as scattered OSErrors.
-NEEDED_TMP_GB = 4.0
+# tmp_path_retention_policy).  The summary names the free space, so that a full disk shows up there
+# instead of only as scattered OSErrors (CI's -q hides the header).
+NEEDED_TMP_GIB = 4.0
+_FREE_AT_START: list[float] = []
 
 
-def pytest_report_header(config) -> str:
-    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
-    warn = f"  WARNING: under {NEEDED_TMP_GB:.0f} GiB; tests that write real-weight exports may fail with ENOSPC" \
-        if free < NEEDED_TMP_GB else ""
-    return f"attncal: {free:.1f} GiB free in {tempfile.gettempdir()}{warn}"
+def _free_tmp_gib() -> float:
+    return shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+
+
+def pytest_sessionstart(session) -> None:
+    _FREE_AT_START.append(_free_tmp_gib())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    start = _FREE_AT_START[0] if _FREE_AT_START else float("nan")
+    line = f"attncal: {start:.1f} GiB free in {tempfile.gettempdir()} at the start, {_free_tmp_gib():.1f} GiB now"
+    if start < NEEDED_TMP_GIB:
+        line += f"; under {NEEDED_TMP_GIB:.0f} GiB, tests that write real-weight exports may fail with ENOSPC"
+    terminalreporter.write_line(line, yellow=start < NEEDED_TMP_GIB)
 
 
 def random_mask(rng: random.Random, B: int, K: int, left: bool, min_len: int = 0) -> torch.Tensor:

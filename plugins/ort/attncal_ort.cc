@@ -18,6 +18,7 @@
 #include <cmath>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -25,12 +26,14 @@
 #include "attncal_ort_common.h"
 #include "calibrated_attention_cpu.h"
 #include "calibration_cpu.h"
+#include "packed_gemm_cpu.h"
 
 namespace attncal_ort {
 
 std::atomic<uint64_t> g_computes[2];
 std::atomic<uint64_t> g_inplace[2];
 std::atomic<uint64_t> g_attention_computes{0};
+std::atomic<uint64_t> g_packed_projections{0};  // projected-op runs whose projection used the packed weight
 
 OrtStatusPtr ORT_API_CALL InferSameAsProbs(const OrtCustomOp*, OrtShapeInferContext* ctx);
 
@@ -433,23 +436,32 @@ OrtStatusPtr ORT_API_CALL InferProjectedContext(const OrtCustomOp*, OrtShapeInfe
   return attncal_ort::SetContextShape(ctx, x.info, out_dims, names);
 }
 
-// One tile of qkv = input * weight + bias (one GEMM, then the bias added).  Tiles of up to 256 rows (256 measured
-// ~1 % faster than 64 at 8 x 512 on MiniLM) and, where that gives fewer than 8 tiles, the columns split as well:
-// the GEMM packs its share of the weight on every call, so a few-row request split by rows only would pack the
-// whole weight once per tile (a one-text request: 17 % slower than the uncalibrated graph, measured), split by
-// columns each tile packs its own slice.  Tiles depend only on the shapes, so results do not depend on the
+// One tile of qkv = input * weight + bias.  Tiles of up to 256 rows (256 measured ~1 % faster than 64 at
+// 8 x 512 on MiniLM) and, where that gives fewer than kMinTiles tiles, the columns split as well, so that a
+// one-text request still spreads over the pool.  With the weight packed at kernel creation
+// (packed_gemm_cpu.h; a constant initializer, as every export has) a tile is whole panels of it, and 12 tiles
+// (3 of MiniLM's 36 panels each: even shares for 2, 3, 4 or 6 threads) ran a one-text request's projection
+// 12 % faster than 8 uneven ones at 2 threads.  Otherwise cblas_sgemm, which packs its share of the weight on
+// every call (split by columns, each tile packs only its slice; 8 tiles).  Tiles depend
+// only on the shapes, and every element is one fixed sum over the input's row: results do not depend on the
 // thread count.
 struct ProjectionJob {
-  static constexpr int64_t kMaxRows = 256, kMinTiles = 8;
+  static constexpr int64_t kMaxRows = 256, kMinTiles = 8, kMinPackedTiles = 12;
   const float *x, *w, *bias;
   float* qkv;
-  int64_t rows, hidden_in, cols, row_block = 1, col_block = 1, row_tiles = 1, col_tiles = 1;
+  int64_t rows, hidden_in, cols;
+  const attncal::PackedWeight* packed = nullptr;  // null: cblas_sgemm on w
+  int64_t row_block = 1, col_block = 1, row_tiles = 1, col_tiles = 1;
 
   void Plan() {
     row_block = std::min(rows, kMaxRows);
     row_tiles = (rows + row_block - 1) / row_block;
-    const int64_t want = std::min<int64_t>((kMinTiles + row_tiles - 1) / row_tiles, std::max<int64_t>(1, cols / 16));
-    col_block = ((cols + want - 1) / want + 15) / 16 * 16;
+    // Columns in units of the packed panel width, or of 16 for cblas_sgemm.
+    const int64_t unit = packed != nullptr ? packed->panel_width() : 16;
+    const int64_t units = (cols + unit - 1) / unit;
+    const int64_t min_tiles = packed != nullptr ? kMinPackedTiles : kMinTiles;
+    const int64_t want = std::min<int64_t>((min_tiles + row_tiles - 1) / row_tiles, std::max<int64_t>(1, units));
+    col_block = (units + want - 1) / want * unit;
     col_tiles = (cols + col_block - 1) / col_block;
   }
   size_t Tiles() const { return static_cast<size_t>(row_tiles * col_tiles); }
@@ -458,6 +470,12 @@ struct ProjectionJob {
     const int64_t ti = static_cast<int64_t>(i) / j->col_tiles, tj = static_cast<int64_t>(i) % j->col_tiles;
     const int64_t r0 = ti * j->row_block, r = std::min(j->row_block, j->rows - r0);
     const int64_t c0 = tj * j->col_block, c = std::min(j->col_block, j->cols - c0);
+    if (j->packed != nullptr) {
+      const int64_t nr = j->packed->panel_width();
+      attncal::packed_gemm_bias(*j->packed, r, j->x + r0 * j->hidden_in, j->hidden_in, j->bias, c0 / nr,
+                                (c0 + c + nr - 1) / nr, j->qkv + r0 * j->cols, j->cols);
+      return;
+    }
     float* dst = j->qkv + r0 * j->cols + c0;
     attncal::gemm_nn(r, c, j->hidden_in, j->x + r0 * j->hidden_in, j->hidden_in, j->w + c0, j->cols, dst, j->cols);
     for (int64_t k = 0; k < r; ++k) {
@@ -471,9 +489,40 @@ template <bool AllRows>
 struct CpuCalibratedProjectedAttention {
   attncal_ort::AttentionAttributes attrs;
 
+  // The weight packed for small requests (below), when it is a constant initializer (every export's is): packed
+  // on the first such request, not at creation, so that batch jobs, which never take it, do not hold a second
+  // copy of the calibrated layers' QKV weights (MiniLM: 1.7 MB per layer).  A weight fed at run time keeps
+  // cblas_sgemm.
+  bool weight_is_constant = false;
+  std::once_flag pack_once;
+  attncal::PackedWeight packed;
+
   CpuCalibratedProjectedAttention(const OrtApi* api, const OrtKernelInfo* info)
       : attrs(attncal_ort::ReadAttentionAttributes(api, info, AllRows)) {
     attncal::gemm_init();
+    int is_constant = 0;
+    const OrtValue* weight = nullptr;
+    if (OrtStatus* status = api->KernelInfoGetConstantInput_tensor(info, 1, &is_constant, &weight)) {
+      api->ReleaseStatus(status);  // an ONNX Runtime that cannot tell: the weight is treated as fed
+      return;
+    }
+    weight_is_constant = is_constant != 0 && weight != nullptr;
+  }
+
+  // The packed weight for this call, or null: only below one row tile, where cblas_sgemm's repacking of the
+  // weight, paid once per column tile, is what the projection costs (one ~70-token text at 2 threads: this op
+  // 0.80x its time with cblas_sgemm; 1 x 200: 0.92x).  From one full tile on, OpenBLAS's kernel is the faster
+  // one (8 x 128: 1.00x, 8 x 256: 1.01-1.04x with the packed weight).
+  const attncal::PackedWeight* PackedFor(int64_t rows, const float* weight, int64_t hidden_in, int64_t cols) {
+    if (!weight_is_constant || rows >= ProjectionJob::kMaxRows) return nullptr;
+    std::call_once(pack_once, [&] {
+      try {
+        packed.Pack(weight, hidden_in, cols, cols);
+      } catch (const std::bad_alloc&) {  // no memory for the copy: cblas_sgemm, as before
+        packed = attncal::PackedWeight{};
+      }
+    });
+    return packed.Matches(hidden_in, cols) ? &packed : nullptr;
   }
 
   Ort::Status Compute(OrtKernelContext* context, const Tensor<float>& input, const Tensor<float>& weight,
@@ -498,15 +547,17 @@ struct CpuCalibratedProjectedAttention {
       void* p;
       ~Buffer() { a.Free(p); }
     } qkv{alloc, alloc.Alloc(sizeof(float) * static_cast<size_t>(rows * cols))};
-    float* packed = static_cast<float*>(qkv.p);
-    ProjectionJob pj{input.Data(), weight.Data(), bias.Data(), packed, rows, hidden_in, cols};
+    float* qkv_data = static_cast<float*>(qkv.p);
+    ProjectionJob pj{input.Data(), weight.Data(), bias.Data(), qkv_data, rows, hidden_in, cols};
+    pj.packed = PackedFor(rows, weight.Data(), hidden_in, cols);
+    if (pj.packed != nullptr) attncal_ort::g_packed_projections.fetch_add(1);
     pj.Plan();
     st = RunUnits(context, &ProjectionJob::Run, pj.Tiles(), &pj, op);
     if (!st.IsOK()) return st;
     const attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params);
     if (plan.size() == 0) return Ort::Status{nullptr};
     using Job = AttentionJob<float>;
-    Job job{&plan, packed, packed + hidden, packed + 2 * hidden, dst, &attrs.calibration.params};
+    Job job{&plan, qkv_data, qkv_data + hidden, qkv_data + 2 * hidden, dst, &attrs.calibration.params};
     return RunUnits(context, &Job::Run, plan.size(), &job, op);
   }
 };
@@ -610,6 +661,11 @@ ATTNCAL_ORT_EXPORT uint64_t attncal_debug_inplace_count(int provider) {
 
 // How many times the CPU calibrated attention kernel ran.
 ATTNCAL_ORT_EXPORT uint64_t attncal_debug_attention_count(void) { return attncal_ort::g_attention_computes.load(); }
+
+// How many projected calibrated attention runs projected with the weight packed at kernel creation.
+ATTNCAL_ORT_EXPORT uint64_t attncal_debug_packed_projection_count(void) {
+  return attncal_ort::g_packed_projections.load();
+}
 
 // The GEMM the CPU calibrated attention kernel was built with ("openblas", "eigen" or "builtin").
 ATTNCAL_ORT_EXPORT const char* attncal_gemm_backend(void) { return attncal::kGemmBackend; }

@@ -1,0 +1,187 @@
+// Y[M, c0:c0+n] = X[M,K] * W[K, c0:c0+n] + bias[c0:c0+n] with W packed once: the Q/K/V projection of the
+// projected calibrated-attention op (plugins/ort/attncal_ort.cc), whose weight is a constant initializer.
+//
+// Why not the GEMM library of gemm_cpu.h: cblas_sgemm repacks its B operand (here the whole [K, 3*hidden]
+// weight, 1.7 MB for MiniLM) on every call, and OpenBLAS has no pack-once API (its cblas.h declares no
+// sgemm_pack).  At a one-text request (M = 70) the repacking (sgemm_itcopy) took a third of the GEMM's
+// time in perf; ONNX Runtime's own Attention prepacks its weight (MLAS), so the calibrated layers ran
+// 1.6x the uncalibrated ones.  Packed once, when the kernel is created, the weight is read in panels
+// laid out for the micro-kernel below; docs/native-kernels.md gives the measured comparison.
+//
+// Layout: panels of kNr columns (32 with AVX-512, 16 with AVX2), each [K][kNr], zero-padded past N.
+// The micro-kernel keeps an MR x kNr block of Y in registers (8 x 2 zmm or 6 x 2 ymm accumulators) and
+// runs over K once, so every element of Y is one fixed sequence of fused multiply-adds over k = 0..K-1:
+// results do not depend on how rows or panels are split over threads.
+//
+// x86-64 with GCC/Clang only (function multiversioning by target attribute); elsewhere, or on a CPU
+// without AVX2+FMA, PackedWeight::Pack declines and the caller keeps gemm_cpu.h's GEMM.
+#ifndef ATTNCAL_PACKED_GEMM_CPU_H_
+#define ATTNCAL_PACKED_GEMM_CPU_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ATTNCAL_NO_CLONES)
+#define ATTNCAL_PACKED_GEMM 1
+#else
+#define ATTNCAL_PACKED_GEMM 0
+#endif
+
+namespace attncal {
+
+// A weight packed for packed_gemm_bias; empty (packed() false) where this machine has no kernel for it.
+class PackedWeight {
+ public:
+  // Packs w [k, n] (row-major, leading dimension ldw).  False, leaving it empty, when there is no kernel.
+  bool Pack(const float* w, int64_t k, int64_t n, int64_t ldw);
+  bool packed() const { return nr_ != 0; }
+  bool Matches(int64_t k, int64_t n) const { return packed() && k == k_ && n == n_; }
+  int64_t panel_width() const { return nr_; }
+  int64_t k() const { return k_; }
+  int64_t n() const { return n_; }
+  const float* panel(int64_t p) const { return data_.data() + p * k_ * nr_; }
+  bool avx512() const { return nr_ == 32; }
+
+ private:
+  int64_t k_ = 0, n_ = 0, nr_ = 0;
+  std::vector<float> data_;
+};
+
+#if ATTNCAL_PACKED_GEMM
+namespace packed {
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+
+// One MR x (NV vectors) block of Y: rows x[0..MR), the panel's columns, K fused multiply-adds each.
+template <typename V, int MR, int NV>
+inline __attribute__((always_inline)) void Micro(int64_t K, const float* x, int64_t ldx, const float* panel,
+                                                 const float* bias, float* y, int64_t ldy, int64_t ncols) {
+  constexpr int L = sizeof(V) / sizeof(float), NR = L * NV;
+  V acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+  for (int64_t k = 0; k < K; ++k) {
+    V b[NV];
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) __builtin_memcpy(&b[j], panel + k * NR + j * L, sizeof(V));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const float a = x[i * ldx + k];
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) acc[i][j] += b[j] * a;
+    }
+  }
+  if (ncols == NR) {
+    V bv[NV];
+    for (int j = 0; j < NV; ++j) __builtin_memcpy(&bv[j], bias + j * L, sizeof(V));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) {
+        const V out = acc[i][j] + bv[j];
+        __builtin_memcpy(y + i * ldy + j * L, &out, sizeof(V));
+      }
+    return;
+  }
+  for (int i = 0; i < MR; ++i) {  // the last panel, cut short by N
+    float row[NR];
+    for (int j = 0; j < NV; ++j) __builtin_memcpy(row + j * L, &acc[i][j], sizeof(V));
+    for (int64_t n = 0; n < ncols; ++n) y[i * ldy + n] = row[n] + bias[n];
+  }
+}
+
+// The last M % MR rows: the micro-kernel with exactly that many rows (no reads past X's end).
+template <typename V, int MR, int NV>
+inline __attribute__((always_inline)) void Tail(int64_t r, int64_t K, const float* x, int64_t ldx,
+                                                const float* panel, const float* bias, float* y, int64_t ldy,
+                                                int64_t ncols) {
+  if constexpr (MR >= 1) {
+    if (r == MR) {
+      Micro<V, MR, NV>(K, x, ldx, panel, bias, y, ldy, ncols);
+    } else {
+      Tail<V, MR - 1, NV>(r, K, x, ldx, panel, bias, y, ldy, ncols);
+    }
+  }
+}
+
+// Rows in blocks of kRowBlock (X's block stays in L2 while every panel passes over it), panels p0..p1.
+template <typename V, int MR, int NV>
+inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M, const float* x, int64_t ldx,
+                                               const float* bias, int64_t p0, int64_t p1, float* y, int64_t ldy) {
+  constexpr int64_t kRowBlock = 96;
+  constexpr int64_t NR = static_cast<int64_t>(sizeof(V) / sizeof(float)) * NV;
+  const int64_t K = w.k();
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t mb = std::min(kRowBlock, M - m0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NR, nc = std::min(NR, w.n() - n0);
+      const float* panel = w.panel(p);
+      int64_t m = m0;
+      for (; m + MR <= m0 + mb; m += MR) Micro<V, MR, NV>(K, x + m * ldx, ldx, panel, bias + n0, y + m * ldy + n0, ldy, nc);
+      if (m < m0 + mb)
+        Tail<V, MR - 1, NV>(m0 + mb - m, K, x + m * ldx, ldx, panel, bias + n0, y + m * ldy + n0, ldy, nc);
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) inline void RunAvx512(const PackedWeight& w, int64_t M, const float* x,
+                                                         int64_t ldx, const float* bias, int64_t p0, int64_t p1,
+                                                         float* y, int64_t ldy) {
+  Run<V16, 8, 2>(w, M, x, ldx, bias, p0, p1, y, ldy);
+}
+
+__attribute__((target("avx2,fma"))) inline void RunAvx2(const PackedWeight& w, int64_t M, const float* x,
+                                                        int64_t ldx, const float* bias, int64_t p0, int64_t p1,
+                                                        float* y, int64_t ldy) {
+  Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy);
+}
+
+}  // namespace packed
+
+inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw) {
+  __builtin_cpu_init();
+  int64_t nr = 0;
+  if (__builtin_cpu_supports("avx512f")) {
+    nr = 32;
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    nr = 16;
+  }
+  if (nr == 0 || k <= 0 || n <= 0) return false;
+  const int64_t panels = (n + nr - 1) / nr;
+  data_.assign(static_cast<size_t>(panels * k * nr), 0.f);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * nr, nc = std::min(nr, n - n0);
+    float* dst = data_.data() + p * k * nr;
+    for (int64_t kk = 0; kk < k; ++kk) std::copy(w + kk * ldw + n0, w + kk * ldw + n0 + nc, dst + kk * nr);
+  }
+  k_ = k;
+  n_ = n;
+  nr_ = nr;
+  return true;
+}
+
+// y[:, p0*nr : p1*nr] (clipped to N) = x * W + bias for panels [p0, p1): columns split only at panel edges.
+inline void packed_gemm_bias(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, const float* bias,
+                             int64_t p0, int64_t p1, float* y, int64_t ldy) {
+  if (w.avx512()) {
+    packed::RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy);
+  } else {
+    packed::RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy);
+  }
+}
+
+#else  // no packed kernel on this target: Pack declines, callers keep gemm_cpu.h
+
+inline bool PackedWeight::Pack(const float*, int64_t, int64_t, int64_t) { return false; }
+inline void packed_gemm_bias(const PackedWeight&, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
+                             float*, int64_t) {}
+
+#endif
+
+}  // namespace attncal
+
+#endif  // ATTNCAL_PACKED_GEMM_CPU_H_
