@@ -33,8 +33,10 @@ namespace attncal {
 // A weight packed for packed_gemm_bias; empty (packed() false) where this machine has no kernel for it.
 class PackedWeight {
  public:
-  // Packs w [k, n] (row-major, leading dimension ldw).  False, leaving it empty, when there is no kernel.
-  bool Pack(const float* w, int64_t k, int64_t n, int64_t ldw);
+  // Packs w [k, n] (row-major, leading dimension ldw) for the widest kernel this CPU runs, or for the one of
+  // panel_width 16 (AVX2) or 32 (AVX-512) when given (tests run both).  False, leaving it empty, when there is
+  // no such kernel.
+  bool Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width = 0);
   bool packed() const { return nr_ != 0; }
   bool Matches(int64_t k, int64_t n) const { return packed() && k == k_ && n == n_; }
   int64_t panel_width() const { return nr_; }
@@ -142,14 +144,17 @@ __attribute__((target("avx2,fma"))) inline void RunAvx2(const PackedWeight& w, i
 
 }  // namespace packed
 
-inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw) {
+inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width) {
   __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   int64_t nr = 0;
-  if (__builtin_cpu_supports("avx512f")) {
+  if ((panel_width == 0 || panel_width == 32) && avx512) {
     nr = 32;
-  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  } else if ((panel_width == 0 || panel_width == 16) && avx2) {
     nr = 16;
   }
+  *this = PackedWeight{};
   if (nr == 0 || k <= 0 || n <= 0) return false;
   const int64_t panels = (n + nr - 1) / nr;
   data_.assign(static_cast<size_t>(panels * k * nr), 0.f);
@@ -176,7 +181,7 @@ inline void packed_gemm_bias(const PackedWeight& w, int64_t M, const float* x, i
 
 #else  // no packed kernel on this target: Pack declines, callers keep gemm_cpu.h
 
-inline bool PackedWeight::Pack(const float*, int64_t, int64_t, int64_t) { return false; }
+inline bool PackedWeight::Pack(const float*, int64_t, int64_t, int64_t, int64_t) { return false; }
 inline void packed_gemm_bias(const PackedWeight&, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
                              float*, int64_t) {}
 

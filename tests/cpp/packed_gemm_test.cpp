@@ -1,0 +1,68 @@
+// Host test of plugins/kernels/packed_gemm_cpu.h: both micro-kernels (AVX-512, panels of 32; AVX2, panels of
+// 16; each where this CPU runs it) against a float64 reference, on shapes that cut the 8- or 6-row blocks,
+// the 96-row blocks and the last panel short, and on panel ranges (the column tiles of the ORT kernel).
+// Also: every element is the same whichever panel range computes it (results independent of the tiling).
+// Prints one line per kernel; exits non-zero on a mismatch.
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "packed_gemm_cpu.h"
+
+int main() {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  int failures = 0, kernels = 0;
+  for (int64_t width : {32, 16}) {
+    attncal::PackedWeight probe;
+    std::vector<float> one(1, 1.f);
+    if (!probe.Pack(one.data(), 1, 1, 1, width)) {
+      std::printf("panel width %lld: no kernel on this CPU, skipped\n", static_cast<long long>(width));
+      continue;
+    }
+    ++kernels;
+    double worst = 0.0;
+    int cases = 0;
+    const int64_t shapes[][3] = {{1, 1, 1}, {1, 384, 1152}, {7, 5, 33}, {8, 40, 31}, {70, 384, 1152},
+                                 {97, 17, 96}, {200, 48, 100}, {255, 3, 47}, {13, 1, 65}};
+    for (const auto& shape : shapes) {
+      const int64_t M = shape[0], K = shape[1], N = shape[2];
+      std::vector<float> x(M * K), w(K * N), bias(N), y(M * N, NAN), tiled(M * N, NAN);
+      for (auto& v : x) v = u(gen);
+      for (auto& v : w) v = u(gen);
+      for (auto& v : bias) v = u(gen);
+      attncal::PackedWeight pw;
+      if (!pw.Pack(w.data(), K, N, N, width) || pw.panel_width() != width) {
+        std::printf("panel width %lld: Pack declined\n", static_cast<long long>(width));
+        return 1;
+      }
+      const int64_t panels = (N + width - 1) / width;
+      attncal::packed_gemm_bias(pw, M, x.data(), K, bias.data(), 0, panels, y.data(), N);
+      const int64_t splits[2][2] = {{0, M / 2}, {M / 2, M}};  // rows in two parts, two panels per tile
+      for (int64_t p0 = 0; p0 < panels; p0 += 2)
+        for (const auto& part : splits)
+          if (part[1] > part[0])
+            attncal::packed_gemm_bias(pw, part[1] - part[0], x.data() + part[0] * K, K, bias.data(), p0,
+                                      std::min(panels, p0 + 2), tiled.data() + part[0] * N, N);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double ref = bias[n];
+          for (int64_t k = 0; k < K; ++k) ref += static_cast<double>(x[m * K + k]) * w[k * N + n];
+          const double err = std::fabs(ref - y[m * N + n]) / (1.0 + std::fabs(ref));
+          worst = std::max(worst, std::isnan(err) ? INFINITY : err);
+          if (y[m * N + n] != tiled[m * N + n] && failures++ < 3)
+            std::printf("M=%lld K=%lld N=%lld: y[%lld,%lld] %.9g, tiled %.9g\n", static_cast<long long>(M),
+                        static_cast<long long>(K), static_cast<long long>(N), static_cast<long long>(m),
+                        static_cast<long long>(n), y[m * N + n], tiled[m * N + n]);
+        }
+      ++cases;
+    }
+    const bool ok = worst <= 2e-5;  // float32 sums of up to 384 products of magnitude <= 1
+    if (!ok) ++failures;
+    std::printf("panel width %lld: %d shapes, worst relative error %.2e%s\n", static_cast<long long>(width), cases,
+                worst, ok ? "" : " (> 2e-5)");
+  }
+  std::printf("%d kernel(s) tested, %d failure(s)\n", kernels, failures);
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,40 @@
+"""The packed-weight projection GEMM (plugins/kernels/packed_gemm_cpu.h) on its own: both micro-kernels
+(AVX-512 and AVX2, each where this CPU runs it) against a float64 reference on shapes that cut every
+block short, and identical results whichever row and panel tiles compute them (tests/cpp/packed_gemm_test.cpp).
+The ONNX Runtime op that uses it is tested in test_projected_attention.py."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++)")
+def test_packed_gemm_kernels_match_reference_and_tiling(tmp_path):
+    exe = tmp_path / "packed_gemm_test"
+    subprocess.run(["g++", "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "plugins" / "kernels"),
+                    "-o", str(exe), str(REPO / "tests" / "cpp" / "packed_gemm_test.cpp")], check=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    flags = cpu_flags()
+    expected = 0
+    if platform.machine() == "x86_64":
+        expected = int("avx512f" in flags) + int({"avx2", "fma"} <= flags)
+    assert f"{expected} kernel(s) tested, 0 failure(s)" in res.stdout, res.stdout
