@@ -510,9 +510,10 @@ struct CpuCalibratedProjectedAttention {
   }
 
   // The packed weight for this call, or null: only below one row tile, where cblas_sgemm's repacking of the
-  // weight, paid once per column tile, is what the projection costs (one ~70-token text at 2 threads: this op
-  // 0.80x its time with cblas_sgemm; 1 x 200: 0.92x).  From one full tile on, OpenBLAS's kernel is the faster
-  // one (8 x 128: 1.00x, 8 x 256: 1.01-1.04x with the packed weight).
+  // weight, paid once per column tile, is what the projection costs (this op at 2 threads, time against
+  // cblas_sgemm: 0.74 at one ~70-token text, 0.87 at 1 x 200).  From one full tile on the op alone gained
+  // 0-5 %, but the whole MiniLM at 8 x 256 ran 1.014-1.021 of ort-opt against 1.002-1.005 with cblas_sgemm
+  // (docs/native-kernels.md), so OpenBLAS keeps the batches.
   const attncal::PackedWeight* PackedFor(int64_t rows, const float* weight, int64_t hidden_in, int64_t cols) {
     if (!weight_is_constant || rows >= ProjectionJob::kMaxRows) return nullptr;
     std::call_once(pack_once, [&] {

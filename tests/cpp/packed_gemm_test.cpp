@@ -1,6 +1,6 @@
 // Host test of plugins/kernels/packed_gemm_cpu.h: both micro-kernels (AVX-512, panels of 32; AVX2, panels of
 // 16; each where this CPU runs it) against a float64 reference, on shapes that cut the 8- or 6-row blocks,
-// the 96-row blocks and the last panel short, and on panel ranges (the column tiles of the ORT kernel).
+// the 256-row and 192-k blocks and the last panel short, and on panel ranges (the ORT kernel's column tiles).
 // Also: every element is the same whichever panel range computes it (results independent of the tiling).
 // Prints one line per kernel; exits non-zero on a mismatch.
 #include <cmath>
@@ -25,7 +25,8 @@ int main() {
     double worst = 0.0;
     int cases = 0;
     const int64_t shapes[][3] = {{1, 1, 1}, {1, 384, 1152}, {7, 5, 33}, {8, 40, 31}, {70, 384, 1152},
-                                 {97, 17, 96}, {200, 48, 100}, {255, 3, 47}, {13, 1, 65}};
+                                 {97, 17, 96}, {200, 48, 100}, {255, 3, 47}, {13, 1, 65},
+                                 {9, 400, 70}, {300, 193, 40}};  // the last two: blocks of k cut short
     for (const auto& shape : shapes) {
       const int64_t M = shape[0], K = shape[1], N = shape[2];
       std::vector<float> x(M * K), w(K * N), bias(N), y(M * N, NAN), tiled(M * N, NAN);
