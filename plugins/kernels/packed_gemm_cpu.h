@@ -4,9 +4,9 @@
 // Why not the GEMM library of gemm_cpu.h: cblas_sgemm repacks its B operand (here the whole [K, 3*hidden]
 // weight, 1.7 MB for MiniLM) on every call, and OpenBLAS has no pack-once API (its cblas.h declares no
 // sgemm_pack).  At a one-text request (M = 70) the repacking (sgemm_itcopy) took a third of the GEMM's
-// time in perf; ONNX Runtime's own Attention prepacks its weight (MLAS), so the calibrated layers ran
-// 1.6x the uncalibrated ones.  Packed once, when the kernel is created, the weight is read in panels
-// laid out for the micro-kernel below; docs/native-kernels.md gives the measured comparison.
+// time in perf; ONNX Runtime's own Attention prepacks its weight (MLAS), and the calibrated op ran 1.2-1.3x
+// its time.  Packed once, the weight is read in panels laid out for the micro-kernel below.  The op uses it
+// below 256 rows only, where it wins at the model level (docs/native-kernels.md has the comparison).
 //
 // Layout: panels of kNr columns (32 with AVX-512, 16 with AVX2), each [K][kNr], zero-padded past N.
 // The micro-kernel keeps an MR x kNr block of Y in registers (8 x 2 zmm or 6 x 2 ymm accumulators) and
@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(ATTNCAL_NO_CLONES)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
 #define ATTNCAL_PACKED_GEMM 1
 #else
 #define ATTNCAL_PACKED_GEMM 0

@@ -18,7 +18,8 @@ int main() {
     attncal::PackedWeight probe;
     std::vector<float> one(1, 1.f);
     if (!probe.Pack(one.data(), 1, 1, 1, width)) {
-      std::printf("panel width %lld: no kernel on this CPU, skipped\n", static_cast<long long>(width));
+      std::printf("panel width %lld: no kernel on this CPU or in this build, skipped\n",
+                  static_cast<long long>(width));
       continue;
     }
     ++kernels;
