@@ -302,13 +302,23 @@ def _fake_tritonserver(tmp_path, name: str, body: str) -> Path:
 
 def test_temporary_log_dropped_after_clean_stop_kept_otherwise(repo, tmp_path):
     """Benchmarks and tests start hundreds of servers: their temporary logs must not pile up in /tmp."""
-    clean = _fake_tritonserver(tmp_path, "clean", "trap 'exit 0' TERM; while :; do sleep 0.05; done")
+    ready = tmp_path / "ready"
+    # It exits 0 on SIGTERM, as tritonserver does; `ready` appears once the trap is set.
+    clean = _fake_tritonserver(tmp_path, "clean", f"trap 'exit 0' TERM; touch '{ready}'; while :; do sleep 0.05; done")
+
+    def wait_ready() -> None:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the fake server never started"
+            time.sleep(0.02)
+        ready.unlink()
+
     ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     for keep in (False, True):
         s = TritonServer(repo, tritonserver=clean, keep_log=keep, **ports).start()
         log = s.log_file
         assert log is not None and log.is_file()
-        time.sleep(0.3)  # the trap is set
+        wait_ready()
         assert s.stop(timeout_s=10) == 0
         assert log.exists() == keep, f"keep_log={keep}"
         log.unlink(missing_ok=True)
@@ -324,7 +334,7 @@ def test_temporary_log_dropped_after_clean_stop_kept_otherwise(repo, tmp_path):
     # An explicit log file is the user's: never removed.
     mine = tmp_path / "mine.log"
     s = TritonServer(repo, tritonserver=clean, log_file=mine, **ports).start()
-    time.sleep(0.3)
+    wait_ready()
     assert s.stop(timeout_s=10) == 0 and mine.is_file()
 
 
