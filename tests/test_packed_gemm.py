@@ -30,7 +30,8 @@ def cpu_flags() -> set[str]:
 def test_packed_gemm_kernels_match_reference_and_tiling(tmp_path):
     exe = tmp_path / "packed_gemm_test"
     # The library's flags (CMake: -O3, gnu++17, so that GCC contracts the multiply-adds into FMAs as there).
-    subprocess.run(["g++", "-std=gnu++17", "-O3", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "plugins" / "kernels"),
+    subprocess.run(["g++", "-std=gnu++17", "-O3", "-Wall", "-Wextra", "-Werror",
+                    "-I", str(REPO / "plugins" / "kernels"),
                     "-o", str(exe), str(REPO / "tests" / "cpp" / "packed_gemm_test.cpp")], check=True)
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
