@@ -21,6 +21,7 @@ from attncal.graphs.contract import attention_op_spec
 from attncal.graphs.single_op import single_op_model
 from test_calibrated_attention import random_attention_spec
 from test_native_kernel import library, mixed_mask  # noqa: F401  (library: the built-library fixture)
+from test_packed_gemm import packed_kernels
 
 
 def session(model, library=None, threads: int = 1) -> ort.InferenceSession:
@@ -86,21 +87,8 @@ def test_native_matches_the_unprojected_op_and_the_function_body(library):
     # The projections are float32 GEMMs in all (numpy's here, OpenBLAS's or the packed kernel's): equal up
     # to their rounding.
     assert worst_plain <= 1e-5 and worst_body <= 1e-5 and worst_packed <= 1e-5, (worst_plain, worst_body, worst_packed)
-    if attncal_packed_kernel():
+    if packed_kernels() > 0:
         assert packed_count(library) - packed_before == packed_runs, "every initializer weight was packed"
-
-
-def attncal_packed_kernel() -> bool:
-    """This machine has a packed projection kernel (x86-64 with AVX2 and FMA, or AVX-512)."""
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " avx512f" in flags or (" avx2" in flags and " fma" in flags)
 
 
 def test_packed_weight_on_model_shapes(library):
@@ -121,7 +109,7 @@ def test_packed_weight_on_model_shapes(library):
         before = packed_count(library)
         const_model, const_feeds = constant_weight(model, f)
         packed = session(const_model, library, 2).run(None, const_feeds)[0]
-        assert packed_count(library) - before == (1 if attncal_packed_kernel() and B * K < 256 else 0), (B, K)
+        assert packed_count(library) - before == (1 if packed_kernels() > 0 and B * K < 256 else 0), (B, K)
         assert np.abs(packed - fed).max() <= 1e-5, (B, K, float(np.abs(packed - fed).max()))
 
 
