@@ -438,13 +438,12 @@ OrtStatusPtr ORT_API_CALL InferProjectedContext(const OrtCustomOp*, OrtShapeInfe
 
 // One tile of qkv = input * weight + bias.  Tiles of up to 256 rows (256 measured ~1 % faster than 64 at
 // 8 x 512 on MiniLM) and, where that gives fewer than kMinTiles tiles, the columns split as well, so that a
-// one-text request still spreads over the pool.  With the weight packed at kernel creation
-// (packed_gemm_cpu.h; a constant initializer, as every export has) a tile is whole panels of it, and 12 tiles
-// (3 of MiniLM's 36 panels each: even shares for 2, 3, 4 or 6 threads) ran a one-text request's projection
-// 12 % faster than 8 uneven ones at 2 threads.  Otherwise cblas_sgemm, which packs its share of the weight on
-// every call (split by columns, each tile packs only its slice; 8 tiles).  Tiles depend
-// only on the shapes, and every element is one fixed sum over the input's row: results do not depend on the
-// thread count.
+// one-text request still spreads over the pool.  With the packed weight (packed_gemm_cpu.h; below 256 rows,
+// see PackedFor) a tile is whole panels of it, and 12 tiles (3 of MiniLM's 36 panels each: even shares for 2,
+// 3, 4 or 6 threads) ran a one-text request's projection 12 % faster than 8 uneven ones at 2 threads.
+// Otherwise cblas_sgemm, which packs its share of the weight on every call (split by columns, each tile packs
+// only its slice; 8 tiles).  Tiles depend only on the shapes, and every element is one fixed sum over the
+// input's row: results do not depend on the thread count.
 struct ProjectionJob {
   static constexpr int64_t kMaxRows = 256, kMinTiles = 8, kMinPackedTiles = 12;
   const float *x, *w, *bias;
