@@ -43,10 +43,15 @@ def constant_weight(model: onnx.ModelProto, feeds: dict) -> tuple[onnx.ModelProt
     return m, {k: v for k, v in feeds.items() if k not in ("weight", "bias")}
 
 
-def packed_count(library) -> int:
-    fn = ctypes.CDLL(str(library)).attncal_debug_packed_projection_count
+def debug_counter(library, name: str):
+    """One of the library's run counters (attncal_debug_*_count), as a function returning its value."""
+    fn = getattr(ctypes.CDLL(str(library)), name)
     fn.restype, fn.argtypes = ctypes.c_uint64, []
-    return int(fn())
+    return fn
+
+
+def packed_count(library) -> int:
+    return int(debug_counter(library, "attncal_debug_packed_projection_count")())
 
 
 def random_case(rng: random.Random, np_rng: np.random.Generator):
@@ -116,8 +121,7 @@ def test_packed_weight_on_model_shapes(library):
 @pytest.mark.parametrize("constant", [False, True], ids=["weight-fed", "weight-packed"])
 def test_native_is_bit_identical_across_threads_and_counts(library, constant):
     rng, np_rng = random.Random(7), np.random.default_rng(7)
-    count = ctypes.CDLL(str(library)).attncal_debug_attention_count
-    count.restype, count.argtypes = ctypes.c_uint64, []
+    count = debug_counter(library, "attncal_debug_attention_count")
     from attncal.calibration import CalibrationConfig
 
     for pooling in ("mean", "cls", "last"):
