@@ -16,6 +16,7 @@ Language Reference passages of `attncal eval --make-posq-example pyref`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,12 +39,20 @@ def main() -> None:
                     help="create the calibrated session first (in one process the first ONNX Runtime session "
                          "created can run slower than later ones: run both orders and compare)")
     args = ap.parse_args()
+    with contextlib.ExitStack() as stack:
+        # Without --workdir the exports (~430 MB) live in a temp dir removed on exit, even on error.
+        work = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="attncal-default-")))
+        res = _run(args, work)
+    print(json.dumps(res, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
 
+
+def _run(args: argparse.Namespace, work: Path) -> dict:
     from attncal.export.exporter import ExportOptions, export
     from attncal.modelinfo import default_model_path
     from attncal.runtime import Encoder
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="attncal-default-"))
     outs = {}
     variants = [("uncalibrated", False, None), ("calibrated", True, None)]
     if args.int8:
@@ -80,9 +89,7 @@ def main() -> None:
         res["int8_cosine_real_prose"] = _int8_cosine(encs)
     for g in res["placement"].values():
         g.pop("parity", None)
-    print(json.dumps(res, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    return res
 
 
 def make_texts(tokenizer, count: int, tokens: int) -> list[str]:

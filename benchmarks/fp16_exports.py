@@ -22,6 +22,7 @@ what this file computes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -82,7 +83,8 @@ def run(model: str | Path, workdir: str | Path, provider: str = "CUDAExecutionPr
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="model directory or 'default' (all-MiniLM-L6-v2)")
-    ap.add_argument("--workdir", default=None, help="where the two exports are made once (default: a temp dir)")
+    ap.add_argument("--workdir", default=None,
+                    help="where the two exports are made once (default: a temp dir, removed on exit)")
     ap.add_argument("--provider", default="CUDAExecutionProvider")
     ap.add_argument("--texts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
@@ -95,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     from attncal.modelinfo import default_model_path, resolve_model_path
 
     model = default_model_path() if args.model == "default" else resolve_model_path(args.model)
-    res = run(model, args.workdir or tempfile.mkdtemp(prefix="attncal-fp16-"), args.provider, args.texts,
-              args.tokens, args.rounds)
+    with contextlib.ExitStack() as stack:
+        # Without --workdir the two exports live in a temp dir removed on exit, even on error.
+        work = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="attncal-fp16-"))
+        res = run(model, work, args.provider, args.texts, args.tokens, args.rounds)
     print(json.dumps(res, indent=2))
     if args.json:
         tmp = Path(args.json).with_suffix(".tmp")

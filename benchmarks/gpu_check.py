@@ -47,6 +47,7 @@ figure in comments is a design expectation, not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import random
@@ -939,7 +940,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-model", action="store_true", help="skip the torch model timing")
     ap.add_argument("--skip-exports", action="store_true",
                     help="skip section 8 (fp16 exports on ONNX Runtime's CUDA provider)")
-    ap.add_argument("--out-dir", default=None, help="where to put the compiled library (default: a temp dir)")
+    ap.add_argument("--out-dir", default=None,
+                    help="where to keep the compiled library and section 8's exports (default: a temp dir, "
+                         "removed on exit)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.cases < 1:
@@ -959,7 +962,29 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             major, minor = torch.cuda.get_device_capability()
             archs = [major * 10 + minor]
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="attncal-gpu-"))
+    # Without --out-dir the library and section 8's exports (~430 MB) go to a temp dir removed on exit.
+    with contextlib.ExitStack() as stack:
+        out_dir = Path(args.out_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="attncal-gpu-")))
+        results = _checks(args, archs, out_dir)
+    if "calibrated_attention" in results:
+        ca = results["calibrated_attention"]
+        summary = {"calibrated_attention": {
+            "max_abs_err_vs_oracle": ca["correctness"]["max_abs_err"],
+            "max_abs_diff_tiled_vs_per_row": ca["correctness"]["max_abs_diff_tiled_vs_per_row"],
+            "split_identity_max_abs_diff": ca["split_identity"]["max_abs_diff"],
+            **({"latency_ratio_vs_flash": ca["bench"]["latency_ratio_vs_flash"],
+                "memory_ratio_vs_flash": ca["bench"]["memory_ratio_vs_flash"],
+                "meets_targets": ca["bench"]["meets_targets"]} if "bench" in ca else {})}}
+        print("summary:", json.dumps(summary))
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2))
+        tmp.replace(args.json)
+    return 0
+
+
+def _checks(args: argparse.Namespace, archs: list[int], out_dir: Path) -> dict:
+    """Compile the CUDA library into `out_dir`, then run the sections `args` selects (on a GPU)."""
     t0 = time.perf_counter()
     # Both launcher files: the calibration ops and the calibrated attention ops (section 7).
     lib_path = oplib.compile_cuda_kernel(out_dir / oplib.CUDA_LIBRARY, archs=archs,
@@ -995,21 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
 
             results["fp16_exports"] = fp16_exports.run(default_model_path(), out_dir / "exports")
             print("fp16 exports on ONNX Runtime CUDA:", json.dumps(results["fp16_exports"], indent=1))
-    if "calibrated_attention" in results:
-        ca = results["calibrated_attention"]
-        summary = {"calibrated_attention": {
-            "max_abs_err_vs_oracle": ca["correctness"]["max_abs_err"],
-            "max_abs_diff_tiled_vs_per_row": ca["correctness"]["max_abs_diff_tiled_vs_per_row"],
-            "split_identity_max_abs_diff": ca["split_identity"]["max_abs_diff"],
-            **({"latency_ratio_vs_flash": ca["bench"]["latency_ratio_vs_flash"],
-                "memory_ratio_vs_flash": ca["bench"]["memory_ratio_vs_flash"],
-                "meets_targets": ca["bench"]["meets_targets"]} if "bench" in ca else {})}}
-        print("summary:", json.dumps(summary))
-    if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=2))
-        tmp.replace(args.json)
-    return 0
+    return results
 
 
 if __name__ == "__main__":
