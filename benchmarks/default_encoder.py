@@ -3,7 +3,8 @@
 Both exports are made with default options (`attncal export default -o ...`, placement auto), so the
 Encoder picks the same graph a user's code would (the ORT-optimized graph where the export has one).
 Texts are about `--tokens` tokens long; the two encoders run interleaved and the ratio of median
-wall times is reported.
+wall times is reported. Their sessions stop ORT's thread spinning when a run returns
+(attncal.bench.engines.interleaved_session_options), as `attncal bench`'s do.
 
     python benchmarks/default_encoder.py [--texts 48] [--tokens 256] [--rounds 5] [--workdir DIR] [--json out.json]
                                          [--int8]
@@ -49,6 +50,7 @@ def main() -> None:
 
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
+    from attncal.bench.engines import interleaved_session_options
     from attncal.export.exporter import ExportOptions, export
     from attncal.modelinfo import default_model_path
     from attncal.runtime import Encoder
@@ -65,7 +67,10 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     order = [v[0] for v in variants]
     if args.calibrated_first:
         order = order[1::2] + order[0::2]
-    encs = {n: Encoder(outs[n], intra_op_threads=args.threads) for n in order}
+    # Two sessions in one process, run in turn: each stops spinning when its run returns, or its idle workers
+    # would take cores from the other's tokenization and run (a user's one Encoder has no such neighbour).
+    encs = {n: Encoder(outs[n], intra_op_threads=args.threads, session_options=interleaved_session_options())
+            for n in order}
     tok = encs["uncalibrated"].tokenizer
     texts = make_texts(tok, args.texts, args.tokens)
     lengths = [len(tok(t)["input_ids"]) for t in texts]

@@ -191,7 +191,7 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
     if not (path / "attncal.json").exists():
         raise EngineUnavailable(f"no export for {name} at {path}")
     enc = Encoder(path, providers=["CPUExecutionProvider"], native=native, graph=graph, intra_op_threads=ws.threads,
-                  session_options=_session_options())
+                  session_options=interleaved_session_options())
 
     def run_ort(feeds: dict[str, np.ndarray]):
         return enc.run({k: v for k, v in feeds.items() if k in enc.input_names})
@@ -200,7 +200,7 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
     return run_ort
 
 
-def _session_options():
+def interleaved_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821 (imported lazily)
     """ORT's default session options, except that worker threads stop spinning as soon as a run returns.
 
     The engines' sessions run interleaved in one process. With ORT's default, a session's idle workers go on

@@ -58,6 +58,7 @@ def _op_path(library) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..bench.engines import interleaved_session_options
     from ..export.exporter import ExportOptions, export
     from ..runtime import Encoder
     from ..runtime.oplib import resolve_library
@@ -86,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
         p = m["parity"]
         print(f"  {name:<13} max |Δ| {p['max_abs']:.2e}   min cosine {p['min_cos']:.8f}   "
               f"{'OK' if p['ok'] else 'FAILED'} (tolerance {p['tol_max_abs']:g})")
-    # Both sessions get the same options; the library only changes the calibrated graph's op.
+    # Both sessions get the same options; the library only changes the calibrated graph's op.  They are timed
+    # in turn, so each stops spinning when its run returns (as `attncal bench`'s engines do).
     encoders = {k: Encoder(v, providers=["CPUExecutionProvider"], custom_op_library=library,
-                           native=None if library is not None else False)
+                           native=None if library is not None else False,
+                           session_options=interleaved_session_options())
                 for k, v in dirs.items()}
     embs = {k: e.encode(DEMO_TEXTS) for k, e in encoders.items()}
     feeds = {k: e.tokenize(DEMO_TEXTS) for k, e in encoders.items()}
