@@ -2,7 +2,7 @@
 // (calibrated_attention_cpu.h), row-major, with leading dimensions:
 //
 //   gemm_nt:  C[M,N] = alpha * A[M,K] * B[N,K]^T     (scores = scale * Q * K^T)
-//   gemm_nn:  C[M,N] = A[M,K] * B[K,N]               (context = P * V)
+//   gemm_nn:  C[M,N] = A[M,K] * B[K,N]  (or C +=)   (context = P * V; qkv = bias + x * W)
 //
 // Why a separate header with three backends: ONNX Runtime's own GEMM (MLAS)
 // is not exported from libonnxruntime.so, so a custom op brings its own.  The
@@ -120,14 +120,15 @@ namespace builtin {
 // C[M,N] = A[M,K] * B[K,N]: each row of C is a sum of rows of B scaled by A's
 // entries; the inner loop runs over N (contiguous), four rows of C at a time.
 [[maybe_unused]] ATTNCAL_GEMM_CLONES static void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                                        const float* B, int64_t ldb, float* C, int64_t ldc) {
+                                        const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   int64_t i = 0;
   for (; i + 4 <= M; i += 4) {
     float* c0 = C + i * ldc;
     float* c1 = c0 + ldc;
     float* c2 = c1 + ldc;
     float* c3 = c2 + ldc;
-    for (int64_t n = 0; n < N; ++n) c0[n] = c1[n] = c2[n] = c3[n] = 0.f;
+    if (!accumulate)
+      for (int64_t n = 0; n < N; ++n) c0[n] = c1[n] = c2[n] = c3[n] = 0.f;
     const float* a0 = A + i * lda;
     const float* a1 = a0 + lda;
     const float* a2 = a1 + lda;
@@ -146,7 +147,8 @@ namespace builtin {
   }
   for (; i < M; ++i) {
     float* c = C + i * ldc;
-    for (int64_t n = 0; n < N; ++n) c[n] = 0.f;
+    if (!accumulate)
+      for (int64_t n = 0; n < N; ++n) c[n] = 0.f;
     const float* a = A + i * lda;
     for (int64_t k = 0; k < K; ++k) {
       const float* b = B + k * ldb;
@@ -176,21 +178,27 @@ inline void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A
 #endif
 }
 
+// accumulate: C += A * B (C holds e.g. the bias already), which spares a pass over C: OpenBLAS's beta = 0 path
+// zeroes C first, and a bias added afterwards is a second pass.
 inline void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
-                    float* C, int64_t ldc) {
+                    float* C, int64_t ldc, bool accumulate = false) {
 #if defined(ATTNCAL_GEMM_OPENBLAS)
   scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(M), static_cast<blasint>(N),
-              static_cast<blasint>(K), 1.0f, A, static_cast<blasint>(lda), B, static_cast<blasint>(ldb), 0.0f, C,
-              static_cast<blasint>(ldc));
+              static_cast<blasint>(K), 1.0f, A, static_cast<blasint>(lda), B, static_cast<blasint>(ldb),
+              accumulate ? 1.0f : 0.0f, C, static_cast<blasint>(ldc));
 #elif defined(ATTNCAL_GEMM_EIGEN)
   using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Stride = Eigen::OuterStride<>;
   Eigen::Map<const Mat, 0, Stride> a(A, M, K, Stride(lda));
   Eigen::Map<const Mat, 0, Stride> b(B, K, N, Stride(ldb));
   Eigen::Map<Mat, 0, Stride> c(C, M, N, Stride(ldc));
-  c.noalias() = a * b;
+  if (accumulate) {
+    c.noalias() += a * b;
+  } else {
+    c.noalias() = a * b;
+  }
 #else
-  builtin::gemm_nn(M, N, K, A, lda, B, ldb, C, ldc);
+  builtin::gemm_nn(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 #endif
 }
 

@@ -475,12 +475,12 @@ struct ProjectionJob {
                                 (c0 + c + nr - 1) / nr, j->qkv + r0 * j->cols, j->cols);
       return;
     }
+    // The bias first, then the product accumulated onto it: one pass over the tile fewer than a product into
+    // zeroed memory followed by the bias.
     float* dst = j->qkv + r0 * j->cols + c0;
-    attncal::gemm_nn(r, c, j->hidden_in, j->x + r0 * j->hidden_in, j->hidden_in, j->w + c0, j->cols, dst, j->cols);
-    for (int64_t k = 0; k < r; ++k) {
-      float* row = dst + k * j->cols;
-      for (int64_t n = 0; n < c; ++n) row[n] += j->bias[c0 + n];
-    }
+    for (int64_t k = 0; k < r; ++k) std::copy(j->bias + c0, j->bias + c0 + c, dst + k * j->cols);
+    attncal::gemm_nn(r, c, j->hidden_in, j->x + r0 * j->hidden_in, j->hidden_in, j->w + c0, j->cols, dst, j->cols,
+                     /*accumulate=*/true);
   }
 };
 
