@@ -117,7 +117,7 @@ namespace builtin {
   }
 }
 
-// C[M,N] = A[M,K] * B[K,N]: each row of C is a sum of rows of B scaled by A's
+// C[M,N] = A[M,K] * B[K,N] (C += with accumulate): each row of C is a sum of rows of B scaled by A's
 // entries; the inner loop runs over N (contiguous), four rows of C at a time.
 [[maybe_unused]] ATTNCAL_GEMM_CLONES static void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                                         const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
