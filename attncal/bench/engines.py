@@ -201,7 +201,7 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
 
 
 def interleaved_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821 (imported lazily)
-    """ORT's default session options, except that worker threads stop spinning as soon as a run returns.
+    """The Encoder's default session options, except that worker threads stop spinning as soon as a run returns.
 
     The engines' sessions run interleaved in one process. With ORT's default, a session's idle workers go on
     spinning after its run and take cores from the next engine's run: at 1 x 70 tokens `ort-opt` read 13.2 ms
@@ -209,12 +209,9 @@ def interleaved_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821
     keeps spinning within a run (what a user's session does) and stops it between runs, so each engine gets
     the cores it would get on its own.
     """
-    import onnxruntime as ort
+    from ..runtime.encoder import default_session_options
 
-    from .. import console
-
-    so = ort.SessionOptions()
-    so.log_severity_level = console.ort_log_severity()
+    so = default_session_options()
     so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
 

@@ -35,6 +35,18 @@ def default_providers() -> list[str]:
     return [p for p in preferred if p in available]
 
 
+def default_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821 (imported lazily)
+    """The ONNX Runtime session options an `Encoder` gets when none are given: ORT's defaults, with its C++
+    warnings shown only with --verbose."""
+    import onnxruntime as ort
+
+    from .. import console
+
+    so = ort.SessionOptions()
+    so.log_severity_level = console.ort_log_severity()
+    return so
+
+
 def native_graph_runs(library: Path | None, providers: Sequence[str]) -> bool:
     """Whether the native graph (calibrated attention op) runs at its speed here: the attncal library is
     loaded and the first provider is ONNX Runtime's CPU one, where the op has its kernel.  (The CUDA
@@ -164,12 +176,7 @@ class Encoder:
             self.prompts, self.default_prompt_name = read_prompts(self.path)
         except UnsupportedModelError as exc:
             raise ArtifactError(self.path / "config_sentence_transformers.json", str(exc)) from None
-        so = session_options
-        if so is None:
-            from .. import console
-
-            so = ort.SessionOptions()
-            so.log_severity_level = console.ort_log_severity()  # ORT's C++ warnings only with --verbose
+        so = session_options if session_options is not None else default_session_options()
         if intra_op_threads is not None:
             so.intra_op_num_threads = intra_op_threads
         if lib is not None:
