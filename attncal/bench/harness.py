@@ -4,10 +4,17 @@ Method (so that every ratio comes from one run on one machine state):
 * every engine is warmed up on every shape first;
 * then for each shape, `repeats` rounds run the engines in turn (A B C A B C ...);
 * threads are pinned (torch and ORT intra-op) and recorded;
-* peak memory is measured in a fresh subprocess per (engine, shape): the peak RSS
+* peak memory is measured in fresh subprocesses per (engine, shape): the peak RSS
   (VmHWM, reset through /proc/self/clear_refs once the model is loaded) over two
   batches, minus the RSS before them.  This is the working memory of inference
   (allocator arenas included), independent of how much the model weights take.
+  One process is not enough: where the allocators place their blocks differs from
+  process to process, and the same engine and shape then peaks in distinct modes
+  (MiniLM, `ort-opt` at 8 x 128 in ten processes: 38.7 MiB seven times, 36.5 and
+  35.7 once each; the native graph 40.0 nine times, 42.5 once; a single pair of
+  probes gave ratios 1.03 to 1.12).  So each (engine, shape) is probed in
+  `memory_probes` processes, the engines interleaved, and the median is reported
+  with every probe kept in the results.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ class Row:
     p95_ms: float
     seq_per_s: float
     tok_per_s: float
-    peak_mib: float | None = None
+    peak_mib: float | None = None  # median of peak_mib_probes
+    peak_mib_probes: list[float] | None = None
     latency_vs_ort: float | None = None
     latency_vs_torch: float | None = None
     memory_vs_ort: float | None = None
@@ -109,9 +117,15 @@ def run_bench(
     repeats: int,
     *,
     memory: bool = True,
+    memory_probes: int = 3,
     progress: bool = True,
 ) -> tuple[list[Row], dict[str, str]]:
-    """Measure every (engine, seq, batch); returns rows and notes on skipped engines."""
+    """Measure every (engine, seq, batch); returns rows and notes on skipped engines.
+
+    With `memory`, every (engine, seq, batch) is probed in `memory_probes` fresh processes (see the module
+    docstring), the engines taking turns."""
+    if memory and memory_probes < 1:
+        raise ValueError(f"memory_probes must be >= 1, got {memory_probes}")
     from tqdm.auto import tqdm
 
     notes: dict[str, str] = {}
@@ -122,7 +136,7 @@ def run_bench(
         except EngineUnavailable as exc:
             notes[e] = str(exc)
     shapes = [(s, b) for s in seqs for b in batches]
-    total = len(shapes) * len(runners) * (repeats + 1) + (len(shapes) * len(runners) if memory else 0)
+    total = len(shapes) * len(runners) * (repeats + 1) + (len(shapes) * len(runners) * memory_probes if memory else 0)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     vocab = _vocab(ws)
     times: dict[tuple[str, int, int], list[float]] = {}
@@ -137,22 +151,24 @@ def run_bench(
                 run(feeds)
                 times.setdefault((e, seq, batch), []).append(time.perf_counter() - t0)
                 bar.update()
-    peaks: dict[tuple[str, int, int], float] = {}
+    peaks: dict[tuple[str, int, int], list[float]] = {}
     if memory:
         runners.clear()  # free the models before probing memory in fresh processes
         for seq, batch in shapes:
-            for e in [e for e in engines if e not in notes]:
-                bar.set_postfix_str(f"memory {e} {batch}x{seq}")
-                peaks[e, seq, batch] = measure_memory(ws, e, seq, batch)
-                bar.update()
+            for i in range(memory_probes):
+                for e in [e for e in engines if e not in notes]:
+                    bar.set_postfix_str(f"memory {e} {batch}x{seq} ({i + 1}/{memory_probes})")
+                    peaks.setdefault((e, seq, batch), []).append(measure_memory(ws, e, seq, batch))
+                    bar.update()
     bar.close()
     rows = []
     for (e, seq, batch), ts in times.items():
         ts_sorted = sorted(ts)
         p50 = statistics.median(ts_sorted)
         p95 = ts_sorted[min(len(ts_sorted) - 1, max(0, int(round(0.95 * (len(ts_sorted) - 1)))))]
+        probes = peaks.get((e, seq, batch))
         rows.append(Row(e, seq, batch, 1e3 * p50, 1e3 * p95, batch / p50, batch * seq / p50,
-                        peaks.get((e, seq, batch))))
+                        statistics.median(probes) if probes else None, probes))
     by_key = {(r.engine, r.seq, r.batch): r for r in rows}
     for r in rows:
         for ref, attr in (("ort", "vs_ort"), ("torch", "vs_torch")):

@@ -66,6 +66,9 @@ def write_results(out: Path, rows: list[Row], meta: dict, notes: dict[str, str])
               f"{meta['machine']['threads']} threads; "
               + ", ".join(f"{k} {v}" for k, v in meta["machine"]["versions"].items()), "",
               f"Config: {meta['config']}", "", markdown_table(rows), ""]
+        if meta.get("memory_probes"):
+            md += [f"Peak MiB: the median of {meta['memory_probes']} fresh processes per engine and shape (each "
+                   "probe in results.json, `peak_mib_probes`).", ""]
         for e, why in notes.items():
             md.append(f"* `{e}` skipped: {why}")
         (tmp / "results.md").write_text("\n".join(md) + "\n")

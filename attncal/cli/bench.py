@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per shape (default %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory probes")
+    p.add_argument("--memory-probes", type=int, default=3,
+                   help="fresh processes per engine and shape for peak memory; the median is reported (default "
+                        "%(default)s: one process can peak a few MiB off, where its allocators placed their blocks)")
     p.add_argument("--out", default="results", help="output directory (default %(default)s)")
     p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="placement of the ort-opt-cal engine's optimized graph (default %(default)s)")
@@ -103,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    if args.memory_probes < 1:
+        raise CLIError(f"--memory-probes must be >= 1, got {args.memory_probes} (--no-memory skips the probes)")
     if (args.model is None) == (args.synthetic is None):
         raise CLIError("give either MODEL or --synthetic long")
     out = Path(args.out)
@@ -146,10 +151,11 @@ def run(args: argparse.Namespace) -> int:
     ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads, placement=args.placement)
     notes = build_exports(ws, engines)
     rows, skipped = run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
-                              memory=not args.no_memory)
+                              memory=not args.no_memory, memory_probes=args.memory_probes)
     notes.update(skipped)
     meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "engines": engines,
-            "seq": seqs, "batch": batches, "repeats": args.repeats, "machine": machine_info(args.threads)}
+            "seq": seqs, "batch": batches, "repeats": args.repeats,
+            "memory_probes": None if args.no_memory else args.memory_probes, "machine": machine_info(args.threads)}
     write_results(out, rows, meta, notes)
     write_command_log(args, out / LOG_FILE)
     print((out / "results.md").read_text())
