@@ -43,7 +43,7 @@ def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = Non
     sessions = {name: _session(export / graph, threads, lib) for name, lib in libraries.items()}
     if baseline is not None:
         sessions["baseline"] = _session(baseline, threads, None)
-    names = list(sessions)
+    names, first = list(sessions), next(iter(libraries))
     rows = []
     for seq in seqs:
         feeds = make_feeds(batch, seq)
@@ -59,7 +59,6 @@ def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = Non
                 sessions[k].run(None, per[k])
                 times[k].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        first = next(iter(libraries))
         row = {"seq": seq, "batch": batch, "median_ms": med,
                "vs_first": {k: med[k] / med[first] for k in libraries},
                "max_abs_diff": max(float(np.abs(outs[k] - outs[first]).max()) for k in libraries)}
@@ -114,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{args.export / args.graph} does not exist (a calibrated float32 export of the BERT family has it)")
     if args.baseline is not None and not args.baseline.is_file():
         ap.error(f"--baseline {args.baseline} does not exist")
+    first = args.lib[0][0]
     for row in run(args.export, libraries, baseline=args.baseline, seqs=args.seq, batch=args.batch,
                    repeats=args.repeats, threads=args.threads, graph=args.graph):
         parts = [f"{k} {ms:.1f} ms" for k, ms in row["median_ms"].items()]
-        ratios = [f"{k}/{next(iter(libraries))} {v:.3f}" for k, v in row["vs_first"].items()][1:]
+        ratios = [f"{k}/{first} {v:.3f}" for k, v in row["vs_first"].items() if k != first]
         ratios += [f"{k}/baseline {v:.3f}" for k, v in row.get("vs_baseline", {}).items()]
         print(f"{row['batch']} x {row['seq']}: " + ", ".join(parts) + " | " + ", ".join(ratios)
               + f" | max |d| {row['max_abs_diff']:.2e}", flush=True)
