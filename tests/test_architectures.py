@@ -122,7 +122,8 @@ def test_untested_architecture_exports_labelled_and_guarded_by_parity(tmp_path, 
 
 def test_dense_modules_and_prompts(tmp_path, capsys):
     """EmbeddingGemma's layout (two bias-free Dense layers, named prompts, here with a default) and distiluse's
-    (one Dense with tanh): every graph matches PyTorch, prompts are chosen as sentence-transformers does."""
+    (one Dense with tanh): every graph matches PyTorch, prompts are chosen as sentence-transformers does.
+    The Dense head through both exporters: dynamo for Gemma3, TorchScript for distiluse."""
     gemma = save_synthetic_model("gemma3_text", tmp_path / "gemma", seed=4, dense=((64, "Identity", False),
                                  (24, "Identity", False)), prompts=EMBEDDING_GEMMA_PROMPTS,
                                  default_prompt_name="document")
@@ -130,7 +131,8 @@ def test_dense_modules_and_prompts(tmp_path, capsys):
     cfg = CalibrationConfig(pooling="mean", basket_size=BASKET)
     for src, dim in ((gemma, 24), (distiluse, 20)):
         out = tmp_path / f"{src.name}-out"
-        meta = export(src, out, ExportOptions(config=cfg, optimized=src == distiluse), quiet=True)
+        meta = export(src, out, ExportOptions(config=cfg, optimized=src == distiluse,
+                                              exporter="dynamo" if src == gemma else "torchscript"), quiet=True)
         assert all(g["parity"]["max_abs"] <= 1e-5 for g in meta["graphs"].values())
         assert (out / "2_Dense" / "model.safetensors").exists(), "sentence-transformers runs Dense from the export"
         ref = TorchEncoder(src)

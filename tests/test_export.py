@@ -22,17 +22,13 @@ from attncal.graphs.contract import DOMAIN
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.synthetic import ARCHITECTURES, synthetic_text
+from conftest import quick_exporter
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAY = REPO / ".venv" / "loader-overlay"
 # Mixed lengths: under one basket (16 tokens) up to the max length (256).
 TEXTS = [synthetic_text(n, seed=n) for n in (4, 30, 70, 140, 400, 9)]
 BASKET = 16
-
-
-def exporter_for(arch):
-    """TorchScript where it traces; Gemma3's sliding-window mask is built with vmap, which it cannot trace."""
-    return "dynamo" if arch == "gemma3_text" else "torchscript"
 
 
 def poolings(arch):
@@ -48,7 +44,7 @@ def base_exports(tiny_models, tmp_path_factory):
         for pooling in poolings(arch):
             out[arch, pooling] = root / f"{arch}-{pooling}"
             export(tiny_models[arch], out[arch, pooling],
-                   ExportOptions(config=CalibrationConfig(pooling=pooling), calibrate=False, exporter=exporter_for(arch),
+                   ExportOptions(config=CalibrationConfig(pooling=pooling), calibrate=False, exporter=quick_exporter(arch),
                                  check=False, optimized=False), quiet=True)
     return out
 

@@ -19,7 +19,7 @@ from test_native_kernel import library  # noqa: E402,F401  (the built-library fi
 def test_library_ab_runs_both_builds_and_the_baseline(tmp_path, library, capsys):  # noqa: F811
     src = save_synthetic_model("bert", tmp_path / "src", seed=3, pooling="mean", max_positions=256)
     out = tmp_path / "cal"
-    export(src, out, ExportOptions(check=False), quiet=True)
+    export(src, out, ExportOptions(check=False, exporter="torchscript"), quiet=True)
     # The same build under two names: identical embeddings, and every session timed at every length.
     rows = library_ab.run(out, {"a": library, "b": library}, baseline=out / "onnx" / "model_optimized.onnx",
                           seqs=[32, 200], batch=2, repeats=3, threads=1)

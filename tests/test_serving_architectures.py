@@ -3,7 +3,8 @@ calibrated export of each (default placement), parity with `attncal.Encoder` ove
 
 The EmbeddingGemma-shaped export (Dense modules, a default prompt) checks that the served tokenizer puts
 the model's default prompt before every text, as the Encoder and sentence-transformers do; an int8 export
-(`--quantize int8`) is served the same way.
+(`--quantize int8`) is served the same way.  Serving is the subject, not the exporter: the exports come from
+TorchScript where it traces (conftest.quick_exporter; dynamo for Gemma3).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from attncal.serving.repository import RepoOptions, build_repository
 from attncal.serving.server import TritonServer, free_port
 
 pytest.importorskip("tritonclient")
+from conftest import quick_exporter  # noqa: E402
 from test_serving import _env_or_skip, _http_embed  # noqa: E402 - the serving tests' helpers
 
 ARCHS = ("mpnet", "distilbert", "roberta", "t5", "gemma3_text")
@@ -46,7 +48,7 @@ def served(tmp_path_factory):
                                    **extra)
         out = root / name
         export(str(src), out, ExportOptions(config=CalibrationConfig(basket_size=8, strength=1.0), check=False,
-                                            optimized=False, quantize=quantize),
+                                            optimized=False, quantize=quantize, exporter=quick_exporter(arch)),
                quiet=True)
         build_repository(out, repo, RepoOptions(name=name.replace("_", "-"), max_batch=8, max_queue_delay_us=2000))
         encoders[name] = Encoder(out, providers=["CPUExecutionProvider"])
