@@ -23,13 +23,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 install: $(STAMP)
 
-# --no-compile: pip's up-front bytecode compilation took most of the install's time on the 2-core CI machine
-# (CPU torch: 42 s with it, 13 s without); Python compiles the modules it imports when it first imports them.
 $(STAMP): pyproject.toml tests/loaders/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[test,demo,serving,docs]'
-	$(PY) -m pip install -q --no-compile --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,demo,serving,docs]'
+	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
 	@rm -f $(DEMO_STAMP)
 	@touch $(STAMP)
 
