@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import random
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +61,60 @@ def quick_exporter(arch: str) -> str:
     vmap, which TorchScript cannot trace.  The default (dynamo) exporter is test_export.py's subject, on
     every architecture."""
     return "dynamo" if arch == "gemma3_text" else "torchscript"
+
+
+def _tree_digest(*dirs: Path) -> str:
+    """Every file's relative name and bytes under `dirs` (a model directory: config, tokenizer, weights)."""
+    h = hashlib.sha256()
+    for d in dict.fromkeys(Path(p).resolve() for p in dirs):
+        for f in sorted(p for p in d.rglob("*") if p.is_file()):
+            h.update(f.relative_to(d).as_posix().encode() + b"\0")
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def shared_raw_exports(tmp_path_factory):
+    """torch.onnx's export of one model, shared by the tests of this run that export it again.
+
+    A tiny model's dynamo export takes 12-35 s here (Gemma3's 30-35 s), and the suite made 162 torch.onnx
+    exports, 266 s of them repeats of an earlier one: the same model files, pooling, opset, exporter and dtype,
+    in another test or on the other xdist worker.  Within a module that asks for this fixture, attncal's
+    `torch_export` step is memoised on exactly those inputs (the model directory by content, so both workers'
+    copies of `tiny_models` share).  The first request of a key runs the real torch.onnx export; later ones
+    copy its files.  Everything after that step (placement, ORT's optimizer, parity, the artifact) runs as
+    usual.  The cache lives in this run's temporary root (shared by the xdist workers) and dies with it."""
+    import attncal.export.exporter as exporter
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "raw-exports"
+    root.mkdir(parents=True, exist_ok=True)
+    real = exporter.torch_export
+
+    def torch_export(info, pooling, onnx_path, opset, exporter_name, fp16=False, model=None):
+        fields = {k: str(v).replace(str(info.root), "<root>").replace(str(info.path), "<path>")
+                  for k, v in dataclasses.asdict(info).items() if k not in ("path", "root")}
+        key = hashlib.sha256(json.dumps([_tree_digest(info.root, info.path), fields, pooling, onnx_path.name,
+                                         opset, exporter_name, fp16]).encode()).hexdigest()[:24]
+        entry = root / key
+        if not (entry / "names.json").is_file():
+            tmp = root / f".{key}.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            names = real(info, pooling, tmp / onnx_path.name, opset, exporter_name, fp16=fp16, model=model)
+            (tmp / "names.json").write_text(json.dumps(names))
+            try:
+                os.replace(tmp, entry)  # atomic; fails where the other worker got there first
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        onnx_path.parent.mkdir(parents=True, exist_ok=True)
+        for f in entry.iterdir():
+            if f.name != "names.json":
+                shutil.copyfile(f, onnx_path.parent / f.name)
+        return json.loads((entry / "names.json").read_text())
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(exporter, "torch_export", torch_export)
+        yield root
 
 
 def random_mask(rng: random.Random, B: int, K: int, left: bool, min_len: int = 0) -> torch.Tensor:

@@ -23,6 +23,8 @@ from attncal.modelinfo import UnsupportedModelError, load_model_info
 from attncal.runtime import Encoder
 from attncal.synthetic import make_tokenizer, save_synthetic_model, synthetic_text
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 NEW = ("mpnet", "distilbert", "roberta", "t5", "gemma3_text")
 TEXTS = [synthetic_text(n, seed=n) for n in (5, 40, 90, 180, 400)]
 BASKET = 16

@@ -9,6 +9,8 @@ import pytest
 
 from attncal.cli import main
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 
 def test_demo_on_a_tiny_model(tiny_models, tmp_path, capsys):
     out = tmp_path / "demo-out"

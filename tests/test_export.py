@@ -24,6 +24,8 @@ from attncal.runtime import Encoder
 from attncal.synthetic import ARCHITECTURES, synthetic_text
 from conftest import quick_exporter
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 REPO = Path(__file__).resolve().parents[1]
 OVERLAY = REPO / ".venv" / "loader-overlay"
 # Mixed lengths: under one basket (16 tokens) up to the max length (256).

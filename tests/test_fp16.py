@@ -18,6 +18,8 @@ from attncal.runtime import Encoder
 from attncal.runtime.parity import TOLERANCES
 from attncal.synthetic import save_synthetic_model, synthetic_text
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 TEXTS = [synthetic_text(n, seed=n) for n in (5, 60, 150, 400)]
 FP16_MAX_ABS = TOLERANCES["fp16"][0]
 

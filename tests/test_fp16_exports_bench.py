@@ -14,6 +14,8 @@ import fp16_exports  # noqa: E402
 
 from attncal.synthetic import save_synthetic_model  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 
 def test_fp16_exports_section_on_cpu(tmp_path):
     src = save_synthetic_model("bert", tmp_path / "src", seed=5, pooling="mean", max_positions=512)

@@ -20,6 +20,8 @@ from attncal.export.exporter import EXPORT_LOG_FILE, ExportOptions, export
 from attncal.export.wrapper import export_normalize, export_pool
 from attncal.synthetic import save_synthetic_model
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):

@@ -24,6 +24,8 @@ from attncal.runtime import Encoder
 from attncal.synthetic import synthetic_text
 from conftest import quick_exporter, random_mask, random_probs
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 TEXTS = [synthetic_text(n, seed=n) for n in (5, 40, 120, 300)]
 
 

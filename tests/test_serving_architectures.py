@@ -19,6 +19,8 @@ pytest.importorskip("tritonclient")
 from conftest import quick_exporter  # noqa: E402
 from test_serving import _env_or_skip, _http_embed  # noqa: E402 - the serving tests' helpers
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 ARCHS = ("mpnet", "distilbert", "roberta", "t5", "gemma3_text")
 MAX_LEN = 96
 TEXTS = ["a", "hello world", "calibrated attention " * 3, "position bias in long passages " * 6,

@@ -25,6 +25,8 @@ from attncal.runtime import Encoder
 from attncal.synthetic import save_synthetic_model, synthetic_text
 from conftest import quick_exporter
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 # Mixed lengths: under one basket (16 tokens) to the max length (256); 16 does not divide most of them,
 # so partial last baskets are exercised.
 TEXTS = [synthetic_text(n, seed=n) for n in (4, 30, 70, 140, 400, 9, 55)]
