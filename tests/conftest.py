@@ -83,7 +83,7 @@ def shared_raw_exports(tmp_path_factory):
     `torch_export` step is memoised on exactly those inputs (the model directory by content, so both workers'
     copies of `tiny_models` share).  The first request of a key runs the real torch.onnx export; later ones
     copy its files.  Everything after that step (placement, ORT's optimizer, parity, the artifact) runs as
-    usual.  The cache lives in this run's temporary root (shared by the xdist workers) and dies with it."""
+    usual.  The cache lives in this run's own temporary root (shared by its xdist workers): no other run sees it."""
     import attncal.export.exporter as exporter
 
     base = tmp_path_factory.getbasetemp()
