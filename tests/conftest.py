@@ -57,9 +57,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def quick_exporter(arch: str) -> str:
     """The exporter for a test whose subject is not the exporter: TorchScript where it traces (a tiny model's
-    dynamo export takes about 12 s more on the 2-core CI machine); Gemma3's sliding-window mask is built with
-    vmap, which TorchScript cannot trace.  The default (dynamo) exporter is test_export.py's subject, on
-    every architecture."""
+    dynamo export takes about 12 s more on the 2-core CI machine).  Not Gemma3: transformers builds
+    EmbeddingGemma's bidirectional masks with an `or_mask_function`, which forces `use_vmap=True` in
+    `masking_utils.sdpa_mask`, and the TorchScript tracer fails inside vmap (`unordered_map::at`).  The default
+    (dynamo) exporter is test_export.py's subject, on every architecture."""
     return "dynamo" if arch == "gemma3_text" else "torchscript"
 
 
