@@ -8,9 +8,10 @@ The short public API::
     report = check("out/")                   # attncal.runtime.parity.check_parity
     get_library_path()                       # the packaged ONNX Runtime custom-op library (attncal.native)
 
-`ExportOptions`, `Encoder`, `check`, `ArtifactError` and `encode_corpus` (when the
-`attncal.corpus` package is installed) are imported on first use, so `import attncal` does not
-load ONNX Runtime or the exporter.  `export` is the `attncal.export` package, which is callable
+Every name but `__version__` and the `get_*_path` functions is imported on first use, so `import attncal`
+loads neither torch (the calibration math, about 3 s on a 2-core machine) nor ONNX Runtime nor the exporter:
+a process that only encodes with an export (`attncal encode`, a Ray actor) does not pay for them.
+`encode_corpus` needs the `attncal.corpus` package.  `export` is the `attncal.export` package, which is callable
 (see attncal/export/__init__.py), so `attncal.export.exporter` keeps working.  The deep module
 paths keep working.
 """
@@ -18,14 +19,19 @@ paths keep working.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .calibration import CalibrationConfig, apply, calibrate, compute_geometry, encode_torch, reference
 from .native import get_cuda_library_path, get_library_path, get_tensorrt_plugin_path
 
 __version__ = "0.1.0"
 
 _LAZY = {  # public name -> (module, attribute)
+    "CalibrationConfig": ("attncal.calibration.config", "CalibrationConfig"),
+    "apply": ("attncal.calibration.efficient", "apply"),
+    "calibrate": ("attncal.calibration.patching", "calibrate"),
+    "compute_geometry": ("attncal.calibration.efficient", "compute_geometry"),
+    "encode_torch": ("attncal.calibration.encode", "encode_torch"),
+    "reference": ("attncal.calibration.oracle", "reference"),
     "ExportOptions": ("attncal.export.exporter", "ExportOptions"),
     "Encoder": ("attncal.runtime.encoder", "Encoder"),
     "check": ("attncal.runtime.parity", "check_parity"),
@@ -47,6 +53,19 @@ def __getattr__(name: str) -> Any:
     value = getattr(module, attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value
+
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from .artifact import ArtifactError
+    from .calibration.config import CalibrationConfig
+    from .calibration.efficient import apply, compute_geometry
+    from .calibration.encode import encode_torch
+    from .calibration.oracle import reference
+    from .calibration.patching import calibrate
+    from .corpus import encode_corpus
+    from .export.exporter import ExportOptions
+    from .runtime.encoder import Encoder
+    from .runtime.parity import check_parity as check
 
 
 def __dir__() -> list[str]:

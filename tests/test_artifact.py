@@ -157,7 +157,7 @@ def test_layering_artifact_below_export_graphs_runtime():
 
 def test_public_api_short_and_deep_paths(good):
     code = ("import sys, attncal\n"
-            "light = not any(m in sys.modules for m in ('onnxruntime', 'attncal.runtime', 'attncal.corpus'))\n"
+            "light = not any(m in sys.modules for m in ('torch', 'onnxruntime', 'attncal.runtime', 'attncal.corpus'))\n"
             "from attncal import export, Encoder, check, CalibrationConfig, ExportOptions, ArtifactError\n"
             "from attncal.export.exporter import export as deep_export, save_onnx, ONNX_FILE, METADATA_FILE\n"
             "from attncal.runtime import Encoder as DeepEncoder, check_parity\n"
@@ -171,3 +171,27 @@ def test_public_api_short_and_deep_paths(good):
     light, has_corpus = res.stdout.split()
     assert light == "True"
     assert has_corpus == str((ROOT / "attncal/corpus/__init__.py").exists())
+
+
+def test_running_an_export_does_not_import_torch_or_the_rewrite_pass():
+    """torch takes ~3 s to import here and onnx_ir (with sympy) ~1 s: the command line, the Encoder's module and
+    the calibration config must load without them (a Ray actor or `attncal encode` starts that much sooner),
+    while every lazily loaded name still resolves to its module's object."""
+    code = ("import sys\n"
+            "import attncal.cli, attncal.runtime.encoder, attncal.corpus.local\n"
+            "from attncal import CalibrationConfig\n"
+            "from attncal.calibration import ResolvedCalibration\n"
+            "from attncal.graphs import DOMAIN\n"
+            "CalibrationConfig(pooling='mean').resolve()\n"
+            "print(sorted(m for m in ('torch', 'onnx_ir', 'sympy', 'transformers') if m in sys.modules))\n"
+            "import attncal, attncal.calibration as cal, attncal.graphs as g\n"
+            "from attncal.calibration import efficient, oracle, patching\n"
+            "from attncal.graphs import rewrite\n"
+            "assert attncal.apply is cal.apply is efficient.apply and attncal.reference is oracle.reference\n"
+            "assert cal.UnsupportedArchitectureError is patching.UnsupportedArchitectureError\n"
+            "assert g.insert_calibration is rewrite.insert_calibration and 'insert_calibration' in dir(g)\n"
+            "assert issubclass(cal.UnsupportedArchitectureError, ValueError)  # the CLI's USER_ERRORS catch it\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n")[:2] == ["[]", "ok"], res.stdout

@@ -1,23 +1,25 @@
-"""Calibration math: configuration, the naive oracle, the efficient implementation, model patching."""
+"""Calibration math: configuration, the naive oracle, the efficient implementation, model patching.
 
-from .config import CalibrationConfig, ResolvedCalibration
-from .efficient import BatchGeometry, apply, compute_geometry
-from .encode import TorchEncoder, encode_torch, pool
-from .oracle import reference
-from .patching import CalibrationPatch, UnsupportedArchitectureError, attention_modules, calibrate
+The names below load on first use (`lazy_loader`): `config` needs only the standard library, the rest need
+torch, and a process that only reads an export's configuration (`attncal encode`, the `Encoder`, a Ray actor)
+should not pay torch's import (about 3 s on a 2-core machine) to do it.
+"""
 
-__all__ = [
-    "BatchGeometry",
-    "CalibrationConfig",
-    "CalibrationPatch",
-    "ResolvedCalibration",
-    "TorchEncoder",
-    "UnsupportedArchitectureError",
-    "apply",
-    "attention_modules",
-    "calibrate",
-    "compute_geometry",
-    "encode_torch",
-    "pool",
-    "reference",
-]
+from typing import TYPE_CHECKING
+
+import lazy_loader
+
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
+    "config": ["CalibrationConfig", "ResolvedCalibration"],
+    "efficient": ["BatchGeometry", "apply", "compute_geometry"],
+    "encode": ["TorchEncoder", "encode_torch", "pool"],
+    "oracle": ["reference"],
+    "patching": ["CalibrationPatch", "UnsupportedArchitectureError", "attention_modules", "calibrate"],
+})
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from .config import CalibrationConfig, ResolvedCalibration
+    from .efficient import BatchGeometry, apply, compute_geometry
+    from .encode import TorchEncoder, encode_torch, pool
+    from .oracle import reference
+    from .patching import CalibrationPatch, UnsupportedArchitectureError, attention_modules, calibrate

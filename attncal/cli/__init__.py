@@ -21,7 +21,6 @@ from typing import Callable, Sequence
 from .. import console
 from ..artifact import ArtifactError
 from ..calibration.config import CalibrationConfig
-from ..calibration.patching import UnsupportedArchitectureError
 from ..modelinfo import ModelNotFoundError, UnsupportedModelError
 
 EXIT_USAGE = 2
@@ -29,8 +28,10 @@ EXIT_USAGE = 2
 CAPTURED_COMMANDS = ("export", "check", "bench", "eval", "encode", "demo")
 VERBOSE_HELP = ("show the warnings and messages of torch, transformers and ONNX Runtime as they come "
                 "(by default they are kept off the console){where}")
+# ValueError covers calibration.patching's UnsupportedArchitectureError, which is not imported here: that
+# module needs torch, and commands that only run an export (encode, inspect, doctor) start without it.
 USER_ERRORS = (ArtifactError, ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError,
-               UnsupportedModelError, UnsupportedArchitectureError)
+               UnsupportedModelError)
 
 
 class CLIError(Exception):
