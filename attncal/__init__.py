@@ -10,7 +10,7 @@ The short public API::
 
 Every name but `__version__` and the `get_*_path` functions is imported on first use, so `import attncal`
 loads neither torch (the calibration math, about 3 s on a 2-core machine) nor ONNX Runtime nor the exporter:
-a process that only encodes with an export (`attncal encode`, a Ray actor) does not pay for them.
+commands that do not need them (`attncal --help`, `inspect`, `triton-repo`, `serve`) start without them.
 `encode_corpus` needs the `attncal.corpus` package.  `export` is the `attncal.export` package, which is callable
 (see attncal/export/__init__.py), so `attncal.export.exporter` keeps working.  The deep module
 paths keep working.

@@ -1,8 +1,10 @@
 """Calibration math: configuration, the naive oracle, the efficient implementation, model patching.
 
 The names below load on first use (`lazy_loader`): `config` needs only the standard library, the rest need
-torch, and a process that only reads an export's configuration (`attncal encode`, the `Encoder`, a Ray actor)
-should not pay torch's import (about 3 s on a 2-core machine) to do it.
+torch, and a command that only reads an export's configuration (`attncal inspect`, `triton-repo`, `serve`)
+should not pay torch's import (about 3 s on a 2-core machine) to do it.  (The `Encoder` still imports torch
+where it is installed: transformers' AutoTokenizer loads its configuration module, which imports torch; the
+tokenizer class is AutoTokenizer's to choose, so attncal does not second-guess it.)
 """
 
 from typing import TYPE_CHECKING
