@@ -27,10 +27,9 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
+from functools import partial
 
 ENGINES = ("uncalibrated", "efficient", "naive", "sdpa", "split-loop", "split-batched")
 DEFAULT_ENGINES = ("uncalibrated", "efficient", "naive")
@@ -123,19 +122,16 @@ def main() -> None:
     import torch
     from tqdm import tqdm
 
+    from attncal.bench.timing import interleaved_times, medians
+
     torch.set_num_threads(args.threads)
     model = build_model(args.seq)
     inputs = make_batch(args.batch, args.seq)
-    times: dict[str, list[float]] = {e: [] for e in engines}
-    for e in engines:  # warm-up
-        run_engine(model, inputs, e, args.pooling)
-    for _ in tqdm(range(args.rounds), desc="timing rounds", file=sys.stderr):
-        for e in engines:
-            t0 = time.perf_counter()
-            run_engine(model, inputs, e, args.pooling)
-            times[e].append(time.perf_counter() - t0)
+    with tqdm(total=len(engines) * (args.rounds + 1), desc="timing runs", file=sys.stderr) as bar:
+        times = interleaved_times({e: partial(run_engine, model, inputs, e, args.pooling) for e in engines},
+                                  args.rounds, on_run=bar.update)
     mem = {e: measure_memory(e, args) for e in tqdm(engines, desc="memory (fresh processes)", file=sys.stderr)}
-    med = {e: statistics.median(v) for e, v in times.items()}
+    med = medians(times)
     base = engines[0]
     rows = []
     for e in engines:

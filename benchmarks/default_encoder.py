@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 
@@ -51,6 +51,7 @@ def main() -> None:
 
 def _run(args: argparse.Namespace, work: Path) -> dict:
     from attncal.bench.engines import interleaved_session_options
+    from attncal.bench.timing import interleaved_times, medians
     from attncal.export.exporter import ExportOptions, export
     from attncal.modelinfo import default_model_path
     from attncal.runtime import Encoder
@@ -74,15 +75,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     tok = encs["uncalibrated"].tokenizer
     texts = make_texts(tok, args.texts, args.tokens)
     lengths = [len(tok(t)["input_ids"]) for t in texts]
-    for e in encs.values():
-        e.encode(texts)  # warm-up
-    times: dict[str, list[float]] = {n: [] for n in encs}
-    for _ in range(args.rounds):
-        for n, e in encs.items():
-            t0 = time.perf_counter()
-            e.encode(texts)
-            times[n].append(time.perf_counter() - t0)
-    med = {n: statistics.median(v) for n, v in times.items()}
+    med = medians(interleaved_times({n: partial(e.encode, texts) for n, e in encs.items()}, args.rounds))
     res = {
         "texts": len(texts), "median_tokens": statistics.median(lengths), "rounds": args.rounds,
         "threads": args.threads, "session_order": order, "graphs": {n: e.graph_file for n, e in encs.items()},

@@ -24,10 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +40,7 @@ def run(model: str | Path, workdir: str | Path, provider: str = "CUDAExecutionPr
     """The section's results as a dict; {"skipped": why} where `provider` is not available."""
     import onnxruntime as ort
 
+    from attncal.bench.timing import interleaved_times, medians
     from attncal.export.exporter import ExportOptions, export
     from attncal.runtime import Encoder
     from attncal.runtime.parity import check_parity
@@ -65,15 +65,8 @@ def run(model: str | Path, workdir: str | Path, provider: str = "CUDAExecutionPr
                                 "min_cos": rep.min_cos, "tol_max_abs": rep.tol_max_abs, "ok": rep.ok}
     encs = {n: Encoder(o, providers=providers) for n, o in outs.items()}
     sample = make_texts(encs["uncalibrated"].tokenizer, texts, tokens)
-    for e in encs.values():
-        e.encode(sample)  # warm-up (CUDA context, cuBLAS handles, arena)
-    times: dict[str, list[float]] = {n: [] for n in encs}
-    for _ in range(rounds):
-        for n, e in encs.items():
-            t0 = time.perf_counter()
-            e.encode(sample)
-            times[n].append(time.perf_counter() - t0)
-    med = {n: statistics.median(v) for n, v in times.items()}
+    # one warm-up run each: the CUDA context, cuBLAS handles, the arena
+    med = medians(interleaved_times({n: partial(e.encode, sample) for n, e in encs.items()}, rounds))
     res.update({"graphs": {n: e.graph_file for n, e in encs.items()}, "texts": texts, "tokens": tokens,
                 "rounds": rounds, "median_s": med, "ratio": med["calibrated"] / med["uncalibrated"],
                 "parity_ok": all(p["ok"] for p in res["parity"].values())})

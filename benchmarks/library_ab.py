@@ -15,9 +15,8 @@ the same embeddings (max |Δ| is printed; a kernel change that moves them is not
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = Non
         repeats: int = 10, threads: int = 2, graph: str = "onnx/model_optimized_native.onnx") -> list[dict]:
     """One row per sequence length: median ms per build (and baseline), ratios, max |Δ| between builds."""
     from attncal.bench.engines import make_feeds
+    from attncal.bench.timing import interleaved_times, medians
 
     sessions = {name: _session(export / graph, threads, lib) for name, lib in libraries.items()}
     if baseline is not None:
@@ -52,13 +52,8 @@ def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = Non
         for k, s in sessions.items():  # two warm-up runs each
             outs[k] = s.run(None, per[k])[-1]
             s.run(None, per[k])
-        times: dict[str, list[float]] = {k: [] for k in names}
-        for r in range(repeats):
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                t0 = time.perf_counter()
-                sessions[k].run(None, per[k])
-                times[k].append(time.perf_counter() - t0)
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        runs = {k: partial(sessions[k].run, None, per[k]) for k in names}
+        med = medians(interleaved_times(runs, repeats, warmup=0, rotate=True), scale=1e3)
         row = {"seq": seq, "batch": batch, "median_ms": med,
                "vs_first": {k: med[k] / med[first] for k in libraries},
                "max_abs_diff": max(float(np.abs(outs[k] - outs[first]).max()) for k in libraries)}

@@ -25,11 +25,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from .engines import EngineUnavailable, Workspace, make_engine, make_feeds
+from .timing import interleaved_times
 
 
 @dataclass
@@ -142,15 +143,9 @@ def run_bench(
     times: dict[tuple[str, int, int], list[float]] = {}
     for seq, batch in shapes:
         feeds = make_feeds(batch, seq, vocab)
-        for e, run in runners.items():  # warm-up
-            run(feeds)
-            bar.update()
-        for _ in range(repeats):
-            for e, run in runners.items():
-                t0 = time.perf_counter()
-                run(feeds)
-                times.setdefault((e, seq, batch), []).append(time.perf_counter() - t0)
-                bar.update()
+        shape_times = interleaved_times({e: partial(run, feeds) for e, run in runners.items()}, repeats,
+                                        on_run=bar.update)
+        times.update(((e, seq, batch), ts) for e, ts in shape_times.items())
     peaks: dict[tuple[str, int, int], list[float]] = {}
     if memory:
         runners.clear()  # free the models before probing memory in fresh processes

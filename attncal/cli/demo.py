@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,16 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _latency_ms(encoders: dict, feeds_by_name: dict, repeats: int) -> dict[str, float]:
     """Median latency per model, runs interleaved so both see the same machine state."""
-    times: dict[str, list[float]] = {k: [] for k in encoders}
-    for _ in range(3):
-        for k, enc in encoders.items():
-            enc.run(feeds_by_name[k])
-    for _ in range(repeats):
-        for k, enc in encoders.items():
-            t0 = time.perf_counter()
-            enc.run(feeds_by_name[k])
-            times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    from functools import partial
+
+    from ..bench.timing import interleaved_times, medians
+
+    runs = {k: partial(enc.run, feeds_by_name[k]) for k, enc in encoders.items()}
+    return medians(interleaved_times(runs, repeats, warmup=3), scale=1e3)
 
 
 def _op_path(library) -> str:
