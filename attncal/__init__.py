@@ -10,7 +10,7 @@ The short public API::
 
 Every name but `__version__` and the `get_*_path` functions is imported on first use, so `import attncal`
 loads neither torch (the calibration math, about 3 s on a 2-core machine) nor ONNX Runtime nor the exporter:
-commands that do not need them (`attncal --help`, `inspect`, `triton-repo`, `serve`) start without them.
+commands that do not need them (`attncal --help`, `attncal inspect`) start without them.
 `encode_corpus` needs the `attncal.corpus` package.  `export` is the `attncal.export` package, which is callable
 (see attncal/export/__init__.py), so `attncal.export.exporter` keeps working.  The deep module
 paths keep working.

@@ -173,12 +173,13 @@ def test_public_api_short_and_deep_paths(good):
     assert has_corpus == str((ROOT / "attncal/corpus/__init__.py").exists())
 
 
-def test_running_an_export_does_not_import_torch_or_the_rewrite_pass():
-    """torch takes ~3 s to import here and onnx_ir (with sympy) ~1 s: the command line, the Encoder's module and
-    the calibration config must load without them (`attncal --help` took 4.5 s, now 0.6), while every lazily
-    loaded name still resolves to its module's object."""
-    code = ("import sys\n"
+def test_inspect_and_the_runtime_modules_do_not_import_torch_or_the_rewrite_pass(good):
+    """torch takes ~3 s to import here and onnx_ir (with sympy) ~1 s: the command line (`attncal inspect` run on
+    an export), the Encoder's module and the calibration config must load without them (`attncal --help` took
+    4.5 s, now 0.6), while every lazily loaded name still resolves to its module's object."""
+    code = ("import sys, contextlib, io\n"
             "import attncal.cli, attncal.runtime.encoder, attncal.corpus.local\n"
+            f"with contextlib.redirect_stdout(io.StringIO()):\n    assert attncal.cli.main(['inspect', {str(good)!r}]) == 0\n"
             "from attncal import CalibrationConfig\n"
             "from attncal.calibration import ResolvedCalibration\n"
             "from attncal.graphs import DOMAIN\n"

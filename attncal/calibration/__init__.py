@@ -1,7 +1,7 @@
 """Calibration math: configuration, the naive oracle, the efficient implementation, model patching.
 
 The names below load on first use (`lazy_loader`): `config` needs only the standard library, the rest need
-torch, and a command that only reads an export's configuration (`attncal inspect`, `triton-repo`, `serve`)
+torch, and a command that only reads an export's configuration (`attncal inspect`, `attncal --help`)
 should not pay torch's import (about 3 s on a 2-core machine) to do it.  (The `Encoder` still imports torch
 where it is installed: transformers' AutoTokenizer loads its configuration module, which imports torch; the
 tokenizer class is AutoTokenizer's to choose, so attncal does not second-guess it.)

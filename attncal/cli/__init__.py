@@ -29,7 +29,7 @@ CAPTURED_COMMANDS = ("export", "check", "bench", "eval", "encode", "demo")
 VERBOSE_HELP = ("show the warnings and messages of torch, transformers and ONNX Runtime as they come "
                 "(by default they are kept off the console){where}")
 # ValueError covers calibration.patching's UnsupportedArchitectureError, which is not imported here: that
-# module needs torch, and commands that only run an export (encode, inspect, doctor) start without it.
+# module needs torch, and commands that do not (--help, inspect) start without it.
 USER_ERRORS = (ArtifactError, ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError,
                UnsupportedModelError)
 
