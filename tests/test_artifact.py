@@ -139,6 +139,13 @@ def _imports(path: Path) -> set[str]:
     return {n for n in out if n.startswith("attncal")}
 
 
+def _fresh_python(code: str) -> str:
+    """stdout of `code` run in a new interpreter from the checkout: what a module import pulls in shows only there."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
 def test_layering_artifact_below_export_graphs_runtime():
     """artifact imports none of export/graphs/runtime, and graphs/runtime no longer import the exporter."""
     lower = ("attncal.export", "attncal.graphs", "attncal.runtime", "attncal.serving", "attncal.eval",
@@ -151,7 +158,7 @@ def test_layering_artifact_below_export_graphs_runtime():
     # console (third-party chatter off the console) sits beside artifact: cli and export both use it
     assert all(n.startswith("attncal.artifact") for n in _imports(ROOT / "attncal/console.py"))
     code = "import sys, attncal.artifact; print(sorted(m for m in sys.modules if m.startswith('attncal.')))"
-    mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    mods = _fresh_python(code)
     assert "attncal.export" not in mods and "attncal.runtime" not in mods
 
 
@@ -166,9 +173,7 @@ def test_public_api_short_and_deep_paths(good):
             "assert save_onnx.__module__ == 'attncal.artifact' and ONNX_FILE == 'model.onnx'\n"
             "try:\n    from attncal import encode_corpus\nexcept ImportError:\n    encode_corpus = None\n"
             "print(light, encode_corpus is not None)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    light, has_corpus = res.stdout.split()
+    light, has_corpus = _fresh_python(code).split()
     assert light == "True"
     assert has_corpus == str((ROOT / "attncal/corpus/__init__.py").exists())
 
@@ -193,6 +198,5 @@ def test_inspect_and_the_runtime_modules_do_not_import_torch_or_the_rewrite_pass
             "assert g.insert_calibration is rewrite.insert_calibration and 'insert_calibration' in dir(g)\n"
             "assert issubclass(cal.UnsupportedArchitectureError, ValueError)  # the CLI's USER_ERRORS catch it\n"
             "print('ok')\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split("\n")[:2] == ["[]", "ok"], res.stdout
+    out = _fresh_python(code)
+    assert out.split("\n")[:2] == ["[]", "ok"], out
