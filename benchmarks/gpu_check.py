@@ -60,20 +60,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fp16_exports (section 8)
 
-from attncal.runtime import oplib  # noqa: E402
+from attncal.graphs.contract import op_spec  # noqa: E402
+from attncal.runtime import attributes_def, oplib  # noqa: E402
 
 
-class Params(ctypes.Structure):
-    """Mirror of AttncalParams in plugins/kernels/attncal_params.h."""
-
-    _fields_ = [(n, ctypes.c_int32) for n in ("all_rows", "pool_last", "basket_size", "isolate_first",
-                                               "isolate_last", "first_mode", "last_mode", "skip_short")] + [
-        (n, ctypes.c_float) for n in ("strength", "first_weight", "last_weight")]
+# The ctypes mirror of AttncalParams (plugins/kernels/attncal_params.h), built from the attribute table
+# (plugins/kernels/attncal_attributes.def) rather than written out here, so that it follows the struct.
+Params = attributes_def.params_structure()
 
 
-def params_of(rc) -> Params:
-    return Params(int(rc.all_rows), int(rc.pool_last), rc.basket_size, int(rc.isolate_first), int(rc.isolate_last),
-                  rc.first_mode, rc.last_mode, int(rc.skip_short), rc.strength, rc.first_weight, rc.last_weight)
+def params_of(rc) -> ctypes.Structure:
+    """The launchers' AttncalParams for resolved calibration `rc`: its node's attributes (op_spec)."""
+    return attributes_def.make_params(rc.all_rows, op_spec(rc, 0).attrs)
 
 
 def load(path: Path):

@@ -4,7 +4,9 @@ setting the CMake build reads too; see attncal.runtime.oplib.tensorrt_headers),
 linked with the CUDA launchers (nvcc) or, without nvcc, a test-only launcher stub, and its
 host test (tests/cpp/trt_plugin_host_test.cpp) run for the four op types (PooledRowCalibration,
 AllRowsCalibration, SoftmaxPooledRowCalibration, SoftmaxAllRowsCalibration): creators (8: 4 ops x
-namespaces "" and "ai.attncal"), field parsing, output types and shapes, format combinations, the
+namespaces "" and "ai.attncal"), field parsing (with the refusals of the shared attribute parser:
+a missing field with a stray or duplicated one in its place, misspelt, ill-typed and foreign fields,
+each report naming the field), output types and shapes, format combinations, the
 IPluginV3OneBuildV2 build interface with output 0 aliased to input 0, serialisation round trip,
 clone, a clean enqueue error without a GPU and the launcher each op type dispatches to.  The
 calibrated attention plugin (plugins/tensorrt/attncal_trt_attention_plugin.cpp, ops
@@ -104,6 +106,8 @@ def test_trt_plugin_host(version, request, tmp_path):
                "SoftmaxAllRowsCalibration"):
         assert f"{op}: build interface PLUGIN_V3ONE_BUILD 2.0, getAliasedInput(0) = 0" in out
     assert "Softmax* ops -> softmax launcher" in out
+    assert "malformed fields (4 ops)" in out
+    assert "missing attribute 'strength'; attribute this op does not take: 'pool_last'" in out
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -124,6 +128,7 @@ def test_trt_attention_plugin_host(version, request, tmp_path):
     assert "OK:" in out
     assert "attention creators: 12 listed" in out
     assert "refused" in out and "round trip" in out
+    assert "attention malformed fields (2 ops)" in out and "missing attribute 'strength'" in out
     for op in ("PooledRowCalibratedAttention", "AllRowsCalibratedAttention"):
         assert f"{op}: output types (float, half, bf16 -> same), shape [q0, q1, v2], 3 of 8 format combinations" in out
         for strength in ("0.5", "0.0"):

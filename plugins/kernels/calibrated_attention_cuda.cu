@@ -943,7 +943,7 @@ int check(int dtype, const AttncalParams* params, int64_t B, int64_t S_q, int64_
   if (dtype != ATTNCAL_DTYPE_FLOAT32 && dtype != ATTNCAL_DTYPE_FLOAT16 && dtype != ATTNCAL_DTYPE_BFLOAT16)
     return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "dtype must be float32 (0), float16 (1) or bfloat16 (2)");
   if (B < 0 || S_q < 0 || S_k < 0 || D < 0 || D_v < 0) return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "negative dimension");
-  if (N < 1) return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "num_heads must be >= 1");
+  if (N < 1) return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "the number of heads N must be >= 1");
   if (params->all_rows && S_q != S_k) {
     snprintf(msg, sizeof msg, "AllRowsCalibratedAttention needs S_q == S_k, got S_q=%lld, S_k=%lld", (long long)S_q,
              (long long)S_k);

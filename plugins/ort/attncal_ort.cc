@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attncal_attribute_parser.h"
 #include "attncal_ort_common.h"
 #include "calibrated_attention_cpu.h"
 #include "calibration_cpu.h"
@@ -58,49 +59,58 @@ void AllowInplace(Ort::Custom::OrtLiteCustomOp* op) {
   op->ReleaseMayInplace = &ReleaseMayInplace;
 }
 
+namespace {
+
+// What ONNX Runtime holds under `name` for this node: false when nothing.  The kernel-info API reads
+// an attribute by name and type and cannot list a node's attributes, so the adapter asks for every
+// name of the table (attncal_attributes.def): an attribute of the table that this op does not take
+// (pool_last on an all-rows op, num_heads on a calibration op) is seen and refused as foreign; a name
+// outside the table cannot be seen here.  A duplicated attribute never reaches a kernel: ONNX
+// Runtime refuses the model when it loads it ("appeared multiple times").
+bool Probe(const OrtApi* api, const OrtKernelInfo* info, const char* name, attncal::AttrValue* v) {
+  auto ok = [api](OrtStatus* st) {
+    if (st == nullptr) return true;
+    api->ReleaseStatus(st);
+    return false;
+  };
+  int64_t i = 0;
+  float f = 0.f;
+  size_t n = 0;
+  if (ok(api->KernelInfoGetAttribute_int64(info, name, &i))) {
+    *v = attncal::AttrValue::integer(i);
+  } else if (ok(api->KernelInfoGetAttribute_float(info, name, &f))) {
+    *v = attncal::AttrValue::real(f);
+  } else if (ok(api->KernelInfoGetAttribute_string(info, name, nullptr, &n))) {
+    *v = attncal::AttrValue::other("a string");
+  } else if (ok(api->KernelInfoGetAttributeArray_int64(info, name, nullptr, &n)) ||
+             ok(api->KernelInfoGetAttributeArray_float(info, name, nullptr, &n))) {
+    *v = attncal::AttrValue::other("a list");
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// The node's attributes through the shared parser (attncal_attribute_parser.h); ONNX attribute
+// types are exact, so no numeric leniency.
+AttncalParams ReadNode(const OrtApi* api, const OrtKernelInfo* info, bool all_rows, bool attention,
+                       std::string* error) {
+  attncal::AttributeParser parser(all_rows, attention, /*lenient_numbers=*/false);
+  for (int id = 0; id < ATTNCAL_ATTR_COUNT; ++id) {
+    attncal::AttrValue v{};
+    if (Probe(api, info, attncal::attr_name(id), &v)) parser.offer(attncal::attr_name(id), v);
+  }
+  AttncalParams p{};
+  p.all_rows = all_rows ? 1 : 0;
+  if (!parser.finish(&p)) *error = parser.error();
+  return p;
+}
+
+}  // namespace
+
 Attributes ReadAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all_rows) {
   Attributes a;
-  a.params = AttncalParams{};
-  a.params.all_rows = all_rows ? 1 : 0;
-  auto get_int = [&](const char* name, int32_t* dst) {
-    if (!a.error.empty()) return;
-    int64_t v = 0;
-    OrtStatus* st = api->KernelInfoGetAttribute_int64(info, name, &v);
-    if (st != nullptr) {
-      api->ReleaseStatus(st);
-      a.error = std::string("missing or non-integer attribute '") + name + "'";
-      return;
-    }
-    if (v < INT32_MIN || v > INT32_MAX) {
-      a.error = std::string("attribute '") + name + "' is out of range";
-      return;
-    }
-    *dst = static_cast<int32_t>(v);
-  };
-  auto get_float = [&](const char* name, float* dst) {
-    if (!a.error.empty()) return;
-    OrtStatus* st = api->KernelInfoGetAttribute_float(info, name, dst);
-    if (st != nullptr) {
-      api->ReleaseStatus(st);
-      a.error = std::string("missing or non-float attribute '") + name + "'";
-    }
-  };
-  if (!all_rows) get_int("pool_last", &a.params.pool_last);
-  get_int("basket_size", &a.params.basket_size);
-  get_float("strength", &a.params.strength);
-  get_int("isolate_first", &a.params.isolate_first);
-  get_int("isolate_last", &a.params.isolate_last);
-  get_int("first_mode", &a.params.first_mode);
-  get_int("last_mode", &a.params.last_mode);
-  get_float("first_weight", &a.params.first_weight);
-  get_float("last_weight", &a.params.last_weight);
-  get_int("skip_short", &a.params.skip_short);
-  int32_t layer = 0;
-  get_int("layer", &layer);  // informational, but part of the contract
-  if (a.error.empty()) {
-    char msg[200];
-    if (attncal_validate_params(&a.params, msg, sizeof msg) != ATTNCAL_OK) a.error = msg;
-  }
+  a.params = ReadNode(api, info, all_rows, /*attention=*/false, &a.error);
   return a;
 }
 
@@ -163,27 +173,9 @@ Ort::Status AttributeError(const Attributes& a, const char* op) {
 
 AttentionAttributes ReadAttentionAttributes(const OrtApi* api, const OrtKernelInfo* info, bool all_rows) {
   AttentionAttributes a;
-  a.calibration = ReadAttributes(api, info, all_rows);
-  if (!a.calibration.error.empty()) return a;
-  int64_t heads = 0;
-  if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "num_heads", &heads)) {
-    api->ReleaseStatus(st);
-    a.calibration.error = "missing or non-integer attribute 'num_heads'";
-    return a;
-  }
-  if (heads < 1 || heads > INT32_MAX) {
-    a.calibration.error = "num_heads must be >= 1, got " + std::to_string(heads);
-    return a;
-  }
-  a.num_heads = heads;
-  if (OrtStatus* st = api->KernelInfoGetAttribute_float(info, "scale", &a.scale)) {
-    api->ReleaseStatus(st);
-    a.calibration.error = "missing or non-float attribute 'scale'";
-    return a;
-  }
-  if (!std::isfinite(a.scale) || a.scale < 0.f) {
-    a.calibration.error = "scale must be finite and >= 0 (0 = 1/sqrt(head_size)), got " + std::to_string(a.scale);
-  }
+  a.calibration.params = ReadNode(api, info, all_rows, /*attention=*/true, &a.calibration.error);
+  a.num_heads = a.calibration.params.num_heads;
+  a.scale = a.calibration.params.scale;
   return a;
 }
 
@@ -207,8 +199,9 @@ Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vecto
                " must share the batch size, and key and value the key length");
   }
   if (k[2] != q[2] || q[2] % num_heads != 0 || v[2] % num_heads != 0) {
-    return bad("query and key must have the same last dimension, and it and value's must be divisible by "
-               "num_heads=" + std::to_string(num_heads) + "; got " + Dims(q) + ", " + Dims(k) + ", " + Dims(v));
+    return bad("query and key must have the same last dimension, and it and value's must be divisible by " +
+               std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_heads)) + "=" + std::to_string(num_heads) + "; got " +
+               Dims(q) + ", " + Dims(k) + ", " + Dims(v));
   }
   if (mask.size() != 2 || mask[0] != k[0] || mask[1] != k[1]) {
     return bad("attention_mask must be [B,S_k]=[" + std::to_string(k[0]) + "," + std::to_string(k[1]) + "], got " +
@@ -407,7 +400,8 @@ Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vecto
                dims(w) + ", " + dims(b));
   }
   if (w[0] != x[2] || b[0] != w[1] || w[1] % (3 * num_heads) != 0) {
-    return bad("weight must be [H_in,3*N*D] with H_in = input's last dimension and 3*N*D divisible by 3*num_heads=" +
+    return bad("weight must be [H_in,3*N*D] with H_in = input's last dimension and 3*N*D divisible by 3*" +
+               std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_heads)) + "=" +
                std::to_string(3 * num_heads) + ", and bias [3*N*D]; got input " + dims(x) + ", weight " + dims(w) +
                ", bias " + dims(b));
   }

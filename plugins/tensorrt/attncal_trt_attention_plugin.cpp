@@ -1,12 +1,14 @@
 // TensorRT IPluginV3 plugin for the calibrated attention ops, PooledRowCalibratedAttention and
-// AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention (issue 20)"): a
+// AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention"): a
 // thin adapter over attncal_cuda_calibrated_attention (kernels/calibrated_attention_cuda.h).
 //
 //   inputs:  0 query T[B,S_q,N*D], 1 key T[B,S_k,N*D], 2 value T[B,S_k,N*D_v],
 //            3 attention_mask int64[B,S_k];  T = float, half or bfloat16 (one T for all)
 //   output:  0 context T[B,S_q,N*D_v]
 //   fields:  the calibration op's (pool_last on the pooled op only; layer optional, not kept),
-//            num_heads (>= 1) and scale (finite, >= 0; 0 = 1/sqrt(D)): all required.
+//            num_heads (1..65535) and scale (finite, >= 0; 0 = 1/sqrt(D)): all required, read by
+//            the shared parser (attncal_trt_fields.h), which refuses missing, duplicated,
+//            ill-typed and foreign fields.
 //
 // Two creators per op type, version "1", namespaces "" and "ai.attncal" (as the calibration
 // plugin has): 4 creators, listed by attncal_trt_plugin.cpp's getCreators when both files are
@@ -42,36 +44,8 @@ using attncal_trt::kDomain;
 constexpr char const* kPooled = "PooledRowCalibratedAttention";
 constexpr char const* kAllRows = "AllRowsCalibratedAttention";
 
-struct AttentionConfig {
-  AttncalParams p;
-  int32_t num_heads;
-  float scale;
-};
-
-// The calibration fields (attncal_trt_fields.h) plus num_heads and scale; false when any is missing,
-// ill-typed or out of range.
-bool parse_attention_fields(PluginFieldCollection const* fc, bool all_rows, AttentionConfig* out) {
-  AttentionConfig c{};
-  if (!attncal_trt::parse_fields(fc, all_rows, &c.p)) return false;
-  bool heads = false, scale = false;
-  for (int32_t i = 0; i < fc->nbFields; ++i) {
-    PluginField const& f = fc->fields[i];
-    double v;
-    if (f.name == nullptr || !attncal_trt::field_number(f, &v)) continue;
-    if (!strcmp(f.name, "num_heads")) {
-      if (!(v >= 1 && v <= 65535) || v != std::floor(v)) return false;  // the launcher's grid limit
-      c.num_heads = static_cast<int32_t>(v);
-      heads = true;
-    } else if (!strcmp(f.name, "scale")) {
-      if (!std::isfinite(v) || v < 0) return false;
-      c.scale = static_cast<float>(v);
-      scale = true;
-    }
-  }
-  if (!heads || !scale) return false;
-  *out = c;
-  return true;
-}
+// The launcher's grid limit on the number of heads (calibrated_attention_cuda.cu: one grid dimension).
+constexpr int32_t kMaxHeads = 65535;
 
 bool is_float_type(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16; }
 
@@ -88,14 +62,13 @@ bool shapes_ok(Dims const& q, Dims const& k, Dims const& v, Dims const& m, int32
 // attncal_trt_plugin_base.h (build capability IPluginV3OneBuild: no aliasing).
 class AttentionPlugin : public attncal_trt::PluginBase<IPluginV3OneBuild> {
  public:
-  AttentionPlugin(std::string name, std::string ns, AttentionConfig c)
-      : PluginBase(std::move(name), std::move(ns)), c_(c) {
-    set_fields(c_.p, {PluginField("num_heads", &c_.num_heads, PluginFieldType::kINT32, 1),
-                      PluginField("scale", &c_.scale, PluginFieldType::kFLOAT32, 1)});
+  AttentionPlugin(std::string name, std::string ns, AttncalParams p)
+      : PluginBase(std::move(name), std::move(ns)), p_(p) {
+    set_fields(p_, /*attention=*/true);
   }
 
   // IPluginV3
-  IPluginV3* clone() noexcept override { return new (std::nothrow) AttentionPlugin(name_, ns_, c_); }
+  IPluginV3* clone() noexcept override { return new (std::nothrow) AttentionPlugin(name_, ns_, p_); }
 
   // IPluginV3OneBuild
   int32_t configurePlugin(DynamicPluginTensorDesc const*, int32_t nbInputs, DynamicPluginTensorDesc const*,
@@ -132,14 +105,14 @@ class AttentionPlugin : public attncal_trt::PluginBase<IPluginV3OneBuild> {
   size_t getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs, DynamicPluginTensorDesc const*,
                           int32_t) const noexcept override {
     if (nbInputs != 4) return 0;
-    return attncal_cuda_attention_workspace_bytes(inputs[0].max.d[0], inputs[0].max.d[1], c_.num_heads);
+    return attncal_cuda_attention_workspace_bytes(inputs[0].max.d[0], inputs[0].max.d[1], p_.num_heads);
   }
 
   // IPluginV3OneRuntime
   int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out,
                         int32_t nbOutputs) noexcept override {
     if (nbInputs != 4 || nbOutputs != 1) return -1;
-    if (!shapes_ok(in[0].dims, in[1].dims, in[2].dims, in[3].dims, c_.num_heads, c_.p.all_rows != 0)) return -1;
+    if (!shapes_ok(in[0].dims, in[1].dims, in[2].dims, in[3].dims, p_.num_heads, p_.all_rows != 0)) return -1;
     Dims const& o = out[0].dims;
     if (o.nbDims != 3 || o.d[0] != in[0].dims.d[0] || o.d[1] != in[0].dims.d[1] || o.d[2] != in[2].dims.d[2]) return -1;
     return 0;
@@ -149,31 +122,36 @@ class AttentionPlugin : public attncal_trt::PluginBase<IPluginV3OneBuild> {
     Dims const& q = inputDesc[0].dims;
     Dims const& k = inputDesc[1].dims;
     Dims const& v = inputDesc[2].dims;
-    const int64_t N = c_.num_heads;
+    const int64_t N = p_.num_heads;
     const DataType t = inputDesc[0].type;
     const int dtype = t == DataType::kHALF ? ATTNCAL_DTYPE_FLOAT16
                       : t == DataType::kBF16 ? ATTNCAL_DTYPE_BFLOAT16
                                              : ATTNCAL_DTYPE_FLOAT32;
     return attncal_cuda_calibrated_attention(dtype, inputs[0], inputs[1], inputs[2],
                                              static_cast<int64_t const*>(inputs[3]), outputs[0], q.d[0], q.d[1],
-                                             k.d[1], N, q.d[2] / N, v.d[2] / N, c_.scale, &c_.p, workspace, stream);
+                                             k.d[1], N, q.d[2] / N, v.d[2] / N, p_.scale, &p_, workspace, stream);
   }
 
  private:
-  AttentionConfig c_;
+  AttncalParams p_;  // num_heads and scale included
 };
 
-// Identity and field names (the calibration fields, then num_heads and scale): attncal_trt_plugin_base.h.
+// Identity, field names (the calibration fields, then num_heads and scale) and parsing:
+// attncal_trt_plugin_base.h; here only the launcher's limit on num_heads.
 class AttentionCreator : public attncal_trt::CreatorBase {
  public:
   AttentionCreator(char const* op, char const* ns)
-      : CreatorBase(op, ns, !strcmp(op, kAllRows),
-                    {PluginField("num_heads", nullptr, PluginFieldType::kINT32, 1),
-                     PluginField("scale", nullptr, PluginFieldType::kFLOAT32, 1)}) {}
+      : CreatorBase(op, ns, !strcmp(op, kAllRows), /*attention=*/true) {}
   IPluginV3* createPlugin(char const*, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
-    AttentionConfig c;
-    if (fc == nullptr || !parse_attention_fields(fc, all_rows_, &c)) return nullptr;  // missing or invalid
-    return new (std::nothrow) AttentionPlugin(op_, ns_, c);
+    AttncalParams p;
+    if (!parse(fc, &p)) return nullptr;  // refused: the reason is reported (attncal_trt_last_error)
+    if (p.num_heads > kMaxHeads) {
+      attncal_trt::report_refusal(op_.c_str(), std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_heads)) +
+                                                   " must be <= " + std::to_string(kMaxHeads) + " (the launcher's "
+                                                   "grid limit), got " + std::to_string(p.num_heads));
+      return nullptr;
+    }
+    return new (std::nothrow) AttentionPlugin(op_, ns_, p);
   }
 };
 

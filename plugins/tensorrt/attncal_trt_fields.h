@@ -1,15 +1,23 @@
-// The calibration attributes as TensorRT plugin fields, shared by the calibration plugin
-// (attncal_trt_plugin.cpp) and the calibrated-attention plugin (attncal_trt_attention_plugin.cpp)
-// so that both read the contract's attributes the same way: whatever numeric width the ONNX
-// parser used (int32/int64/float32/float64), every field required except `layer`
-// (informational), values checked by attncal_validate_params.
+// The ai.attncal attributes as TensorRT plugin fields, shared by the calibration plugin
+// (attncal_trt_plugin.cpp) and the calibrated-attention plugin (attncal_trt_attention_plugin.cpp):
+// TensorRT's adapter to the shared parser (kernels/attncal_attribute_parser.h), which refuses a
+// missing, duplicated, ill-typed or foreign field, and the creators' field names and the plugins'
+// fields to serialise, both generated from the attribute table (kernels/attncal_attributes.def).
+//
+// Numbers are read in whatever width the ONNX parser used (int8/16/32/64, float32/64), an integer
+// field also from an integral float (the parser is lenient, see AttributeParser).  A refusal is
+// createPlugin returning null; its reason, naming the fields, goes to TensorRT's logger when the
+// library was given one (setLoggerFinder) and is kept for attncal_trt_last_error.
 #ifndef ATTNCAL_TRT_FIELDS_H_
 #define ATTNCAL_TRT_FIELDS_H_
 
 #include <NvInferRuntime.h>
 
 #include <cstring>
+#include <string>
+#include <vector>
 
+#include "attncal_attribute_parser.h"
 #include "attncal_params.h"
 
 namespace attncal_trt {
@@ -17,68 +25,93 @@ namespace attncal_trt {
 constexpr char const* kVersion = "1";
 constexpr char const* kDomain = "ai.attncal";
 
-struct FieldSpec {
-  char const* name;
-  bool is_float;
-};
-// The calibration op's attributes, in the contract's order (pool_last: pooled ops only).
-constexpr FieldSpec kFields[] = {{"pool_last", false},    {"basket_size", false},  {"strength", true},
-                                 {"isolate_first", false}, {"isolate_last", false}, {"first_mode", false},
-                                 {"last_mode", false},     {"first_weight", true},  {"last_weight", true},
-                                 {"skip_short", false},    {"layer", false}};
-
-inline int32_t* int_slot(AttncalParams& p, char const* name) {
-  if (!strcmp(name, "pool_last")) return &p.pool_last;
-  if (!strcmp(name, "basket_size")) return &p.basket_size;
-  if (!strcmp(name, "isolate_first")) return &p.isolate_first;
-  if (!strcmp(name, "isolate_last")) return &p.isolate_last;
-  if (!strcmp(name, "first_mode")) return &p.first_mode;
-  if (!strcmp(name, "last_mode")) return &p.last_mode;
-  if (!strcmp(name, "skip_short")) return &p.skip_short;
-  return nullptr;
-}
-
-inline float* float_slot(AttncalParams& p, char const* name) {
-  if (!strcmp(name, "strength")) return &p.strength;
-  if (!strcmp(name, "first_weight")) return &p.first_weight;
-  if (!strcmp(name, "last_weight")) return &p.last_weight;
-  return nullptr;
-}
-
-// The numeric value of a one-element field; false for an empty field or a non-numeric type.
-inline bool field_number(nvinfer1::PluginField const& f, double* v) {
-  if (f.length < 1 || f.data == nullptr) return false;
+// What a field holds, for the parser.
+inline attncal::AttrValue field_value(nvinfer1::PluginField const& f) {
+  using attncal::AttrValue;
+  using T = nvinfer1::PluginFieldType;
+  if (f.data == nullptr || f.length < 1) return AttrValue::other("no value");
+  if (f.length != 1) return AttrValue::other("a list");
   switch (f.type) {
-    case nvinfer1::PluginFieldType::kINT32: *v = *static_cast<int32_t const*>(f.data); return true;
-    case nvinfer1::PluginFieldType::kINT64: *v = static_cast<double>(*static_cast<int64_t const*>(f.data)); return true;
-    case nvinfer1::PluginFieldType::kFLOAT32: *v = *static_cast<float const*>(f.data); return true;
-    case nvinfer1::PluginFieldType::kFLOAT64: *v = *static_cast<double const*>(f.data); return true;
-    default: return false;
+    case T::kINT8: return AttrValue::integer(*static_cast<int8_t const*>(f.data));
+    case T::kINT16: return AttrValue::integer(*static_cast<int16_t const*>(f.data));
+    case T::kINT32: return AttrValue::integer(*static_cast<int32_t const*>(f.data));
+    case T::kINT64: return AttrValue::integer(*static_cast<int64_t const*>(f.data));
+    case T::kFLOAT32: return AttrValue::real(*static_cast<float const*>(f.data));
+    case T::kFLOAT64: return AttrValue::real(*static_cast<double const*>(f.data));
+    case T::kCHAR: return AttrValue::other("a string");
+    default: return AttrValue::other("a field of a non-numeric type");
   }
 }
 
-// Reads the calibration attributes (other fields are ignored); false on a missing or ill-typed
-// field or invalid values.
-inline bool parse_fields(nvinfer1::PluginFieldCollection const* fc, bool all_rows, AttncalParams* out) {
-  AttncalParams p{};
-  p.all_rows = all_rows;
-  int seen = 0;
-  for (int32_t i = 0; fc && i < fc->nbFields; ++i) {
+// The two node attributes by which ONNX-TensorRT routes a node to a creator (not the op's own):
+// passed over, never refused as foreign.
+inline bool is_routing_field(char const* name) {
+  return name != nullptr && (!strcmp(name, "plugin_namespace") || !strcmp(name, "plugin_version"));
+}
+
+// The reason this thread's last refused createPlugin gave (see attncal_trt_last_error).
+inline std::string& last_error() {
+  thread_local std::string e;
+  return e;
+}
+
+// The logger finder TensorRT gave the library (setLoggerFinder), or null.
+inline nvinfer1::ILoggerFinder*& logger_finder() {
+  static nvinfer1::ILoggerFinder* finder = nullptr;
+  return finder;
+}
+
+// Records why `op`'s fields were refused and tells TensorRT's logger, if there is one.
+inline void report_refusal(char const* op, std::string const& why) {
+  last_error() = std::string("attncal ") + op + ": " + why;
+  if (nvinfer1::ILoggerFinder* f = logger_finder()) {
+    if (nvinfer1::ILogger* logger = f->findLogger()) logger->log(nvinfer1::ILogger::Severity::kERROR, last_error().c_str());
+  }
+}
+
+// Reads op's attributes (attention: a calibrated attention op) from fc; false, with *error naming the
+// fields at fault, on a missing, duplicated, ill-typed or foreign field or an invalid value.
+inline bool parse_fields(nvinfer1::PluginFieldCollection const* fc, bool all_rows, bool attention, AttncalParams* out,
+                         std::string* error) {
+  attncal::AttributeParser parser(all_rows, attention, /*lenient_numbers=*/true);
+  for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i) {
     nvinfer1::PluginField const& f = fc->fields[i];
-    double v;
-    if (f.name == nullptr || !field_number(f, &v)) continue;
-    if (int32_t* s = int_slot(p, f.name)) {
-      *s = static_cast<int32_t>(v);
-      ++seen;
-    } else if (float* s = float_slot(p, f.name)) {
-      *s = static_cast<float>(v);
-      ++seen;
+    if (is_routing_field(f.name)) continue;
+    parser.offer(f.name, field_value(f));
+  }
+  if (parser.finish(out)) return true;
+  *error = parser.error();
+  return false;
+}
+
+// The field names a creator lists: every attribute op takes, in the table's order, int32 or float32.
+inline std::vector<nvinfer1::PluginField> field_names(bool all_rows, bool attention) {
+  std::vector<nvinfer1::PluginField> v;
+  const unsigned family = attncal::op_family(all_rows, attention);
+  for (int id = 0; id < ATTNCAL_ATTR_COUNT; ++id) {
+    if (!attncal::takes(id, family)) continue;
+    const bool is_float = attncal::kAttributes[id].type == attncal::AttrType::kFLOAT;
+    v.emplace_back(attncal::attr_name(id), nullptr,
+                   is_float ? nvinfer1::PluginFieldType::kFLOAT32 : nvinfer1::PluginFieldType::kINT32, 1);
+  }
+  return v;
+}
+
+// The fields a plugin serialises, pointing into p (a member of the plugin): every REQUIRED attribute
+// op takes, in the table's order.  OPTIONAL ones (layer: informational) are not kept; a runtime
+// plugin re-created from these fields gets their defaults.
+inline std::vector<nvinfer1::PluginField> fields_of(AttncalParams& p, bool attention) {
+  std::vector<nvinfer1::PluginField> v;
+  const unsigned family = attncal::op_family(p.all_rows != 0, attention);
+  for (int id = 0; id < ATTNCAL_ATTR_COUNT; ++id) {
+    if (!attncal::takes(id, family) || !attncal::kAttributes[id].required) continue;
+    if (float* s = attncal::float_member(p, id)) {
+      v.emplace_back(attncal::attr_name(id), s, nvinfer1::PluginFieldType::kFLOAT32, 1);
+    } else {
+      v.emplace_back(attncal::attr_name(id), attncal::int_member(p, id), nvinfer1::PluginFieldType::kINT32, 1);
     }
   }
-  if (seen < (all_rows ? 9 : 10)) return false;
-  if (attncal_validate_params(&p, nullptr, 0) != ATTNCAL_OK) return false;
-  *out = p;
-  return true;
+  return v;
 }
 
 }  // namespace attncal_trt

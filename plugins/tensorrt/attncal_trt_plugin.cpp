@@ -11,8 +11,9 @@
 // function of the same op name.  Built with ATTNCAL_TRT_WITH_ATTENTION (as CMake
 // builds libattncal_trt_plugin.so), getCreators also lists the 4 creators of the
 // calibrated attention ops (attncal_trt_attention_plugin.cpp): 12 in all.  The
-// attribute fields are read by attncal_trt_fields.h, and what the plugin and
-// creator classes of both files have alike is in attncal_trt_plugin_base.h.
+// attribute fields are read by attncal_trt_fields.h (the shared parser), and what
+// the plugin and creator classes of both files have alike is in
+// attncal_trt_plugin_base.h.
 //
 // The build capability is IPluginV3OneBuildV2 (TensorRT >= 10.3): output 0 may
 // alias input 0 (getAliasedInput(0) == 0), since every launcher works in place.
@@ -47,7 +48,6 @@ IPluginCreatorInterface* const* attention_creators(int32_t& nbCreators);
 namespace {
 
 using attncal_trt::kDomain;
-using attncal_trt::parse_fields;
 
 constexpr char const* kOps[] = {"PooledRowCalibration", "AllRowsCalibration", "SoftmaxPooledRowCalibration",
                                 "SoftmaxAllRowsCalibration"};
@@ -64,7 +64,7 @@ class CalibrationPlugin : public attncal_trt::PluginBase<IPluginV3OneBuildV2> {
   // name: the op type (one of kOps); p.all_rows must match it.
   CalibrationPlugin(std::string name, std::string ns, AttncalParams p)
       : PluginBase(std::move(name), std::move(ns)), p_(p), softmax_(is_softmax(name_.c_str())) {
-    set_fields(p_);
+    set_fields(p_, /*attention=*/false);
   }
 
   // IPluginV3
@@ -127,11 +127,10 @@ class CalibrationPlugin : public attncal_trt::PluginBase<IPluginV3OneBuildV2> {
 // Identity and field names (the calibration fields): attncal_trt_plugin_base.h.
 class CalibrationCreator : public attncal_trt::CreatorBase {
  public:
-  CalibrationCreator(char const* op, char const* ns) : CreatorBase(op, ns, is_all_rows(op)) {}
-  IPluginV3* createPlugin(char const* name, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
+  CalibrationCreator(char const* op, char const* ns) : CreatorBase(op, ns, is_all_rows(op), /*attention=*/false) {}
+  IPluginV3* createPlugin(char const*, PluginFieldCollection const* fc, TensorRTPhase) noexcept override {
     AttncalParams p;
-    if (!parse_fields(fc, all_rows_, &p)) return nullptr;  // missing or invalid attributes
-    (void)name;
+    if (!parse(fc, &p)) return nullptr;  // refused: the reason is reported (attncal_trt_last_error)
     return new (std::nothrow) CalibrationPlugin(op_, ns_, p);
   }
 };
@@ -139,7 +138,15 @@ class CalibrationCreator : public attncal_trt::CreatorBase {
 }  // namespace
 
 // Entry points for IPluginRegistry::loadLibrary / trtexec --dynamicPlugins.
-extern "C" __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder*) {}
+// The finder is kept: a refused createPlugin logs its reason through it (attncal_trt_fields.h).
+extern "C" __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder* finder) {
+  attncal_trt::logger_finder() = finder;
+}
+
+// Why this thread's last createPlugin refused its fields, naming them ("" after one that succeeded).
+extern "C" __attribute__((visibility("default"))) char const* attncal_trt_last_error(void) {
+  return attncal_trt::last_error().c_str();
+}
 
 extern "C" __attribute__((visibility("default"))) IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
   static CalibrationCreator pooled_default(kOps[0], ""), all_default(kOps[1], "");

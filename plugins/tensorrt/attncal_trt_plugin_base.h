@@ -1,16 +1,15 @@
 // What the calibration plugin (attncal_trt_plugin.cpp) and the calibrated-attention plugin
 // (attncal_trt_attention_plugin.cpp) do the same way, so that it is written once: the plugin's
 // capabilities (core, build, runtime), identity (op name, version "1", namespace), one output, its
-// attributes to serialise (the calibration fields, then the op's own) and its re-creation for a
-// context; the creator's identity and field names.  Each plugin keeps its shapes, types, formats,
-// workspace, enqueue and clone; each creator its parsing.
+// attributes to serialise and its re-creation for a context; the creator's identity, field names and
+// field parsing (with its refusal report).  Each plugin keeps its shapes, types, formats, workspace,
+// enqueue and clone.
 #ifndef ATTNCAL_TRT_PLUGIN_BASE_H_
 #define ATTNCAL_TRT_PLUGIN_BASE_H_
 
 #include <NvInferRuntime.h>
 
 #include <cstring>
-#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,32 +52,23 @@ class PluginBase : public nvinfer1::IPluginV3,
   // name: the op type; ns: the creator's namespace.
   PluginBase(std::string name, std::string ns) : name_(std::move(name)), ns_(std::move(ns)) {}
 
-  // The fields to serialise: p's calibration attributes (every one but layer, which is not kept;
-  // pool_last only when !p.all_rows), then `extra`; all point into the plugin (p: its member).
-  void set_fields(AttncalParams& p, std::initializer_list<nvinfer1::PluginField> extra = {}) {
-    int32_t i = 0;
-    for (FieldSpec const& fs : kFields) {
-      if ((p.all_rows && !strcmp(fs.name, "pool_last")) || !strcmp(fs.name, "layer")) continue;
-      if (fs.is_float) {
-        fields_[i++] = nvinfer1::PluginField(fs.name, float_slot(p, fs.name), nvinfer1::PluginFieldType::kFLOAT32, 1);
-      } else {
-        fields_[i++] = nvinfer1::PluginField(fs.name, int_slot(p, fs.name), nvinfer1::PluginFieldType::kINT32, 1);
-      }
-    }
-    for (nvinfer1::PluginField const& f : extra) fields_[i++] = f;
-    fc_.nbFields = i;
-    fc_.fields = fields_;
+  // The fields to serialise (attncal_trt_fields.h, fields_of: the op's REQUIRED attributes, in the
+  // table's order); they point into p, which must be the plugin's member.
+  void set_fields(AttncalParams& p, bool attention) {
+    fields_ = fields_of(p, attention);
+    fc_.nbFields = static_cast<int32_t>(fields_.size());
+    fc_.fields = fields_.data();
   }
 
   std::string name_, ns_;
 
  private:
-  nvinfer1::PluginField fields_[16];
+  std::vector<nvinfer1::PluginField> fields_;
   nvinfer1::PluginFieldCollection fc_{};
 };
 
-// A creator of op `op` (version "1") in namespace `ns`.  Its field names: the calibration fields
-// (pool_last only when !all_rows; layer included, it is accepted), then `extra`.
+// A creator of op `op` (version "1") in namespace `ns`.  Its field names: every attribute the op
+// takes (attncal_trt_fields.h, field_names), layer included: it is accepted.
 class CreatorBase : public nvinfer1::IPluginCreatorV3One {
  public:
   nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override { return &fc_; }
@@ -87,20 +77,28 @@ class CreatorBase : public nvinfer1::IPluginCreatorV3One {
   char const* getPluginNamespace() const noexcept override { return ns_.c_str(); }
 
  protected:
-  CreatorBase(char const* op, char const* ns, bool all_rows, std::initializer_list<nvinfer1::PluginField> extra = {})
-      : op_(op), ns_(ns), all_rows_(all_rows) {
-    for (FieldSpec const& fs : kFields) {
-      if (all_rows_ && !strcmp(fs.name, "pool_last")) continue;
-      names_.emplace_back(fs.name, nullptr,
-                          fs.is_float ? nvinfer1::PluginFieldType::kFLOAT32 : nvinfer1::PluginFieldType::kINT32, 1);
-    }
-    names_.insert(names_.end(), extra.begin(), extra.end());
+  CreatorBase(char const* op, char const* ns, bool all_rows, bool attention)
+      : op_(op), ns_(ns), all_rows_(all_rows), attention_(attention), names_(field_names(all_rows, attention)) {
     fc_.nbFields = static_cast<int32_t>(names_.size());
     fc_.fields = names_.data();
   }
 
+  // The op's attributes from fc, or false: the reason, naming the fields, is reported
+  // (report_refusal) so that a refused node is never silent.
+  bool parse(nvinfer1::PluginFieldCollection const* fc, AttncalParams* p) const {
+    std::string why;
+    if (fc == nullptr) {
+      why = "no fields";
+    } else if (parse_fields(fc, all_rows_, attention_, p, &why)) {
+      last_error().clear();
+      return true;
+    }
+    report_refusal(op_.c_str(), why);
+    return false;
+  }
+
   std::string op_, ns_;
-  bool all_rows_;
+  bool all_rows_, attention_;
 
  private:
   std::vector<nvinfer1::PluginField> names_;

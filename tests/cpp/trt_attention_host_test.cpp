@@ -106,6 +106,13 @@ void test_field_parsing() {
   }
   std::printf("attention field parsing (2 ops): int32/int64/float32/float64 accepted; missing or invalid num_heads, "
               "scale and calibration fields refused\n");
+  std::string report;
+  for (char const* op : kOps) {
+    const std::string r = check_malformed_refusals(op, contract_fields, /*attention=*/true);
+    if (!std::strcmp(op, "AllRowsCalibratedAttention")) report = r;
+  }
+  std::printf("attention malformed fields (2 ops): missing strength with a stray or duplicated field, misspelt and "
+              "ill-typed fields refused, naming the field; e.g. \"%s\"\n", report.c_str());
 }
 
 void test_round_trip_and_clone() {

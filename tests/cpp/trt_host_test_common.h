@@ -25,6 +25,9 @@
 extern "C" nvinfer1::IPluginRegistry* getPluginRegistry() noexcept { return nullptr; }
 extern "C" nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
 extern "C" const char* attncal_cuda_last_error(void);
+// The plugin library's refusal report: why the last createPlugin on this thread refused its fields.
+extern "C" const char* attncal_trt_last_error(void);
+extern "C" void setLoggerFinder(nvinfer1::ILoggerFinder* finder);
 
 namespace trt_host_test {
 
@@ -225,6 +228,98 @@ inline void check_field_parsing(char const* op, ContractFields contract, std::ve
     Fields f = contract(false, false, nullptr, "pool_last", 2);
     CHECK(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD) == nullptr);
   }
+}
+
+// A logger that keeps the last error TensorRT would have been told, and the finder that hands it out
+// (what TensorRT gives the library through setLoggerFinder).
+struct CaptureLogger : ILogger {
+  std::string last;
+  void log(Severity severity, AsciiChar const* msg) noexcept override {
+    if (severity == Severity::kERROR) last = msg;
+  }
+};
+struct CaptureFinder : ILoggerFinder {
+  CaptureLogger logger;
+  ILogger* findLogger() override { return &logger; }
+};
+
+// createPlugin with f must refuse, and the report (attncal_trt_last_error, and the logger) must name
+// every one of `named` (quoted, as the parser writes them).
+inline void check_refused(IPluginCreatorV3One* c, Fields& f, std::vector<char const*> const& named,
+                          CaptureFinder& finder) {
+  finder.logger.last.clear();
+  std::unique_ptr<IPluginV3> p(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD));
+  CHECK(p == nullptr);
+  const std::string why = attncal_trt_last_error();
+  for (char const* n : named) {
+    const std::string quoted = std::string("'") + n + "'";
+    if (why.find(quoted) == std::string::npos || finder.logger.last.find(quoted) == std::string::npos) {
+      std::fprintf(stderr, "refusal does not name %s: \"%s\" (logged: \"%s\")\n", quoted.c_str(), why.c_str(),
+                   finder.logger.last.c_str());
+      CHECK(false);
+    }
+  }
+}
+
+// The malformed field sets that a count of the fields seen used to accept, refused by op's creator in
+// namespace "ai.attncal" with a report naming the field: the valid set without strength but with a
+// stray pool_last (foreign on an all-rows op, duplicated on a pooled one), or with a duplicated
+// basket_size, so that the count is the valid set's; a stray name outside the contract; strength as a
+// string, as a list, with no data; num_heads on a calibration op; a duplicated field with every
+// required one present.  Returns the first report, for the log.
+inline std::string check_malformed_refusals(char const* op, ContractFields contract, bool attention) {
+  const bool all_rows = all_rows_op(op);
+  IPluginCreatorV3One* c = creator(op, "ai.attncal");
+  CaptureFinder finder;
+  setLoggerFinder(&finder);
+  std::string first;
+  {  // strength missing, pool_last in its place (AllRows: foreign; Pooled: a second pool_last)
+    Fields f = contract(all_rows, false, "strength", nullptr, 0);
+    f.add_int("pool_last", 0, false);
+    check_refused(c, f, {"strength", "pool_last"}, finder);
+    first = attncal_trt_last_error();
+  }
+  {  // strength missing, basket_size twice
+    Fields f = contract(all_rows, true, "strength", nullptr, 0);
+    f.add_int("basket_size", 4, true);
+    check_refused(c, f, {"strength", "basket_size"}, finder);
+  }
+  {  // every field present, one duplicated with another value
+    Fields f = contract(all_rows, false, nullptr, nullptr, 0);
+    f.add_float("strength", 0.0, false);
+    check_refused(c, f, {"strength"}, finder);
+  }
+  {  // a misspelt name in strength's place
+    Fields f = contract(all_rows, false, "strength", nullptr, 0);
+    f.add_float("strenght", 0.5, false);
+    check_refused(c, f, {"strength", "strenght"}, finder);
+  }
+  {  // strength ill-typed: a string, two values, no data
+    Fields f = contract(all_rows, false, "strength", nullptr, 0);
+    f.add<char>("strength", '1', PluginFieldType::kCHAR);
+    check_refused(c, f, {"strength"}, finder);
+    Fields g = contract(all_rows, false, "strength", nullptr, 0);
+    g.add<float>("strength", 0.5f, PluginFieldType::kFLOAT32);
+    g.list.back().length = 2;
+    check_refused(c, g, {"strength"}, finder);
+    Fields h = contract(all_rows, false, "strength", nullptr, 0);
+    h.add<float>("strength", 0.5f, PluginFieldType::kFLOAT32);
+    h.list.back().data = nullptr;
+    check_refused(c, h, {"strength"}, finder);
+  }
+  if (!attention) {  // an attention op's field on a calibration op
+    Fields f = contract(all_rows, false, nullptr, nullptr, 0);
+    f.add_int("num_heads", 4, false);
+    check_refused(c, f, {"num_heads"}, finder);
+  }
+  {  // still accepted, and the report cleared: the valid set, with the routing fields the ONNX parser reads
+    Fields f = contract(all_rows, false, nullptr, nullptr, 0);
+    f.add<char>("plugin_namespace", 'a', PluginFieldType::kCHAR);
+    std::unique_ptr<IPluginV3> p(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD));
+    CHECK(p != nullptr && std::string(attncal_trt_last_error()).empty());
+  }
+  setLoggerFinder(nullptr);
+  return first;
 }
 
 // The serialisation round trip and clone of op's plugin, made (build phase) by creator `c` (namespace

@@ -71,6 +71,13 @@ void test_field_parsing() {
                          {"first_mode", 3}, {"last_mode", -1}, {"isolate_first", 2}, {"skip_short", 7}});
   }
   std::printf("field parsing (4 ops): int32/int64/float32/float64 accepted; missing and invalid fields rejected\n");
+  std::string report;
+  for (char const* op : kOps) {
+    const std::string r = check_malformed_refusals(op, contract_fields, /*attention=*/false);
+    if (!std::strcmp(op, "AllRowsCalibration")) report = r;
+  }
+  std::printf("malformed fields (4 ops): missing strength with a stray or duplicated field, misspelt, ill-typed "
+              "and foreign fields refused, naming the field; e.g. \"%s\"\n", report.c_str());
 }
 
 IPluginV3* make(char const* op, char const* override_name = nullptr, double override_value = 0) {
