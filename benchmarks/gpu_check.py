@@ -483,7 +483,7 @@ def split_long_context(batch: int = 8, seq: int = 8192, rounds: int = 3) -> dict
     return out
 
 
-# ------------------------------------------------------------------ calibrated attention (issue 20)
+# ------------------------------------------------------------------ calibrated attention
 # Tolerances against the float64 oracle, beyond the float32 rounding of the scores themselves (added per
 # case, `score_bound`): float32 is computed in float32 throughout (1e-6, as every float32 op here).  The
 # 16-bit tiled kernel multiplies P rounded to the input type by V on the tensor cores, as FlashAttention
@@ -848,7 +848,7 @@ def attention_bench(lib, B: int = 8, S: int = 8192, N: int = 12, D: int = 64, it
     token isolated with its original share, one calibrated row per item and head), all keys valid; and, for
     information, AllRows with half the batch padded by a quarter.  Peak memory is what each call allocates
     (torch.cuda.max_memory_allocated over the call, minus what was allocated before it), the kernel's output
-    and workspace allocated by torch inside the call.  Targets (issue 20): latency <= 1.15x, memory <= 1.05x."""
+    and workspace allocated by torch inside the call.  Targets (docs/native-kernels.md): latency <= 1.15x, memory <= 1.05x."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel

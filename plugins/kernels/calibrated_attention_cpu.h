@@ -58,9 +58,9 @@ inline void widen_block(const uint16_t* x, int64_t rows, int64_t cols, int64_t l
 
 class AttentionPlan {
  public:
-  // The scores block of a unit: 1 MiB, half the per-core L2 (2 MiB) of the AVX-512 VM where it measured 11 %
-  // faster than 256 KiB at 8 x 2048 (more rows per GEMM).  On a Zen 3 core (512 KiB of L2) 256 KiB and 128 KiB
-  // blocks could not be told apart from it (docs/native-kernels.md, AVX2-only CPUs).
+  // The scores block of a unit: 1 MiB, about half the per-core L2 of a server core, so that a unit takes more
+  // rows per GEMM while its scores stay in L2; on cores with a smaller L2 smaller blocks gained nothing
+  // (the measurements: see docs/native-kernels.md).
   static constexpr int64_t kBlockBytes = 1024 * 1024;
   static constexpr int64_t kMaxRows = 256;
 

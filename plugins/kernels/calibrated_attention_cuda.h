@@ -1,6 +1,6 @@
 /* Host-callable C ABI of the CUDA calibrated-attention kernels:
  * ai.attncal::PooledRowCalibratedAttention and ai.attncal::AllRowsCalibratedAttention
- * (attncal/graphs/contract.py, "Calibrated attention (issue 20)"; float64 spec:
+ * (attncal/graphs/contract.py, "Calibrated attention"; float64 spec:
  * attncal.calibration.oracle.attention_reference).  Used by the ORT CUDA kernels
  * (plugins/ort/cuda_ops.cc), the TensorRT plugin
  * (plugins/tensorrt/attncal_trt_attention_plugin.cpp) and, through ctypes,

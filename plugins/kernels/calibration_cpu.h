@@ -173,7 +173,7 @@ inline Scratch& thread_scratch() {
 // ---------------------------------------------------------------- row math
 // The row reductions run in 8 independent lanes, in a fixed order (so results do not depend on
 // the thread count), as a GCC/Clang vector: written as loops over a float[8], GCC 12 keeps them
-// scalar (one vaddss / vmaxss per key, measured 3-4x slower than the vector form); the arithmetic
+// scalar (one vaddss / vmaxss per key; the timings are in docs/native-kernels.md); the arithmetic
 // per lane is the same either way.
 #if !defined(__GNUC__)
 #error "attncal's CPU kernels need GCC or Clang (vector extensions)"
@@ -238,7 +238,8 @@ inline float nonfinite_probe(const float* x, int64_t n) {
 
 // The row routines below are ATTNCAL_CLONES themselves, not only their innermost loops: the 8-lane sums
 // (sum_lanes and its kin) are inlined into their caller and compiled for its target, and for baseline x86-64
-// GCC lowers a 32-byte vector to two SSE halves kept on the stack (0.55 ns a key against 0.11 with AVX2).
+// GCC lowers a 32-byte vector to two SSE halves kept on the stack, which costs several times the AVX2 form
+// (see docs/native-kernels.md).
 
 // Per-thread room for n basket masses and multipliers.
 inline void ensure_baskets(Scratch& sc, int64_t n) {
@@ -386,12 +387,11 @@ __attribute__((always_inline)) inline void exp_shifted_row_lanes8(const float* x
 
 // exp(x - m) over a row, one body per instruction set, picked at load time.  GCC 12 vectorises the scalar
 // loop for AVX-512 (16 lanes, masks for the tail), but not for AVX2 or baseline x86-64 ("control flow in
-// loop": it does not if-convert the exp's selects without masks), so those run the 8-lane form: on a Zen 3
-// core (AVX2 only) the scalar loop was ~10 % of MiniLM's time at 8 x 256 in the native graph.  (A 16-lane
-// form, two ymm registers a step, ran the whole model 8-17 % slower there.)  The AVX2 version also asks for FMA,
-// which AVX2 does not imply (a target_clones "avx2" clone has none): with fused multiply-adds its polynomial
-// ran ~30 % faster on Zen 3 (0.66-0.82 against 0.98-1.14 ns a key).  A CPU with AVX2 and no FMA runs the
-// baseline version.
+// loop": it does not if-convert the exp's selects without masks), so those run the 8-lane form, one ymm
+// register a step (a 16-lane form, two registers a step, was slower on an AVX2-only core).  The AVX2 version
+// also asks for FMA, which AVX2 does not imply (a target_clones "avx2" clone has none): fused multiply-adds
+// shorten the polynomial's dependency chain.  A CPU with AVX2 and no FMA runs the baseline version.  The
+// measurements behind these choices: see docs/native-kernels.md.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
 __attribute__((target("avx512f"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);

@@ -2,11 +2,11 @@
 // projected calibrated-attention op (plugins/ort/attncal_ort.cc), whose weight is a constant initializer.
 //
 // Why not the GEMM library of gemm_cpu.h: cblas_sgemm repacks its B operand (here the whole [K, 3*hidden]
-// weight, 1.7 MB for MiniLM) on every call, and OpenBLAS has no pack-once API (its cblas.h declares no
-// sgemm_pack).  At a one-text request (M = 70) the repacking (sgemm_itcopy) took a third of the GEMM's
-// time in perf; ONNX Runtime's own Attention prepacks its weight (MLAS), and the calibrated op ran 1.2-1.3x
-// its time.  Packed once, the weight is read in panels laid out for the micro-kernel below.  The op uses it
-// below 256 rows only, where it wins at the model level (docs/native-kernels.md has the comparison).
+// weight) on every call, and OpenBLAS has no pack-once API (its cblas.h declares no sgemm_pack).  At a
+// one-text request the repacking is a large share of the GEMM's time, while ONNX Runtime's own Attention
+// prepacks its weight (MLAS).  Packed once, the weight is read in panels laid out for the micro-kernel
+// below.  The op uses it below 256 rows only, where it wins at the model level (see docs/native-kernels.md
+// for the comparison).
 //
 // Layout: panels of kNr columns (32 with AVX-512, 16 with AVX2), each [K][kNr], zero-padded past N.
 // The micro-kernel keeps an MR x kNr block of Y in registers (8 x 2 zmm or 6 x 2 ymm accumulators) and
@@ -131,9 +131,9 @@ inline __attribute__((always_inline)) void Tail(int64_t r, int64_t K, const floa
 }
 
 // Rows in blocks of kRowBlock, k in blocks of kKBlock: a panel's block of k (192 x 32 floats, 24 KiB) stays in
-// the 48 KiB L1 while every row group of the row block passes over it.  Blocking k took the kernel from ~140 to
-// ~170 GFLOP/s on one core at 256 rows and more (docs/native-kernels.md); 256-row blocks measured a little
-// faster than 96-row ones.
+// the 48 KiB L1 while every row group of the row block passes over it, so each panel block is loaded from L2
+// once per row block rather than once per row group (the measurements, and the choice of 256-row blocks:
+// see docs/native-kernels.md).
 template <typename V, int MR, int NV>
 inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M, const float* x, int64_t ldx,
                                                const float* bias, int64_t p0, int64_t p1, float* y, int64_t ldy) {

@@ -430,13 +430,12 @@ OrtStatusPtr ORT_API_CALL InferProjectedContext(const OrtCustomOp*, OrtShapeInfe
   return attncal_ort::SetContextShape(ctx, x.info, out_dims, names);
 }
 
-// One tile of qkv = input * weight + bias.  Tiles of up to 256 rows (256 measured ~1 % faster than 64 at
-// 8 x 512 on MiniLM) and, where that gives fewer than kMinTiles tiles, the columns split as well, so that a
-// one-text request still spreads over the pool.  With the packed weight (packed_gemm_cpu.h; below 256 rows,
-// see PackedFor) a tile is whole panels of it, and 12 tiles (3 of MiniLM's 36 panels each: even shares for 2,
-// 3, 4 or 6 threads) ran a one-text request's projection 12 % faster than 8 uneven ones at 2 threads.
+// One tile of qkv = input * weight + bias.  Tiles of up to 256 rows and, where that gives fewer than
+// kMinTiles tiles, the columns split as well, so that a one-text request still spreads over the pool.  With
+// the packed weight (packed_gemm_cpu.h; below 256 rows, see PackedFor) a tile is whole panels of it, and 12
+// tiles, because 12 divides evenly among 2, 3, 4 or 6 threads (uneven shares leave threads idle at the end).
 // Otherwise cblas_sgemm, which packs its share of the weight on every call (split by columns, each tile packs
-// only its slice; 8 tiles).  Tiles depend only on the shapes, and every element is one fixed sum over the
+// only its slice; 8 tiles).  The measurements behind these sizes: see docs/native-kernels.md.  Tiles depend only on the shapes, and every element is one fixed sum over the
 // input's row: results do not depend on the thread count.
 struct ProjectionJob {
   static constexpr int64_t kMaxRows = 256, kMinTiles = 8, kMinPackedTiles = 12;
@@ -503,10 +502,9 @@ struct CpuCalibratedProjectedAttention {
   }
 
   // The packed weight for this call, or null: only below one row tile, where cblas_sgemm's repacking of the
-  // weight, paid once per column tile, is what the projection costs (this op at 2 threads, time against
-  // cblas_sgemm: 0.74 at one ~70-token text, 0.87 at 1 x 200).  From one full tile on the op alone gained
-  // 0-5 %, but the whole MiniLM at 8 x 256 ran 1.014-1.021 of ort-opt against 1.002-1.005 with cblas_sgemm
-  // (docs/native-kernels.md), so OpenBLAS keeps the batches.
+  // weight, paid once per column tile, is what the projection costs.  From one full tile on, the packed
+  // kernel gains little on the op and loses at the model level, so OpenBLAS keeps the batches (the
+  // measurements: see docs/native-kernels.md).
   const attncal::PackedWeight* PackedFor(int64_t rows, const float* weight, int64_t hidden_in, int64_t cols) {
     if (!weight_is_constant || rows >= ProjectionJob::kMaxRows) return nullptr;
     std::call_once(pack_once, [&] {
