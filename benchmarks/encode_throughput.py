@@ -1,8 +1,8 @@
 """Throughput and peak memory of `attncal encode` against a bare `Encoder.encode` loop.
 
-    attncal export default -o /tmp/minilm
-    python benchmarks/encode_throughput.py /tmp/minilm --n 20000 --small 2000 --window 1024 [--engines bare,local,ray]
-                                            [--triton-repo /tmp/repo] [--rounds 1] [--json out.json]
+    attncal export default -o minilm
+    python benchmarks/encode_throughput.py minilm --n 20000 --small 2000 --window 1024 [--engines bare,local,ray]
+                                            [--triton-repo repo] [--rounds 1] [--json out.json]
 
 Every measurement runs in a fresh subprocess (so its peak RSS, read from
 getrusage of the process and its children, is its own), end to end: the bare

@@ -1,13 +1,13 @@
 """A/B of builds of the native library: the same native graph run with each build, interleaved in one process.
 
-Why: a kernel change moves the model by a few per cent, and this project's VMs drift by as much between two
+Why: a kernel change moves the model by a few per cent, and a shared VM drifts by as much between two
 `attncal bench` runs.  Here each build's session runs the same inputs in turn (the order rotating every
 round, so no build always runs first or right after another), medians are taken per build, and an optional
 uncalibrated graph (`--baseline`, run without any library) gives the ratio users see.  The builds must give
 the same embeddings (max |Δ| is printed; a kernel change that moves them is not a speed change).
 
-    # the current build against one made from an older commit (oplib.build_library('/tmp/old'))
-    python benchmarks/library_ab.py minilm-cal --lib old=/tmp/old/libattncal_ort.so \\
+    # the current build against one made from an older commit (oplib.build_library('old-build'))
+    python benchmarks/library_ab.py minilm-cal --lib old=old-build/libattncal_ort.so \\
         --lib new=build/plugins/libattncal_ort.so --baseline minilm-raw/onnx/model_optimized.onnx \\
         --seq 128,256,512 --batch 8 --repeats 10 --threads 2
 """

@@ -43,9 +43,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 # pytest-xdist's `--dist loadfile` hands each worker whole files, in collection order when `make test` passes
 # `--no-loadscope-reorder` (by default it sorts files by their number of tests, which put the one-test wheel
-# build, the longest file, last: one worker ran it alone for four minutes while the other idled).  The files
-# that took longest in `--durations` (2-core Zen 3 VM, 2026-12-01: 508, 315, 281, 249, 156, 145, 131 s)
-# go first, the longest first, so that the short files fill in around them.
+# build, the longest file, last, where one worker runs it alone while the other idles).  The files that take
+# longest in `--durations` go first, the longest first, so that the short files fill in around them
+# (docs/development.md, "Tests and CI").
 LONGEST_FILES_FIRST = ("test_export.py", "test_split_placement.py", "test_wheel.py", "test_row_placement.py",
                        "test_encode_corpus.py", "test_serving_architectures.py", "test_calibration_math.py")
 

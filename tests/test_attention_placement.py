@@ -1,4 +1,4 @@
-"""Attention placement (issue 20): each calibrated layer's fused attention on the ORT-optimized graph
+"""Attention placement: each calibrated layer's fused attention on the ORT-optimized graph
 becomes Q/K/V projections plus one calibrated attention op; `auto` writes that graph beside the split
 graph, and the runtime picks it where the native library is loaded, the split graph elsewhere.
 

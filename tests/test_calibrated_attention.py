@@ -1,4 +1,4 @@
-"""The calibrated attention ops (PooledRowCalibratedAttention, AllRowsCalibratedAttention; issue 20):
+"""The calibrated attention ops (PooledRowCalibratedAttention, AllRowsCalibratedAttention):
 their contract and standard-ONNX function body, run by ONNX Runtime on the CPU, against the float64
 oracle composed with the attention math (`attncal.calibration.oracle.attention_reference`: the
 calibration oracle applied to the softmax of scale·Q·Kᵀ plus the additive mask, times V).

@@ -1,4 +1,4 @@
-"""A quiet, truthful console (issue 19): `attncal export` and `attncal check` print only attncal's own
+"""A quiet, truthful console: `attncal export` and `attncal check` print only attncal's own
 lines; the warnings and messages of torch, transformers and ONNX Runtime go to OUT/attncal-export.log
 and, with --verbose, to the console as they come.
 

@@ -67,7 +67,7 @@ def test_export_head_matches_pool_and_normalize():
 
 @pytest.mark.parametrize("calibrate", [False, True])
 def test_portable_dynamo_graph_gets_ort_load_time_fusions(tiny_bert, tmp_path, calibrate):
-    """Issue 20 item 5: the dynamo export's GELU is reordered into the pattern ONNX Runtime's GeluFusion
+    """The dynamo export's GELU is reordered into the pattern ONNX Runtime's GeluFusion
     matches (so BiasGelu forms at load), and intermediate shapes are dropped (so ORT does not form
     SkipLayerNormalization, slower on its CPU than Add + Add + LayerNormalization, and keeps its buffer
     reuse as on an optimum / TorchScript export).  Values unchanged: parity at export."""

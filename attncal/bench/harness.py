@@ -9,10 +9,9 @@ Method (so that every ratio comes from one run on one machine state):
   batches, minus the RSS before them.  This is the working memory of inference
   (allocator arenas included), independent of how much the model weights take.
   One process is not enough: where the allocators place their blocks differs from
-  process to process, and the same engine and shape then peaks in distinct modes
-  (MiniLM, `ort-opt` at 8 x 128 in ten processes: 38.7 MiB seven times, 36.5 and
-  35.7 once each; the native graph 40.0 nine times, 42.5 once; a single pair of
-  probes gave ratios 1.03 to 1.12).  So each (engine, shape) is probed in
+  process to process, and the same engine and shape then peaks in one of a few
+  modes, so a single pair of probes can mislead (measured: docs/performance-log.md,
+  "Peak memory: one process is not enough").  So each (engine, shape) is probed in
   `memory_probes` processes, the engines interleaved, and the median is reported
   with every probe kept in the results.
 """

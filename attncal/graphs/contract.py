@@ -52,7 +52,7 @@ ONNX Runtime's MultiHeadAttention and torch's scaled_dot_product_attention
 differ by backend, so "the graph it replaces" does not decide it by itself.
 The calibrated attention ops below state theirs.
 
-Calibrated attention (issue 20): `PooledRowCalibratedAttention` and
+Calibrated attention: `PooledRowCalibratedAttention` and
 `AllRowsCalibratedAttention`, the whole attention of one layer with the
 calibration of `PooledRowCalibration` / `AllRowsCalibration` inside.  The
 attention placement (`attncal.graphs.attention_placement`) writes them into the

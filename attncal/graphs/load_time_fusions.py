@@ -1,7 +1,7 @@
 """Rewrites of the portable graph that let ONNX Runtime apply, at load time, the fusions it applies to
-optimum's and TorchScript exports of the same model (issue 20, item 5).  Values are unchanged; the
+optimum's and TorchScript exports of the same model.  Values are unchanged; the
 graph stays standard ONNX.  The exporter runs both after the placement, before saving
-`onnx/model.onnx` (docs/cli.md, "What `attncal export` writes")."""
+`onnx/model.onnx` (docs/cli.md, "The exporter")."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def drop_intermediate_shapes(model) -> int:
       + LayerNormalization into SkipLayerNormalization, whose CPU kernel is slower than the three ops;
     - the allocation planner, now able to prove sizes equal, reuses buffers in a way that makes the
       attention's Transposes and the scores' FusedMatMul slower (not so with enable_mem_reuse off).
-    Runs after the placements (they read ranks); annotate_for_inplace labels the calibration op's input
+    Runs after the placements (they read ranks); the exporter's in-place annotation (inplace_shapes) labels the calibration op's input
     again afterwards, so the native op still runs in place."""
     count = 0
     for node in model.graph:

@@ -4,18 +4,18 @@ Each placement is one module with the same entry point, `place(model, config, nu
 (see `placement_base`); the exporter looks one up here and calls it, for the portable graph and,
 where ONNX Runtime's transformer optimizer applies, for the optimized graph.
 
-`auto` (the default) follows what `attncal bench` measured on this project's machine
-(docs/placements.md; the figures are in docs/benchmarks.md):
+`auto` (the default) follows what `attncal bench` measured (docs/placements.md; the figures are on
+docs/performance.md and docs/performance-log.md):
 * cls / last pooling -> `row`: one row is recomputed beside the attention; every fused attention
-  node is kept and calibration costs 0-2 % over the uncalibrated optimized graph.
+  node is kept, so calibration costs little over the uncalibrated optimized graph.
 * mean pooling -> `split` on the optimized graph: every row is calibrated, so the probabilities
   would otherwise be materialised; the split identity keeps fused attention (about the memory of the
   uncalibrated optimized graph) at the price of one more attention pass over the keys per
   calibrated layer.  On the portable graph, mean pooling gets `fused-softmax`: the calibrated
   layers' Softmax becomes one op computing softmax and calibration in one pass over each row (the
   native kernel; elsewhere its function body, which is the softmax placement's graph).  ONNX
-  Runtime does not fuse the plain split graph's basket attention, which then costs 1.3-1.7x the
-  latency and 1.6-2x the memory (`ort-split` vs `ort-cal`); `--placement split` writes it for
+  Runtime does not fuse the plain split graph's basket attention, which then costs more latency and
+  memory than the softmax placements (`ort-split` vs `ort-cal`); `--placement split` writes it for
   runtimes that fuse attention themselves (TensorRT).  A mean-pooling config with an `original`
   isolated token cannot be split on fused attention and uses the softmax placements in both graphs.
 * Beside the optimized graph, every calibrated export where that graph applies also gets the

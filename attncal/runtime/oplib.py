@@ -39,7 +39,7 @@ directory holding `NvInferRuntime.h`, its parent (`<dir>/include`), or a root of
 sets `<root>/<version>/include` (laid out as ../shared/third_party/README.md says)."""
 TENSORRT_HEADERS_HELP = (
     f"set {TENSORRT_HEADERS_ENV} to TensorRT's public headers (a folder of <version>/include sets, "
-    "e.g. /tmp/trt-headers/10.5.0/include, fetched from NVIDIA/TensorRT's include/ as "
+    "e.g. trt-headers/10.5.0/include, fetched from NVIDIA/TensorRT's include/ as "
     "../shared/third_party/README.md describes), or pass -DATTNCAL_TENSORRT_INCLUDE_DIR=... to CMake"
 )
 

@@ -9,9 +9,12 @@ For an export and a NAME it writes three models:
   builds with the attncal TensorRT plugin);
 - `NAME`: an ensemble of the two; clients send text, get `sentence_embedding`.
 
-The `python` and `onnxruntime` encoders use the export's
+The `python` and `onnxruntime` encoders on CPU instances serve the export's
+native graph `onnx/model_optimized_native.onnx` where the attncal native op
+library is configured, as `Encoder` picks it; otherwise
 `onnx/model_optimized.onnx` when the export has one (same interface, ORT-only
-fused graph), else `onnx/model.onnx`, and load the attncal native op library
+fused graph), else `onnx/model.onnx`.  The `tensorrt` encoder gets
+`onnx/model.onnx`, from which the user builds the plan.  The library is loaded
 when it is built here (`attncal.runtime.oplib.resolve_library`: off with
 ATTNCAL_NATIVE=0 or `RepoOptions(native=False)`; `custom_op_library` names
 another path).  The Python model falls back to the function body if the
@@ -244,12 +247,12 @@ _TENSORRT_README = """\
 This encoder uses Triton's TensorRT backend; attncal does not build the plan.
 Build it from the ONNX file with the attncal TensorRT plugin, for example:
 
-  trtexec --onnx=model.onnx --saveEngine=1/model.plan --staticPlugins=/path/libattncal_trt.so \\
+  trtexec --onnx=model.onnx --saveEngine=1/model.plan --staticPlugins=/path/libattncal_trt_plugin.so \\
     --minShapes={mins} --optShapes={opts} --maxShapes={maxs}
 
 and start Triton with the plugin loaded:
 
-  tritonserver --model-repository=REPO --backend-config=tensorrt,plugins=/path/libattncal_trt.so
+  tritonserver --model-repository=REPO --backend-config=tensorrt,plugins=/path/libattncal_trt_plugin.so
 
 The tokenizer pads every text to {max_len} tokens, so the plan needs that length.
 """
