@@ -12,7 +12,7 @@ Layout of OUT (sentence-transformers / optimum style):
     config.json, tokenizer.json  the source model's config and tokenizer files, ...
     onnx/model.onnx              the portable graph (standard ONNX)
     onnx/model_optimized.onnx    the ORT-optimized graph (BERT family), optional
-    onnx/model.onnx_data         external weights, only above 2 GiB
+    onnx/<graph>.onnx_data       a graph's weights, beside it, only above 2 GiB (`model.onnx_data`, ...)
 
 Format versions: 1 (the first exports) and 2 (adds `files`, the model files a
 loader needs, and an `attncal.digest` in each graph's ONNX metadata).  The
@@ -28,6 +28,7 @@ from them (the calibration config, to validate the stored one, is below it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,6 +55,9 @@ FORMAT_VERSION = 2
 SUPPORTED_FORMATS = (1, 2)
 DIGEST_KEY = "attncal.digest"
 TWO_GIB = 2 * 1024**3
+# Tensor bytes from which a graph is written with external data (protobuf cannot hold a 2 GiB message; the
+# margin is for the graph structure itself).
+INLINE_LIMIT = TWO_GIB - 64 * 1024**2
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 REQUIRED_INPUTS = ("input_ids", "attention_mask")
 OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
@@ -175,7 +179,7 @@ def commit_dir(tmp: Path, out: Path) -> None:
 
 # transformers config keys under their per-architecture names (DistilBERT's dim / n_heads, T5's d_model / num_heads).
 _CONFIG_ALIASES = {"hidden_size": ("hidden_size", "dim", "d_model"),
-                   "num_attention_heads": ("num_attention_heads", "n_heads", "num_heads")}
+                   "num_attention_heads": ("num_attention_heads", "n_heads", "num_heads", "n_head")}
 
 
 def config_int(export_dir: Path, key: str) -> int:
@@ -204,6 +208,7 @@ _OPTIONAL: dict[str, tuple[type, ...]] = {
     "graphs": (dict,), "op_type": (str, _NONE), "op_attributes": (dict, _NONE), "fp16": (bool,),
     "parity": (dict, _NONE), "normalize": (bool,), "versions": (dict,), "files": (list,),
     "architecture": (str,), "tested": (bool,), "optimizer": (str, _NONE), "quantization": (dict, _NONE),
+    "export_steps": (list,), "memory_estimate": (dict,),
 }
 
 
@@ -378,22 +383,222 @@ def save_onnx_proto(model, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-def save_onnx(model, path: str | os.PathLike) -> None:
-    """Save an onnx_ir model with its digest: one file below 2 GiB, else with `model.onnx_data` beside it."""
+def external_data_name(graph_file: str | os.PathLike) -> str:
+    """The external-data file of a graph: `model.onnx` -> `model.onnx_data` (optimum's name), one per graph,
+    so the graphs of one export never share (or overwrite) each other's weights."""
+    return Path(graph_file).name + "_data"
+
+
+def stage_onnx(model, path: str | os.PathLike) -> Path:
+    """Save an onnx_ir model as a working copy: every tensor above 1 KiB in `<name>_data` beside it.
+
+    onnx_ir streams the tensors to the data file (external tensors of the source are read from their
+    memory map one at a time), so staging costs no copy of the weights; the graph file itself is small, and
+    whatever reads it next (`onnx.load(..., load_external_data=False)`) parses the structure only."""
     import onnx_ir as ir
 
     path = Path(path)
-    size = sum(
-        int(v.const_value.nbytes) for v in model.graph.initializers.values() if v.const_value is not None
-    )
     path.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, path, external_data=external_data_name(path), size_threshold_bytes=1024)
+    return path
+
+
+def save_structure(proto, path: str | os.PathLike) -> None:
+    """Rewrite a staged graph file from its structure-only proto (its tensors stay in their data file)."""
+    import onnx
+
+    path = Path(path)
     tmp = path.with_name(path.name + ".saving")
-    if size >= TWO_GIB - 64 * 1024**2:
-        ir.save(model, tmp, external_data=EXTERNAL_DATA_FILE)
-    else:
-        ir.save(ir.external_data.load_to_model(model), tmp)  # one self-contained file
-    stamp_onnx(tmp)
+    onnx.save(proto, str(tmp))
     os.replace(tmp, path)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field(tag: int, payload_len: int) -> bytes:
+    """A length-delimited protobuf field header (wire type 2) of field number `tag`."""
+    return _varint(tag << 3 | 2) + _varint(payload_len)
+
+
+# ModelProto.graph = 7, ModelProto.metadata_props = 14, GraphProto.initializer = 5, TensorProto.raw_data = 9.
+_MODEL_GRAPH, _MODEL_PROPS, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 14, 5, 9
+_CHUNK = 64 * 1024**2
+
+
+def _external_info(tensor) -> tuple[str, int, int]:
+    info = {e.key: e.value for e in tensor.external_data}
+    return info["location"], int(info.get("offset", 0)), int(info["length"])
+
+
+def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike) -> str:
+    """Write the export's graph file from `proto` (a ModelProto whose large tensors are external, under
+    `base_dir`), with its `attncal.digest`, atomically; returns the digest.
+
+    Below 2 GiB of tensors the file is self-contained, as every ONNX loader expects of a small model; above,
+    the tensors go to `<name>_data` beside it (`external_data_name`).  Either way the weights are streamed
+    (64 MiB at a time) and never held in memory: the self-contained file is written as protobuf fragments
+    that a parser merges (a ModelProto holding the graph without its initializers, then one ModelProto per
+    initializer, whose repeated `graph.initializer` entries append in order, then the digest's metadata
+    entry), and the digest is computed over the same bytes as they are written, in `graph_digest`'s order."""
+    import onnx
+
+    base_dir, path = Path(base_dir), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    inits = list(proto.graph.initializer)
+    total = sum(_external_info(t)[2] if t.data_location == onnx.TensorProto.EXTERNAL else t.ByteSize() for t in inits)
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(proto)
+    del skeleton.graph.initializer[:]
+    props = [p for p in skeleton.metadata_props if p.key != DIGEST_KEY]
+    del skeleton.metadata_props[:]
+    skeleton.metadata_props.extend(props)
+    h = hashlib.sha256()
+
+    def add(b: bytes) -> None:
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+
+    g = skeleton.graph
+    for text in (str(skeleton.ir_version), skeleton.producer_name, skeleton.producer_version, skeleton.domain,
+                 str(skeleton.model_version), g.name):
+        add(text.encode("utf-8", "surrogatepass"))
+    for seq in (skeleton.opset_import, props, skeleton.functions, skeleton.training_info, g.input, g.output):
+        for item in seq:
+            add(item.SerializeToString(deterministic=True))
+        h.update(b"|")
+    tmp = path.with_name(path.name + ".writing")
+    data_name = external_data_name(path)
+    data_tmp = path.with_name(data_name + ".writing")
+    external = total >= INLINE_LIMIT
+    try:
+        with open(tmp, "wb") as f, (open(data_tmp, "wb") if external else contextlib.nullcontext()) as data:
+            if external:
+                out_inits = []
+                for t in inits:
+                    t2 = onnx.TensorProto()
+                    t2.CopyFrom(t)
+                    if t.data_location == onnx.TensorProto.EXTERNAL:
+                        loc, off, length = _external_info(t)
+                        offset = data.tell()
+                        _copy_range(base_dir / loc, off, length, data.write)
+                        del t2.external_data[:]
+                        for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                            t2.external_data.add(key=k, value=v)
+                    out_inits.append(t2)
+                    add(t2.SerializeToString(deterministic=True))
+                skeleton.graph.initializer.extend(out_inits)
+                h.update(b"|")
+                _finish_digest(add, h, g)
+                digest = "sha256:" + h.hexdigest()
+                skeleton.metadata_props.add(key=DIGEST_KEY, value=digest)
+                f.write(skeleton.SerializeToString())
+            else:
+                f.write(skeleton.SerializeToString())
+                for t in inits:
+                    _write_inline_initializer(t, base_dir, f, h)
+                h.update(b"|")
+                _finish_digest(add, h, g)
+                digest = "sha256:" + h.hexdigest()
+                entry = onnx.StringStringEntryProto(key=DIGEST_KEY, value=digest).SerializeToString()
+                f.write(_field(_MODEL_PROPS, len(entry)) + entry)
+        if external:
+            os.replace(data_tmp, path.with_name(data_name))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        data_tmp.unlink(missing_ok=True)
+    if not external:
+        path.with_name(data_name).unlink(missing_ok=True)
+    return digest
+
+
+def _finish_digest(add, h, g) -> None:
+    for seq in (g.sparse_initializer, g.node, g.value_info, g.quantization_annotation):
+        for item in seq:
+            add(item.SerializeToString(deterministic=True))
+        h.update(b"|")
+
+
+def _copy_range(src: Path, offset: int, length: int, sink) -> None:
+    with open(src, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            chunk = f.read(min(_CHUNK, left))
+            if not chunk:
+                raise ArtifactError(src, f"ends before offset {offset} + {length} (truncated external data)")
+            sink(chunk)
+            left -= len(chunk)
+
+
+def _write_inline_initializer(t, base_dir: Path, f, h) -> None:
+    """One initializer as a ModelProto fragment, its external bytes moved into `raw_data`, and its canonical
+    serialization hashed as `graph_digest` hashes it (fields 1-8, raw_data, then 10 on: field order)."""
+    import onnx
+
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        b = t.SerializeToString(deterministic=True)
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+        g = _field(_GRAPH_INITIALIZER, len(b)) + b
+        f.write(_field(_MODEL_GRAPH, len(g)) + g)
+        return
+    loc, off, length = _external_info(t)
+    head, tail = onnx.TensorProto(), onnx.TensorProto()
+    head.CopyFrom(t)
+    del head.external_data[:]
+    head.ClearField("data_location")
+    head.ClearField("raw_data")
+    for name in ("double_data", "uint64_data", "doc_string", "metadata_props"):
+        if name == "doc_string":
+            if head.doc_string:
+                tail.doc_string = head.doc_string
+        else:
+            getattr(tail, name).extend(getattr(head, name))
+        head.ClearField(name)
+    hb = head.SerializeToString(deterministic=True)
+    tb = tail.SerializeToString(deterministic=True)
+    raw = _field(_TENSOR_RAW_DATA, length)
+    tensor_len = len(hb) + len(raw) + length + len(tb)
+    g_head = _field(_GRAPH_INITIALIZER, tensor_len)
+    f.write(_field(_MODEL_GRAPH, len(g_head) + tensor_len) + g_head + hb + raw)
+    h.update(tensor_len.to_bytes(8, "little"))
+    h.update(hb + raw)
+
+    def sink(chunk: bytes) -> None:
+        f.write(chunk)
+        h.update(chunk)
+
+    _copy_range(base_dir / loc, off, length, sink)
+    f.write(tb)
+    h.update(tb)
+
+
+def save_onnx(model, path: str | os.PathLike) -> None:
+    """Save an onnx_ir model with its digest: one file below 2 GiB, else with `<name>_data` beside it
+    (staged through a working copy beside `path`, so the weights are streamed, not copied in memory)."""
+    import onnx
+
+    path = Path(path)
+    stage = path.with_name(path.name + ".stage")
+    stage.mkdir(parents=True, exist_ok=True)
+    try:
+        staged = stage_onnx(model, stage / path.name)
+        write_graph_file(onnx.load(str(staged), load_external_data=False), stage, path)
+    finally:
+        import shutil
+
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def load_onnx_checked(

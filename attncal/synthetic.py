@@ -79,20 +79,27 @@ def make_config(
     heads: int = 4,
     intermediate: int | None = None,
     max_positions: int = 256,
+    vocab: int | None = None,
+    head_dim: int | None = None,
 ):
-    """A transformers config for a small model of `arch` with eager attention."""
+    """A transformers config for a model of `arch` with eager attention: small by default; `vocab` (the
+    embedding table's rows; the synthetic tokenizer uses the first `vocab_size()`) and `head_dim` (Qwen3's and
+    Gemma3's, which need not be hidden / heads) let benchmarks build deployed models' real sizes."""
     from transformers import (BertConfig, DistilBertConfig, Gemma3TextConfig, ModernBertConfig, MPNetConfig,
                               Qwen3Config, RobertaConfig, T5Config, XLMRobertaConfig)
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
     v = _vocab()
+    if vocab is not None and vocab < vocab_size():
+        raise ValueError(f"vocab must be >= {vocab_size()} (the synthetic tokenizer's ids), got {vocab}")
+    rows = vocab or vocab_size()
     common = dict(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=intermediate or 2 * hidden,
-        vocab_size=vocab_size(),
+        vocab_size=rows,
         pad_token_id=v["[PAD]"],
     )
     if arch == "bert":
@@ -102,13 +109,13 @@ def make_config(
         cls = {"xlm-roberta": XLMRobertaConfig, "roberta": RobertaConfig, "mpnet": MPNetConfig}[arch]
         cfg = cls(**common, max_position_embeddings=max_positions + common["pad_token_id"] + 2)
     elif arch == "distilbert":
-        cfg = DistilBertConfig(vocab_size=vocab_size(), dim=hidden, n_layers=layers, n_heads=heads,
+        cfg = DistilBertConfig(vocab_size=rows, dim=hidden, n_layers=layers, n_heads=heads,
                                hidden_dim=intermediate or 2 * hidden, max_position_embeddings=max_positions,
                                pad_token_id=v["[PAD]"])
     elif arch == "t5":
         # The T5 encoder as sentence-t5 / GTR use it: relative position bias (few buckets, so a tiny model's
         # bias varies across the test lengths), no score scaling, gated-GELU feed-forward.
-        cfg = T5Config(vocab_size=vocab_size(), d_model=hidden, d_kv=hidden // heads, d_ff=intermediate or 2 * hidden,
+        cfg = T5Config(vocab_size=rows, d_model=hidden, d_kv=hidden // heads, d_ff=intermediate or 2 * hidden,
                        num_layers=layers, num_heads=heads, relative_attention_num_buckets=8,
                        relative_attention_max_distance=64, feed_forward_proj="gated-gelu", pad_token_id=v["[PAD]"],
                        eos_token_id=v["[EOS]"], use_cache=False,
@@ -116,7 +123,7 @@ def make_config(
     elif arch == "gemma3_text":
         # EmbeddingGemma: bidirectional attention, alternating sliding-window and global layers, GQA.
         cfg = Gemma3TextConfig(
-            **common, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
+            **common, num_key_value_heads=max(1, heads // 2), head_dim=head_dim or hidden // heads,
             max_position_embeddings=max_positions, sliding_window=24, query_pre_attn_scalar=hidden // heads,
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
             use_bidirectional_attention=True, bos_token_id=v["[CLS]"], eos_token_id=v["[EOS]"], use_cache=False,
@@ -126,7 +133,7 @@ def make_config(
         cfg = Qwen3Config(
             **common,
             num_key_value_heads=kv,
-            head_dim=hidden // heads,
+            head_dim=head_dim or hidden // heads,
             max_position_embeddings=max_positions,
             eos_token_id=v["[EOS]"],
             bos_token_id=v["[EOS]"],

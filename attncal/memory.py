@@ -1,0 +1,153 @@
+"""Memory on Linux: what is available to this process, and the resident size of a process tree over time.
+
+The exporter refuses a job that cannot fit before it starts (`available_bytes`), and the tests and
+benchmarks that hold the export to a per-step budget sample the resident set of the export process and
+all its children together (`TreeSampler`), because a step that runs in a child process counts as much
+as one that runs in the parent.  Only the standard library: every layer may import this module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MIB = 1024 ** 2
+GIB = 1024 ** 3
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under this process's cgroup (v2 `memory.max`, or v1 `memory.limit_in_bytes`), if limited."""
+    try:
+        rel = next((ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                    if ln.startswith("0::")), None)
+    except OSError:
+        rel = None
+    candidates = []
+    if rel is not None:
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        candidates.append((base / "memory.max", base / "memory.current"))
+    candidates.append((Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                       Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+    for limit_file, usage_file in candidates:
+        try:
+            limit = limit_file.read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:
+                continue
+            return max(0, int(limit) - int(usage_file.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def available_bytes() -> int | None:
+    """Memory this process can still take without swapping or an OOM kill: the smaller of the kernel's
+    MemAvailable and the room under the cgroup limit.  None where neither can be read (not Linux)."""
+    values = [v for v in (_meminfo_available(), _cgroup_room()) if v is not None]
+    return min(values) if values else None
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc/PID/task/*/children, else a scan of every process's parent)."""
+    kids: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    try:
+        for task in task_dir.iterdir():
+            kids.extend(int(x) for x in (task / "children").read_text().split())
+        return kids
+    except (OSError, ValueError):
+        pass
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return kids
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants."""
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += _rss(p)
+        todo.extend(_children(p))
+    return total
+
+
+class TreeSampler:
+    """Samples the resident size of a process tree in a background thread, keeping the peak per label.
+
+    `mark(label)` starts a new phase (an export step); `peaks` maps each label to the largest tree RSS
+    seen while it was current.  Sampling misses a peak shorter than `interval`, so budgets checked with it
+    are for steps that hold memory for longer than that (weights, graphs), not for short spikes."""
+
+    def __init__(self, pid: int | None = None, interval: float = 0.02) -> None:
+        self.pid = pid if pid is not None else os.getpid()
+        self.interval = interval
+        self.peaks: dict[str, int] = {}
+        self.label = "start"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="attncal-rss-sampler", daemon=True)
+
+    def mark(self, label: str) -> None:
+        self.label = label
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = tree_rss(self.pid)
+            label = self.label
+            if rss > self.peaks.get(label, 0):
+                self.peaks[label] = rss
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "TreeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values(), default=0)
+
+
+def release_freed_memory() -> None:
+    """Return freed heap memory to the operating system (glibc `malloc_trim`) after a step that built and
+    dropped large objects (a torch model, a parsed graph), so the next step, or a child process, has it.
+    Python's collector runs first (reference cycles keep torch modules alive); a no-op off glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
