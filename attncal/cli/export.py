@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Runtime's transformer optimizer fuses every layer's attention)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--skip-check", action="store_true", help="do not run the parity check at export")
+    p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="export even when the estimated peak memory (or disk) exceeds what is available; by default "
+                        "such an export is refused before it starts, with the estimate (docs: Export large models)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,9 +73,13 @@ def run(args: argparse.Namespace) -> int:
         placement=args.placement,
         optimized=args.optimized,
         quantize=args.quantize,
+        memory_check=args.memory_check,
     )
+    from ..export.watch import Watch
+
     try:
-        meta = export(args.model, args.out, opts)
+        with Watch() as watch:  # a kill (out of memory) is reported with its step, and leaves nothing behind
+            meta = export(args.model, args.out, opts, watch=watch)
     except ParityError as exc:
         raise CLIError(f"{exc}; nothing was written", code=1) from None
     except ExportError as exc:

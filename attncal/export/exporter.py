@@ -42,12 +42,16 @@ from ..artifact import (  # noqa: F401  (the layout names are re-exported here f
     commit_dir,
     loader_files,
     save_onnx,
+    save_structure,
+    stage_onnx,
     stamp_onnx,
+    write_graph_file,
     write_metadata,
 )
 from ..calibration.config import CalibrationConfig
+from ..memory import release_freed_memory
 from ..modelinfo import ModelInfo, load_model_info
-from .fp16 import METHOD as FP16_METHOD, convert_to_fp16
+from .fp16 import METHOD as FP16_METHOD, convert_model_to_fp16
 
 EXPORTERS = ("dynamo", "torchscript")
 PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split", "attention",  # attncal.graphs.placements.CHOICES
@@ -79,12 +83,57 @@ class ExportOptions:
     placement: str = "auto"  # one of PLACEMENTS (attncal.graphs.placements)
     optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
     quantize: str | None = None  # "int8": every written graph quantized (attncal.export.quantize)
+    memory_check: bool = True  # refuse before step 1 when the estimate exceeds the memory available (memory_plan)
 
 
 def _log(msg: str, quiet: bool) -> None:
     console.own_line(f"attncal: {msg}")  # context for the export log
     if not quiet:
         print(f"attncal: {msg}", file=sys.stderr, flush=True)
+
+
+class StepMeter:
+    """Wall time and peak resident memory (this process and its children: the optimizer's) of each export step,
+    recorded in `attncal.json` under `export_steps`, so a user sees what an export of this size takes.
+
+    `watch`, where given (the CLI's `attncal.export.watch.Watch`), is told each step and the working directory,
+    so an export killed by the kernel is reported with its step and leaves nothing behind."""
+
+    def __init__(self, watch=None) -> None:
+        from ..memory import TreeSampler
+
+        self.sampler = TreeSampler(interval=0.05)
+        self.watch = watch
+        self.rows: list[dict] = []
+        self._start = time.perf_counter()
+        self._name: str | None = None
+
+    def step(self, name: str) -> None:
+        self._close()
+        self._name, self._start = name, time.perf_counter()
+        self.sampler.mark(name)
+        if self.watch is not None:
+            self.watch.step(name)
+
+    def _close(self) -> None:
+        if self._name is not None:
+            from ..memory import tree_rss
+
+            peak = max(self.sampler.peaks.get(self._name, 0), tree_rss(self.sampler.pid))  # a step shorter than a sample
+            self.rows.append({"step": self._name, "seconds": round(time.perf_counter() - self._start, 2),
+                              "peak_rss_mib": round(peak / 1024**2, 1)})
+            self._name = None
+
+    def __enter__(self) -> "StepMeter":
+        self.sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sampler.__exit__(*exc)
+
+    def report(self) -> list[dict]:
+        self._close()
+        return list(self.rows)
 
 
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
@@ -196,42 +245,78 @@ def torch_export(
     return names
 
 
-def annotate_for_inplace(path: Path) -> int:
-    """Label the calibration op's input shapes in the saved graph so ORT can run the native op in place."""
+_RELEASE_MATCHERS_FROM = 64 * 1024**2  # float32 weight bytes
+
+
+def release_onnxscript_matchers() -> int:
+    """Drop the graph that onnxscript's pattern matchers keep after torch.onnx's dynamo exporter optimized it.
+
+    The rewrite rules are module-level objects, and each `SimplePatternMatcher` keeps the last graph, node and
+    match it saw; that graph's initializers wrap the torch model's parameters, so without this the model's
+    weights stay in memory (memory-mapped from its safetensors) for the rest of the export.  Returns how many
+    matchers held a graph."""
+    import gc
+
+    try:
+        from onnxscript.rewriter import _basics, _matcher
+    except ImportError:  # another onnxscript layout: nothing of ours to release
+        return 0
+    held = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, _matcher.SimplePatternMatcher) and getattr(obj, "_graph", None) is not None:
+            obj._graph = obj._current_node = obj._tracer = None
+            obj._match = _basics.MatchResult()
+            held += 1
+    return held
+
+
+def _weights_on_disk(path: Path) -> Path:
+    """The raw export at `path` with its weights in a data file beside it (TorchScript writes them inline
+    below 2 GiB): every later pass loads it lazily (memory-mapped) instead of parsing the weights."""
+    import onnx
+    import onnx_ir as ir
+
+    if any(t.data_location == onnx.TensorProto.EXTERNAL
+           for t in onnx.load(str(path), load_external_data=False).graph.initializer):
+        return path  # already (the dynamo exporter's external_data=True)
+    model = ir.load(path)
+    staged = stage_onnx(model, path.parent / "weights-on-disk" / path.name)
+    del model
+    path.unlink()
+    return staged
+
+
+def _write_graph(model, path: Path, work: Path, *, full_check: bool = False) -> None:
+    """Write a graph of the export once: staged with its weights on disk, annotated for in-place (the
+    calibration op's input shapes), checked, then streamed into `path` with its digest (`write_graph_file`).
+
+    Every pass here reads the staged graph's structure only (`load_external_data=False`), so no step holds a
+    second copy of the weights.  The optimized graphs carry contrib ops: checked without full shape inference."""
     import onnx
 
     from ..graphs.inplace_shapes import annotate_inplace_shapes
 
-    model = onnx.load(str(path), load_external_data=False)
-    n = annotate_inplace_shapes(model)
-    if n:
-        tmp = path.with_name(path.name + ".annotating")
-        onnx.save(model, str(tmp))
-        os.replace(tmp, path)
-    return n
-
-
-def _write_graph(model, path: Path) -> None:
-    """An ORT-optimized graph (contrib ops: checked without full shape inference), annotated for in-place."""
-    import onnx
-
-    save_onnx(model, path)
-    annotate_for_inplace(path)
-    onnx.checker.check_model(str(path), full_check=False)
+    staged = stage_onnx(model, work / path.name)
+    proto = onnx.load(str(staged), load_external_data=False)
+    if annotate_inplace_shapes(proto):
+        save_structure(proto, staged)
+    onnx.checker.check_model(str(staged), full_check=full_check)  # a path: external files found beside it
+    write_graph_file(proto, staged.parent, path)
+    for f in (staged, staged.with_name(staged.name + "_data")):
+        f.unlink(missing_ok=True)
+    del model, proto
+    release_freed_memory()
 
 
 def _to_fp16(model, placement: str | None, quiet: bool):
     """(the optimized graph converted to float16 with its calibration kept float32, the nodes kept float32)."""
-    import onnx_ir as ir
-
     from ..graphs import placements
 
     prefix = placements.get(placement).FLOAT32_NODES if placement else None
     _log("[2/4] converting the ORT-optimized graph to fp16 (ONNX Runtime's converter"
          + (f"; {prefix}* calibration nodes stay fp32)" if prefix else ")"), quiet)
     with console.third_party_output():
-        proto, kept = convert_to_fp16(ir.to_proto(model), prefix)
-    return ir.from_proto(proto), kept
+        return convert_model_to_fp16(model, prefix)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -246,15 +331,22 @@ def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
     return opts.optimized
 
 
-def _ort_optimize(path: Path, info: ModelInfo):
+def _ort_optimize(path: Path, info: ModelInfo, cache: dict):
     """ONNX Runtime's transformer optimizer (attention and layer-norm fusions; its BERT fusions match any
-    encoder whose attention has the BERT shape, from a TorchScript export)."""
-    from onnxruntime.transformers.optimizer import optimize_model
+    encoder whose attention has the BERT shape, from a TorchScript export), lazily loaded: its weights stay
+    in the staged data file (`attncal.export.ort_optimize` runs the optimizer in a child process).  `cache`
+    maps a source graph to its optimized copy, so the optimized and native graphs share one run."""
+    import onnx_ir as ir
+
+    from .ort_optimize import run
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(info.path))
-    return optimize_model(str(path), model_type="bert", num_heads=int(cfg.num_attention_heads),
-                          hidden_size=int(cfg.hidden_size)).model
+    key = str(path)
+    if key not in cache:
+        cfg = AutoConfig.from_pretrained(str(info.path))
+        dst = path.parent / "optimized" / f"{path.stem}.onnx"
+        cache[key] = run(path, dst, int(cfg.num_attention_heads), int(cfg.hidden_size))
+    return ir.load(cache[key])
 
 
 # Attention features (attncal.calibration.patching.attention_features) that ORT's BERT attention fusion
@@ -273,14 +365,10 @@ def _optimizer_fuses(info: ModelInfo, ts_raw: Path, cache: dict) -> tuple[bool, 
     """Did ORT's optimizer fuse every layer's attention of the uncalibrated graph?  (ok, reason).
 
     The optimized graph is written only then: a partly fused graph is neither what ORT users run
-    nor something the fused placements can rewrite.  The optimized proto is kept in `cache`."""
-    import onnx_ir as ir
-
+    nor something the fused placements can rewrite.  The optimized graph is kept in `cache`."""
     from ..graphs.placement_base import count_fused_attention
 
-    if "proto" not in cache:
-        cache["proto"] = _ort_optimize(ts_raw, info)
-    n = count_fused_attention(ir.from_proto(cache["proto"]))
+    n = count_fused_attention(_ort_optimize(ts_raw, info, cache))
     if n == info.num_layers:
         return True, f"ONNX Runtime's optimizer fused attention in all {n} layers"
     return False, (f"ONNX Runtime's transformer optimizer fused attention in {n} of {info.num_layers} layers of "
@@ -290,22 +378,17 @@ def _optimizer_fuses(info: ModelInfo, ts_raw: Path, cache: dict) -> tuple[bool, 
 def _optimized_graph(info: ModelInfo, ts_raw: Path, config: CalibrationConfig | None, placement: str | None,
                      num_layers: int, work: Path, cache: dict):
     """The ORT-optimized graph: optimize then place (row, split, attention: fusions kept), or place then
-    optimize.  `cache` keeps ORT's optimized uncalibrated graph between calls (the native graph is the
-    same optimized graph with another placement)."""
+    optimize.  `cache` keeps ORT's optimized graphs on disk between calls (the native graph is the same
+    optimized graph with another placement)."""
     import onnx_ir as ir
 
     from ..graphs import placements
 
-    def optimized():
-        if "proto" not in cache:
-            cache["proto"] = _ort_optimize(ts_raw, info)
-        return ir.from_proto(cache["proto"])
-
     if config is None:
-        return optimized(), None
+        return _ort_optimize(ts_raw, info, cache), None
     module = placements.get(placement)
     if module.OPTIMIZE_FIRST:
-        model = optimized()
+        model = _ort_optimize(ts_raw, info, cache)
         fused_before = sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type == "Attention")
         result = module.place(model, config, num_layers)
         if result.fused_attention < fused_before:
@@ -313,9 +396,9 @@ def _optimized_graph(info: ModelInfo, ts_raw: Path, config: CalibrationConfig | 
         return model, result
     model = ir.load(ts_raw)
     result = module.place(model, config, num_layers)
-    placed = work / "placed.onnx"
-    save_onnx(model, placed)
-    return ir.from_proto(_ort_optimize(placed, info)), result
+    placed = stage_onnx(model, work / f"placed-{placement}" / "model.onnx")
+    del model
+    return _ort_optimize(placed, info, cache), result
 
 
 def _fusion_note(model, captured: list[str]) -> str | None:
@@ -356,8 +439,9 @@ def export(
     *,
     quiet: bool = False,
     check_fn: Callable | None = None,
+    watch=None,
 ) -> dict:
-    """Export `model` to `out`; returns the `attncal.json` contents."""
+    """Export `model` to `out`; returns the `attncal.json` contents.  `watch`: see `StepMeter`."""
     import onnx
     import onnx_ir as ir
 
@@ -393,6 +477,18 @@ def export(
     info = load_model_info(model)
     out = Path(out).expanduser().resolve()
     prepare_out_dir(out, opts.overwrite)
+    from . import memory_plan
+
+    estimate = memory_plan.estimate(info.path, exporter=opts.exporter, optimized=opts.optimized, check=opts.check,
+                                    fp16=opts.fp16)
+    if opts.memory_check:
+        memory_plan.check_fits(estimate, out.parent, optimized=opts.optimized, check=opts.check)
+    if watch is not None:
+        from ..memory import available_bytes
+
+        avail = available_bytes()
+        watch.note(f"the export was estimated at {estimate.peak / 1024**3:.1f} GiB at its peak"
+                   + (f", with {avail / 1024**3:.1f} GiB available at its start" if avail is not None else ""))
     pooling = info.pooling if opts.config.pooling == "auto" else opts.config.pooling
     config = opts.config.with_pooling(pooling) if opts.calibrate else None
     layers: list[int] = config.layer_indices(info.num_layers) if config is not None else []  # range errors first
@@ -400,12 +496,16 @@ def export(
     t_start = time.perf_counter()
     captured = contextlib.ExitStack()  # third-party chatter -> EXPORT_LOG_FILE (and --verbose), not the console
     capture = captured.enter_context(console.capture_third_party())
+    meter = captured.enter_context(StepMeter(watch))
+    if watch is not None:
+        watch.workdir(tmp)
     try:
         copy_model_files(info, tmp)
         if opts.max_length is not None:
             _set_max_length(tmp, opts.max_length)
         onnx_path = tmp / ONNX_SUBDIR / ONNX_FILE
         raw_path = tmp / ".raw" / ONNX_FILE
+        meter.step("torch export")
         _log(f"[1/4] exporting {info.model_type} ({info.architecture}, {info.num_layers} layers) with the "
              f"{opts.exporter} exporter, opset {opts.opset}", quiet)
         if not info.tested:
@@ -432,9 +532,13 @@ def export(
                 input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16,
                                            model=torch_model)
             del torch_model
+            if opts.exporter == "dynamo" and estimate.weights >= _RELEASE_MATCHERS_FROM:
+                release_onnxscript_matchers()  # a scan of every Python object: worth it where the weights are large
+            release_freed_memory()
         except Exception as exc:  # torch.onnx failures are long; report the cause in one line
             raise ExportError(f"torch.onnx ({opts.exporter}) failed to export {info.model_type}: "
                               f"{type(exc).__name__}: {_first_line(exc)[:300]}") from exc
+        raw_path = _weights_on_disk(raw_path)
         ir_model = ir.load(raw_path)
         result = plan = None
         if config is not None:
@@ -445,20 +549,20 @@ def export(
             if opts.fp16 and plan.portable != "softmax":
                 plan = replace(plan, portable="softmax", reason=plan.reason + "; --fp16: the portable graph takes "
                                "softmax placement (its op computes in float32)")
-            _log(f"[2/4] {plan.portable} placement in layers {layers} ({plan.reason})", quiet)
+            meter.step("portable graph")
+            _log(f"[2/4] portable graph: {plan.portable} placement in layers {layers}", quiet)
             result = placements.get(plan.portable).place(ir_model, config, info.num_layers)
         else:
-            _log("[2/4] no calibration requested", quiet)
+            meter.step("portable graph")
+            _log("[2/4] portable graph, uncalibrated", quiet)
         # ONNX Runtime's load-time fusions and buffer planning as on a TorchScript / optimum export
         # (standard ONNX either way; values unchanged).
         from ..graphs.load_time_fusions import drop_intermediate_shapes, reorder_erf_gelu
 
         reorder_erf_gelu(ir_model)
         drop_intermediate_shapes(ir_model)
-        save_onnx(ir_model, onnx_path)
+        _write_graph(ir_model, onnx_path, tmp / ".raw" / "stage", full_check=True)
         del ir_model
-        annotate_for_inplace(onnx_path)
-        onnx.checker.check_model(str(onnx_path), full_check=True)
         graphs = {f"{ONNX_SUBDIR}/{ONNX_FILE}": {
             "placement": plan.portable if plan else None, "runtime": "any ONNX runtime (standard ONNX"
             + (", model-local function)" if result is not None and result.op_type else ")"),
@@ -473,14 +577,20 @@ def export(
                               f"{OPTIMIZED_GRAPH} is written")
             _log(f"[2/4] {optimizer_note}", quiet)
         elif optimized_graph_applies(info, opts):
-            ts_raw = raw_path
+            meter.step("ORT-optimized graph")
+            _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
+                 + (f" with {plan.optimized} placement" if plan else ""), quiet)
+            ts_raw, ts_root = raw_path, raw_path.parent
             step = "ONNX Runtime's transformer optimizer"
             try:
                 if opts.exporter != "torchscript" or opts.fp16:  # the optimizer works on fp32 (fp16 comes after)
-                    ts_raw = tmp / ".raw-ts" / ONNX_FILE
+                    ts_root = tmp / ".raw-ts"
+                    ts_raw = ts_root / ONNX_FILE
                     step = "the TorchScript export ONNX Runtime's optimizer needs"
                     with console.third_party_output():
                         torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
+                    release_freed_memory()
+                    ts_raw = _weights_on_disk(ts_raw)
                     step = "ONNX Runtime's transformer optimizer"
                 with console.third_party_output():
                     fuses, optimizer_note = _optimizer_fuses(info, ts_raw, cache)
@@ -490,19 +600,17 @@ def export(
             if not fuses:
                 _log(f"[2/4] {optimizer_note}", quiet)
                 cache.clear()
-                shutil.rmtree(ts_raw.parent, ignore_errors=True)
+                shutil.rmtree(ts_root, ignore_errors=True)
         if opts.placement in ("attention", "projected-attention") and config is not None and not fuses:
             raise ExportError(f"--placement {opts.placement} rewrites ONNX Runtime's fused attention: "
                               + (optimizer_note or "this export writes no optimized graph")
                               + "; use --placement auto")
         if fuses:
-            _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
-                 + (f" with {plan.optimized} placement" if plan else ""), quiet)
             from ..graphs.placement_base import count_fused_attention
 
             with console.third_party_output():
                 opt_model, _ = _optimized_graph(info, ts_raw, config, plan.optimized if plan else None,
-                                                info.num_layers, ts_raw.parent, cache)
+                                                info.num_layers, ts_root, cache)
             n_fused = count_fused_attention(opt_model)
             note = _fusion_note(opt_model, capture.lines())
             if note:
@@ -513,29 +621,31 @@ def export(
             if opts.fp16:
                 opt_model, graphs[OPTIMIZED_GRAPH]["float32_nodes"] = _to_fp16(opt_model, plan and plan.optimized,
                                                                                 quiet)
-            _write_graph(opt_model, tmp / OPTIMIZED_GRAPH)
+            _write_graph(opt_model, tmp / OPTIMIZED_GRAPH, ts_root / "stage")
             del opt_model
             if plan is not None and plan.native:
+                meter.step("native graph")
                 _log(f"[2/4] ORT-optimized graph with {plan.native} placement, for the native library "
                      f"({NATIVE_GRAPH})", quiet)
                 with console.third_party_output():
                     native_model, _ = _optimized_graph(info, ts_raw, config, plan.native, info.num_layers,
-                                                       ts_raw.parent, cache)
+                                                       ts_root, cache)
                 graphs[NATIVE_GRAPH] = {
                     "placement": plan.native, "fused_attention": count_fused_attention(native_model),
                     "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library "
                                f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
                 if opts.fp16:
                     native_model, graphs[NATIVE_GRAPH]["float32_nodes"] = _to_fp16(native_model, plan.native, quiet)
-                _write_graph(native_model, tmp / NATIVE_GRAPH)
+                _write_graph(native_model, tmp / NATIVE_GRAPH, ts_root / "stage")
                 del native_model
             cache.clear()
-            shutil.rmtree(ts_raw.parent, ignore_errors=True)
-        shutil.rmtree(raw_path.parent, ignore_errors=True)
+            shutil.rmtree(ts_root, ignore_errors=True)
+        shutil.rmtree(tmp / ".raw", ignore_errors=True)
         quantization = None
         if opts.quantize is not None:
             from .quantize import METHOD, quantize_graph
 
+            meter.step("int8 quantization")
             _log(f"[2/4] quantizing every graph to {opts.quantize} (onnxruntime.quantization.quantize_dynamic, "
                  "per-channel weights; attention core and calibration stay fp32)", quiet)
             counts = {}
@@ -544,8 +654,8 @@ def export(
                     counts[graph_file] = quantize_graph(tmp / graph_file)
                 graphs[graph_file]["quantized_nodes"] = counts[graph_file]
             quantization = {"precision": opts.quantize, "method": METHOD, "per_channel": True}
-        for graph_file in graphs:  # the digest covers the graph as finally written (after annotations)
-            stamp_onnx(tmp / graph_file)
+            for graph_file in graphs:  # the quantized graph's digest (the others carry theirs)
+                stamp_onnx(tmp / graph_file)
         meta = {
             "format": FORMAT_VERSION,
             "calibrated": config is not None,
@@ -577,10 +687,14 @@ def export(
             "files": loader_files(tmp),
             "versions": library_versions(),
             "parity": None,
+            "memory_estimate": {"float32_weights_mib": round(estimate.weights / 1024**2, 1),
+                                "steps_mib": {k: round(v / 1024**2, 1) for k, v in estimate.steps.items()}},
         }
         write_metadata(tmp, meta)
         if opts.check:
+            meter.step("parity check")
             _log("[3/4] checking parity against the PyTorch reference", quiet)
+            release_freed_memory()
             from ..runtime.parity import check_parity
 
             references: dict = {}  # the PyTorch reference, computed once for every graph
@@ -595,6 +709,9 @@ def export(
                     raise ParityError(f"parity check of {graph_file} failed: {report.summary()}")
         else:
             _log("[3/4] parity check skipped (--skip-check)", quiet)
+        meter.step("write")
+        meta["export_steps"] = meter.report()
+        write_metadata(tmp, meta)
         capture.write_log(tmp / EXPORT_LOG_FILE)  # inside the export before the rename: part of it
         commit_dir(tmp, out)
         _log(f"[4/4] wrote {out} in {time.perf_counter() - t_start:.1f} s", quiet)

@@ -10,14 +10,24 @@ cannot type every output of the contrib ops (it says "failed in shape inference"
 values crossing the boundary between float32 and float16 nodes are declared float32 first; without that,
 a calibration MatMul reads a float16 SkipLayerNormalization output next to its float32 weight and ONNX
 Runtime refuses the graph ("bound to different types").
+
+The converter works on a ModelProto and converts the weights it holds; a large model's weights stay on
+disk instead (`convert_model_to_fp16`): the converter sees the structure, with the weights as external
+references whose type it flips, and each flipped weight is converted from its float32 data when the
+graph is saved, one tensor at a time, with the converter's own clipping.
 """
 
 from __future__ import annotations
 
+import sys
+from unittest import mock
+
+import numpy as np
 import onnx
 
 METHOD = ("onnxruntime.transformers OnnxModel.convert_float_to_float16 (keep_io_types: int64 inputs, float32 "
           "outputs; calibration nodes kept float32)")
+_BLOCK = 4 * 1024 * 1024  # elements converted at once
 
 
 def _boundary_values(model: onnx.ModelProto, keep: set[str]) -> set[str]:
@@ -45,3 +55,48 @@ def convert_to_fp16(model: onnx.ModelProto, float32_prefix: str | None) -> tuple
     wrapped.convert_float_to_float16(keep_io_types=True, node_block_list=sorted(keep))
     wrapped.topological_sort()  # the converter appends its Casts at the end of the node list
     return wrapped.model, len(keep)
+
+
+def _to_float16(weights: np.ndarray) -> np.ndarray:
+    """The converter's float32 -> float16 conversion (its clipping of tiny and huge values), a block at a
+    time: elementwise, so the same values, without the converter's full-size float32 temporaries."""
+    from onnxruntime.transformers.float16 import convert_np_to_float16
+
+    flat = weights.reshape(-1)
+    out = np.empty(flat.shape, np.float16)
+    for i in range(0, flat.size, _BLOCK):
+        out[i:i + _BLOCK] = convert_np_to_float16(flat[i:i + _BLOCK])
+    return out.reshape(weights.shape)
+
+
+def _value_info_from_dims(tensor: onnx.TensorProto) -> onnx.ValueInfoProto:
+    return onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+
+
+def convert_model_to_fp16(model, float32_prefix: str | None):
+    """`convert_to_fp16` of an onnx_ir model whose weights are external (memory-mapped): returns (the float16
+    onnx_ir model, the number of nodes kept float32), its converted weights computed lazily when saved."""
+    import onnx_ir as ir
+
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    float16 = sys.modules[OnnxModel.convert_float_to_float16.__globals__["convert_float_to_float16"].__module__]
+    sources = {name: v.const_value for name, v in model.graph.initializers.items()
+               if isinstance(v.const_value, ir.ExternalTensor)}
+    # The converter declares each converted weight's value_info from `numpy_helper.to_array(tensor).shape`,
+    # which would read the weight; its dims say the same without reading it.
+    with mock.patch.object(float16, "make_value_info_from_tensor", _value_info_from_dims):
+        converted, kept = convert_to_fp16(ir.to_proto(model), float32_prefix)
+    out = ir.from_proto(converted)
+    for name, value in out.graph.initializers.items():
+        src = sources.get(name)
+        if src is None:
+            continue  # inline in the proto: converted there
+        if value.const_value.dtype == src.dtype:
+            value.const_value = src
+        elif src.dtype == ir.DataType.FLOAT and value.const_value.dtype == ir.DataType.FLOAT16:
+            value.const_value = ir.LazyTensor(lambda s=src: ir.tensor(_to_float16(s.numpy()), name=s.name),
+                                              ir.DataType.FLOAT16, src.shape, name=name)
+        else:
+            raise ValueError(f"the float16 converter changed {name} from {src.dtype} to {value.const_value.dtype}")
+    return out, kept

@@ -7,8 +7,8 @@ core (Q·Kᵀ and P·V MatMuls of the plain graph, the split placement's basket 
 `ai.attncal` calibration and calibrated-attention ops) and every calibration scalar stay fp32, so the
 calibration math is exactly the fp32 math on slightly different activations.
 
-Per-channel weights are the default: on all-MiniLM-L6-v2 per-tensor int8 gave cosine p1 0.921 to the
-fp32 embeddings on real prose, per-channel 0.991 (issue 22's measurements).
+Per-channel weights are the default: per-tensor int8 loses far more cosine to the fp32 embeddings
+(docs/quantization.md gives both on all-MiniLM-L6-v2).
 """
 
 from __future__ import annotations
@@ -56,10 +56,25 @@ def quantize_graph(path: Path, per_channel: bool = True) -> int:
                          op_types_to_quantize=sorted({op for _, op in _WEIGHT_OPS}), nodes_to_quantize=nodes,
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         os.replace(out, path)
+        _drop_unreferenced_data(path)
     finally:
         for p in (named, out):
             p.unlink(missing_ok=True)
     return len(nodes)
+
+
+def _drop_unreferenced_data(path: Path) -> None:
+    """The quantizer writes int8 weights inline (a quarter of the size): the float32 graph's external-data file
+    beside it is then left unreferenced, and goes."""
+    import onnx
+
+    from ..artifact import external_data_name
+
+    data = path.with_name(external_data_name(path))
+    refs = {e.value for t in onnx.load(str(path), load_external_data=False).graph.initializer
+            for e in t.external_data if e.key == "location"}
+    if data.exists() and data.name not in refs:
+        data.unlink()
 
 
 def _name_unnamed(model) -> None:

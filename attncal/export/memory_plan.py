@@ -1,0 +1,147 @@
+"""How much memory and disk an export will take, estimated before it starts, and the refusal when it cannot fit.
+
+The estimate is a multiple of the model's float32 weight size per step, plus the interpreter and its
+libraries.  The multiples are what the export's design allows (each step holds at most the weights it is
+working on, memory-mapped or streamed, plus the step's own working set); docs/large-models.md gives the
+per-step peaks measured against them.  An export whose estimate exceeds what is available is refused in one
+line, before step 1, with what would fit; `--no-memory-check` exports anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..memory import GIB, available_bytes
+from ..runtime.parity import ACTIVATION_SHARE
+
+RUNTIME_BASE = 0.6 * GIB  # Python, torch, transformers, ONNX Runtime and onnx_ir loaded
+PROTO_LIMIT = 2 * GIB  # protobuf's message limit: above it torch's TorchScript exporter writes external data
+TORCHSCRIPT_STEP = "torch export (TorchScript, for ONNX Runtime's optimizer)"
+# Peak of each step, in float32 weight sizes, above RUNTIME_BASE.  The dynamo exporter holds the model and its
+# exported program (weights shared), then writes the weights out.  Torch's TorchScript exporter holds the
+# model and the ModelProto it builds; below PROTO_LIMIT the weights are inside that proto, which it
+# serializes and hands Python as bytes: the model, the proto, its serialization and the bytes, for a moment.
+# The optimizer's child holds ONNX Runtime's session of the graph.  The parity check holds one session (or
+# the PyTorch reference) and the attention activations its batch planner allows
+# (attncal.runtime.parity.ACTIVATION_SHARE of the weights), plus PARITY_FIXED (the reference's modules, the
+# tokenizer, what earlier steps left allocated).
+STEP_WEIGHTS = {
+    "torch export (dynamo)": 1.6,
+    TORCHSCRIPT_STEP: 2.5,
+    "ONNX Runtime's optimizer": 2.5,
+    "parity check": 1.0 + ACTIVATION_SHARE,
+}
+TORCHSCRIPT_INLINE_WEIGHTS = 4.5  # TORCHSCRIPT_STEP below PROTO_LIMIT
+PARITY_FIXED = 0.25 * GIB
+OPTIMIZER_CHILD = 0.15 * GIB  # the optimizer's child interpreter: Python, onnx, ONNX Runtime
+DISK_WEIGHTS = 6.0  # the graphs (up to three) and their staged copies, beside OUT until the final rename
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class ExportMemoryError(ValueError):
+    """The export would not fit in the memory (or disk) available; the message says so in one line."""
+
+
+def _safetensors_params(path: Path) -> int:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    total = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for d in t["shape"]:
+            count *= int(d)
+        total += count if t["dtype"] in _DTYPE_BYTES else 0
+    return total
+
+
+def float32_weight_bytes(model_dir: Path) -> int:
+    """Bytes of the encoder's weights once loaded in float32 (what the export holds): parameter counts from
+    safetensors headers, else the size of the PyTorch weight files scaled by their stored dtype."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return 4 * sum(_safetensors_params(f) for f in files)
+    scale = 1
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        scale = 2 if dtype in ("float16", "bfloat16") else 1
+    except (OSError, ValueError):
+        pass
+    return scale * sum(f.stat().st_size for f in model_dir.glob("*.bin"))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int  # float32 weight bytes
+    steps: dict[str, int]  # step -> estimated peak bytes (interpreter included)
+    disk: int
+    options: dict  # what `estimate` was given, so a refusal can say what other options would need
+
+    @property
+    def peak(self) -> int:
+        return max(self.steps.values())
+
+    @property
+    def largest_step(self) -> str:
+        return max(self.steps, key=self.steps.__getitem__)
+
+
+def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp16: bool = False) -> MemoryEstimate:
+    """The export's per-step peaks for a model whose weights are in `model_dir`, with these options."""
+    w = float32_weight_bytes(model_dir)
+    steps = {}
+    first = "torch export (dynamo)" if exporter == "dynamo" else TORCHSCRIPT_STEP
+    steps[first] = STEP_WEIGHTS[first]
+    if optimized:
+        steps[TORCHSCRIPT_STEP] = STEP_WEIGHTS[TORCHSCRIPT_STEP]
+        steps["ONNX Runtime's optimizer"] = STEP_WEIGHTS["ONNX Runtime's optimizer"]
+    if check:
+        steps["parity check"] = STEP_WEIGHTS["parity check"]
+    if w < PROTO_LIMIT and TORCHSCRIPT_STEP in steps:
+        steps[TORCHSCRIPT_STEP] = TORCHSCRIPT_INLINE_WEIGHTS
+    fixed = {"parity check": PARITY_FIXED, "ONNX Runtime's optimizer": OPTIMIZER_CHILD}
+    per = {k: int(RUNTIME_BASE + v * w + fixed.get(k, 0)) for k, v in steps.items()}
+    return MemoryEstimate(weights=w, steps=per, disk=int(DISK_WEIGHTS * w * (0.5 if fp16 else 1)),
+                          options=dict(model_dir=model_dir, exporter=exporter, optimized=optimized, check=check,
+                                       fp16=fp16))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def check_fits(est: MemoryEstimate, out_parent: Path, *, optimized: bool, check: bool,
+               available: int | None = None) -> None:
+    """Refuse (ExportMemoryError, one line) an export whose estimate exceeds the memory or disk available."""
+    available = available_bytes() if available is None else available
+    if available is not None and est.peak > available:
+        def need(**change) -> str:
+            return _gib(estimate(**{**est.options, **change}).peak)
+
+        hints = []
+        if check:
+            hints.append(f"--skip-check (about {need(check=False)}; then run `attncal check` where more memory is free)")
+        if optimized:
+            hints.append(f"--no-optimized (about {need(optimized=False)}: no ORT-optimized graph, so no TorchScript "
+                         "export or optimizer run)")
+        if check and optimized:
+            hints.append(f"both (about {need(check=False, optimized=False)})")
+        hints.append("--no-memory-check to try anyway")
+        raise ExportMemoryError(
+            f"this export needs about {_gib(est.peak)} of memory at its largest step ({est.largest_step}; float32 "
+            f"weights {_gib(est.weights)}) and {_gib(available)} is available: use " + ", or ".join(hints))
+    try:
+        free = shutil.disk_usage(out_parent).free
+    except OSError:
+        return
+    if est.disk > free:
+        raise ExportMemoryError(f"this export needs about {_gib(est.disk)} of disk beside the output (graphs and "
+                                f"their working copies) and {out_parent} has {_gib(free)} free: free some space or "
+                                "write elsewhere (--no-memory-check to try anyway)")

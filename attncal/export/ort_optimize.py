@@ -1,0 +1,85 @@
+"""ONNX Runtime's transformer optimizer, run in a child process on a graph whose weights stay on disk.
+
+`onnxruntime.transformers.optimizer.optimize_model` loads every weight into the ModelProto it fuses,
+and its fusions copy that proto again and again (symbolic and ONNX shape inference each take a full
+copy), so on a large-vocabulary model the optimizer alone held many times the weights.  Here the same
+two stages run as `optimize_model` runs them for `model_type="bert"` (ONNX Runtime's basic graph
+optimizations at level 1 without ConstantSharing, then the Python fusions), but the proto handed to the
+fusions is loaded without its external data: a copy of it is the graph's structure only, and a fusion
+that reads a weight (the Q/K/V merge of attention) reads just that tensor from disk, relative to the
+working directory, which is therefore the data file's folder.
+
+A child process, because ONNX Runtime's session and the fusions' protobuf arenas keep their memory until
+the process ends, and because an out-of-memory kill then names this step (`run` reports the signal)
+instead of ending the export without a word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+_DISABLED = ["ConstantSharing"]  # what optimize_model disables at level 1 (its ConstantSharing note)
+
+
+class OptimizerError(RuntimeError):
+    """The optimizer's child process failed or was killed; the message says how, in one line."""
+
+
+def _optimize(src: Path, dst: Path, num_heads: int, hidden_size: int) -> None:
+    import onnx
+    from onnxruntime.transformers.optimizer import optimize_by_fusion, optimize_by_onnxruntime
+
+    basic = dst.with_name(dst.stem + ".level1.onnx")
+    optimize_by_onnxruntime(str(src), use_gpu=False, optimized_model_path=str(basic), opt_level=1,
+                            disabled_optimizers=list(_DISABLED), save_as_external_data=True)
+    model = onnx.load(str(basic), load_external_data=False)
+    os.chdir(basic.parent)  # the fusions read external tensors relative to the working directory
+    fused = optimize_by_fusion(model, "bert", num_heads, hidden_size).model
+    import onnx_ir as ir
+
+    out = ir.from_proto(fused)
+    ir.external_data.set_base_dir(out.graph, basic.parent)
+    from ..artifact import stage_onnx
+
+    stage_onnx(out, dst)
+    del out, fused, model
+    for leftover in (basic, basic.with_name(basic.name + ".data")):
+        leftover.unlink(missing_ok=True)
+
+
+def run(src: Path, dst: Path, num_heads: int, hidden_size: int) -> Path:
+    """Optimize `src` into `dst` (+ `<name>_data`) in a child process; returns `dst`, or OptimizerError."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "attncal.export.ort_optimize", str(src), str(dst), "--num-heads", str(num_heads),
+           "--hidden-size", str(hidden_size)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.stderr:
+        sys.stderr.write(proc.stderr)  # the export's capture puts it in the export log
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        why = " (the kernel's out-of-memory killer sends it)" if proc.returncode == -signal.SIGKILL else ""
+        raise OptimizerError(f"ONNX Runtime's transformer optimizer was killed by {sig}{why}")
+    if proc.returncode != 0:
+        last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "no message")
+        raise OptimizerError(f"ONNX Runtime's transformer optimizer failed: {last.strip()[:300]}")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m attncal.export.ort_optimize", description=__doc__.splitlines()[0])
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--num-heads", type=int, required=True)
+    p.add_argument("--hidden-size", type=int, required=True)
+    a = p.parse_args(argv)
+    _optimize(a.src.resolve(), a.dst.resolve(), a.num_heads, a.hidden_size)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
