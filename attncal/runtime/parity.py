@@ -1,8 +1,17 @@
 """Parity: ONNX Runtime embeddings of an export against `encode_torch` with the stored config.
 
-The built-in texts span one token to beyond the model's max length, and are
-encoded in mixed-length batches (no length sorting), so padding, truncation and
-the calibration's span logic are all exercised.
+The built-in texts span one token to beyond the model's max length, so padding,
+truncation and the calibration's span logic are all exercised.
+
+Memory: unfused attention (ONNX Runtime's plain graphs and `Attention` op, PyTorch's
+eager attention) holds a [B, H, S, S] probability tensor and its neighbours per layer,
+which at 8k tokens and 16 heads is several GiB per text.  So the texts are sorted by
+length and batched so that `ATTENTION_COPIES` such tensors fit an activation budget
+(`activation_budget`), down to one text per batch at the longest; a text whose single
+attention would not fit is checked at the longest length that does (`length_cap`, said
+in the report).  Both sides encode the same batches, the PyTorch reference first (SDPA
+with split calibration where the model has it, so it does not materialise [B,H,S,S]);
+the reference model is freed before any ONNX Runtime session is created.
 """
 
 from __future__ import annotations
@@ -22,11 +31,19 @@ from .encoder import Encoder
 FP32_MAX_ABS = 1e-5
 FP16_MAX_ABS = 2e-3
 FP16_MIN_COS = 0.9995
-# int8 (dynamic, per-channel weights) against the fp32 PyTorch reference: an atol says little here (issue 22:
-# per-tensor int8 kept every |Δ| small while the cosine p1 fell to 0.921), so the cosine is the bound.  Sound
-# int8 exports of all-MiniLM-L6-v2 measure min cosine 0.990 uncalibrated and 0.9897 calibrated on the built-in
-# texts (one word to max length); 0.98 fails a broken quantization loudly without failing those.
+# int8 (dynamic, per-channel weights) against the fp32 PyTorch reference: an atol says little here (a broken
+# per-tensor quantization keeps every |Δ| small while the cosine falls), so the cosine is the bound, set below
+# what sound int8 exports of all-MiniLM-L6-v2 measure (docs/quantization.md) and above a broken one.
 INT8_MAX_ABS = 0.05
+# [B,H,S,S] float32 tensors an unfused attention layer holds at once, per text: about three for one text
+# (scores, probabilities, a temporary), more per text in a batch, where ONNX Runtime's planner overlaps the
+# heads' work and its arena rounds blocks up (docs/large-models.md gives the measured peaks).  The longest
+# length checked is set by the first, the batch sizes by the second.
+ATTENTION_COPIES = 3
+BATCHED_COPIES = 7
+FALLBACK_HEADS = 32
+ACTIVATION_FLOOR = 256 * 1024**2  # below this the planner never goes (small models, small machines)
+ACTIVATION_SHARE = 1.5  # of the weights' size: with the session's own copy, the check stays near 3x the weights
 INT8_MIN_COS = 0.98
 TOLERANCES: dict[str, tuple[float, float | None]] = {  # precision -> (max |Δ|, min cosine)
     "fp32": (FP32_MAX_ABS, None),
@@ -72,6 +89,11 @@ class ParityReport:
     n_texts: int = 0
     p1_cos: float | None = None
     p50_cos: float | None = None
+    max_tokens: int = 0  # the longest input checked, in tokens
+    length_cap: int | None = None  # tokens: longer texts were checked at this length (the memory budget)
+    capped_texts: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    activation_budget_mib: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -86,8 +108,10 @@ class ParityReport:
 
     def summary(self) -> str:
         cos = f", cosine >= {self.tol_min_cos}" if self.tol_min_cos is not None else ""
+        cap = (f"; {self.capped_texts} longer texts checked at {self.length_cap} tokens (memory budget)"
+               if self.length_cap is not None and self.capped_texts else "")
         return (f"{self.precision}: max abs diff {self.max_abs:.3g} (tolerance {self.tol_max_abs:g}{cos}), "
-                f"min cosine {self.min_cos:.7f} over {self.n_texts} texts")
+                f"min cosine {self.min_cos:.7f} over {self.n_texts} texts up to {self.max_tokens} tokens{cap}")
 
     def table(self) -> str:
         lines = [f"{'length bucket':<24} {'texts':>5} {'max |Δ|':>10} {'min cosine':>12} {'p1 cosine':>12} "
@@ -115,6 +139,44 @@ def _bucket_names(lengths: Sequence[int], basket: int, max_len: int | None) -> l
     return names
 
 
+def activation_budget(weight_bytes: int, available: int | None = None) -> int:
+    """Bytes of attention activations the parity check may hold at once: `ACTIVATION_SHARE` of the weights,
+    at most half of what is available now, never under `ACTIVATION_FLOOR`."""
+    budget = int(ACTIVATION_SHARE * weight_bytes)
+    if available is not None:
+        budget = min(budget, available // 2)
+    return max(ACTIVATION_FLOOR, budget)
+
+
+def attention_bytes(length: int, heads: int, batch: int = 1) -> int:
+    """Bytes of unfused attention activations for `batch` texts of `length` tokens."""
+    return (ATTENTION_COPIES if batch == 1 else BATCHED_COPIES * batch) * heads * length * length * 4
+
+
+def plan_batches(lengths: Sequence[int], heads: int, budget: int, max_batch: int) -> tuple[list[list[int]], int | None]:
+    """(batches of text indices, length cap or None): longest first, each batch as large as `max_batch`
+    allows within `budget`; the cap is the longest length whose single text fits (None if all do)."""
+    cap = int((budget / (ATTENTION_COPIES * heads * 4)) ** 0.5)
+    capped = [min(n, cap) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: -capped[i])
+    batches: list[list[int]] = []
+    while order:
+        longest = capped[order[0]]
+        k = max(1, min(max_batch, budget // max(1, attention_bytes(longest, heads, 2) // 2)))
+        batches.append(order[:k])
+        order = order[k:]
+    return batches, (cap if any(n > cap for n in lengths) else None)
+
+
+def _weights_bytes(out_dir: Path, graph_file: str) -> int:
+    """Bytes of the graph's file and its external data: the size of its weights, near enough."""
+    from ..artifact import external_data_name
+
+    f = out_dir / graph_file
+    data = f.with_name(external_data_name(f))
+    return f.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
 def check_parity(
     out_dir: str | os.PathLike,
     texts: Sequence[str] | None = None,
@@ -127,17 +189,26 @@ def check_parity(
     graph: str = "auto",
     native: bool | None = None,
     reference_cache: dict | None = None,
+    memory_budget: int | None = None,
 ) -> ParityReport:
     """Embeddings of the export's `graph` ("auto", "portable", "optimized", "native" or a file such as
     "onnx/model_optimized.onnx") against the PyTorch reference.  `reference_cache`: a dict the caller
     keeps across calls on the same export (the exporter checks up to three graphs), so the PyTorch
-    reference is computed once."""
+    reference is computed once.  `batch_size`: the largest batch; `memory_budget`: bytes of attention
+    activations per batch (default `activation_budget`)."""
+    from transformers import AutoTokenizer
+
+    from ..artifact import ArtifactError, config_int
     from ..calibration.encode import TorchEncoder
+    from ..memory import available_bytes, release_freed_memory
 
     meta = read_metadata(out_dir)
+    out = Path(out_dir)
     texts = list(texts) if texts is not None else builtin_texts()
     if not texts:
         raise ValueError("no texts to check")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     config = CalibrationConfig.from_dict(meta["config"]) if meta.get("calibrated") else None
     if config is not None and config.pooling == "auto":
         config = config.with_pooling(meta["pooling"])
@@ -147,33 +218,55 @@ def check_parity(
             f"reference model {source} not found; pass --reference with the source model directory"
         )
     graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized", NATIVE_GRAPH: "native"}.get(graph, graph)
-    enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native)
-    got = enc.encode(texts, batch_size=batch_size, sort_by_length=False, show_progress=not quiet)
-    key = (str(source), meta.get("max_seq_length"), repr(config), tuple(texts), batch_size)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    max_len = meta.get("max_seq_length")
+    lengths = [len(x) for x in tokenizer(texts, truncation=True, max_length=max_len)["input_ids"]]
+    try:
+        heads = config_int(out, "num_attention_heads")
+    except ArtifactError:  # a config that names its heads otherwise: plan as a wide model would (smaller batches)
+        heads = FALLBACK_HEADS
+    weights = max(_weights_bytes(out, g) for g in (meta.get("graphs") or {PORTABLE_GRAPH: None}))
+    budget = memory_budget if memory_budget is not None else activation_budget(weights, available_bytes())
+    batches, cap = plan_batches(lengths, heads, budget, batch_size)
+    check_len = min(max_len, cap) if max_len is not None and cap is not None else (cap or max_len)
+    key = (str(source), check_len, repr(config), tuple(texts), tuple(map(tuple, batches)))
     if reference_cache is not None and key in reference_cache:
-        expected = reference_cache[key]
+        expected, ref_pooling = reference_cache[key]
     else:
         with console.third_party_output():  # transformers' weight-loading bar and load-time messages
-            ref_enc = TorchEncoder(source, max_length=meta.get("max_seq_length"), attn_implementation="eager")
-        if config is None and ref_enc.info.pooling != meta["pooling"]:
-            config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
-        expected = ref_enc.encode(texts, config, batch_size=batch_size, show_progress=not quiet)
+            ref_enc = TorchEncoder(source, max_length=check_len, attn_implementation="sdpa")
+        ref_pooling = ref_enc.info.pooling
+        ref_config = config
+        if config is None and ref_pooling != meta["pooling"]:
+            ref_config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
+        expected = _by_batches(lambda part: ref_enc.encode(part, ref_config, batch_size=len(part)), texts, batches,
+                               "encode (torch)", quiet)
+        del ref_enc
+        release_freed_memory()
         if reference_cache is not None:
-            reference_cache[key] = expected
+            reference_cache[key] = (expected, ref_pooling)
+    enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native,
+                  session_options=_unpooled_session_options())
+    enc.max_length = check_len
+    graph_file = enc.graph_file
+    got = _by_batches(lambda part: enc.encode(part, batch_size=len(part), sort_by_length=False), texts, batches,
+                      "encode (onnx)", quiet)
+    del enc
+    release_freed_memory()
     diff = np.abs(got.astype(np.float64) - expected.astype(np.float64)).max(axis=1)
     cos = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-30)
-    lengths = [len(x) for x in enc.tokenizer(texts, truncation=True, max_length=enc.max_length)["input_ids"]]
+    checked = [min(n, check_len) if check_len is not None else n for n in lengths]
     basket = int(config.basket_size) if config is not None else 128
-    names = _bucket_names(lengths, basket, enc.max_length)
+    names = _bucket_names(checked, basket, check_len)
     buckets = []
-    for name in sorted(set(names), key=lambda nm: min(n for n, x in zip(lengths, names) if x == nm)):
+    for name in sorted(set(names), key=lambda nm: min(n for n, x in zip(checked, names) if x == nm)):
         sel = [i for i, n in enumerate(names) if n == name]
         buckets.append(Bucket(name, len(sel), float(diff[sel].max()), float(cos[sel].min()),
                               float(np.percentile(cos[sel], 1)), float(np.percentile(cos[sel], 50))))
     precision = precision_of(meta)
     tol_abs, tol_cos = TOLERANCES[precision]
     return ParityReport(
-        graph=enc.graph_file,
+        graph=graph_file,
         precision=precision,
         max_abs=float(diff.max()),
         min_cos=float(cos.min()),
@@ -183,7 +276,34 @@ def check_parity(
         n_texts=len(texts),
         p1_cos=float(np.percentile(cos, 1)),
         p50_cos=float(np.percentile(cos, 50)),
+        max_tokens=max(checked),
+        length_cap=cap,
+        capped_texts=sum(1 for n in lengths if cap is not None and n > cap),
+        batch_sizes=[len(b) for b in batches],
+        activation_budget_mib=round(budget / 1024**2, 1),
     )
+
+
+def _unpooled_session_options():
+    """ONNX Runtime's CPU arena keeps every block it ever grew to, rounded up, for the session's life: with it
+    the check's peak is the sum of its batches' largest blocks, not the largest batch.  A check runs each batch
+    once, so it goes without the arena."""
+    from .encoder import default_session_options
+
+    so = default_session_options()
+    so.enable_cpu_mem_arena = False
+    return so
+
+
+def _by_batches(encode, texts: list[str], batches: list[list[int]], desc: str, quiet: bool) -> np.ndarray:
+    """Embeddings of `texts` in input order, encoded batch by batch as planned."""
+    from tqdm.auto import tqdm
+
+    rows: dict[int, np.ndarray] = {}
+    for batch in tqdm(batches, desc=desc, disable=quiet, unit="batch"):
+        for i, e in zip(batch, encode([texts[i] for i in batch])):
+            rows[i] = e
+    return np.stack([rows[i] for i in range(len(texts))])
 
 
 def precision_of(meta: dict) -> str:
