@@ -322,9 +322,13 @@ def graph_files(meta: dict) -> list[str]:
 
 # -- ONNX files -------------------------------------------------------------------------------------
 
-def graph_digest(model) -> str:
+def graph_digest(model, base_dir: str | os.PathLike | None = None) -> str:
     """sha256 over everything a graph file says except its doc strings and this digest: header,
-    opsets, inputs, outputs, weights, nodes, value_info, functions and other metadata."""
+    opsets, inputs, outputs, weights, nodes, value_info, functions and other metadata.  A weight in an
+    external data file is hashed as its reference followed by its bytes, read from `base_dir` (the graph's
+    folder); without `base_dir`, as its reference only."""
+    import onnx
+
     h = hashlib.sha256()
 
     def add(b: bytes) -> None:
@@ -341,12 +345,15 @@ def graph_digest(model) -> str:
     for seq in seqs:
         for item in seq:
             add(item.SerializeToString(deterministic=True))
+            if base_dir is not None and seq is g.initializer and item.data_location == onnx.TensorProto.EXTERNAL:
+                loc, off, length = _external_info(item)
+                _copy_range(Path(base_dir) / loc, off, length, h.update)
         h.update(b"|")
     return "sha256:" + h.hexdigest()
 
 
-def _set_digest(model) -> None:
-    digest = graph_digest(model)
+def _set_digest(model, base_dir: str | os.PathLike | None = None) -> None:
+    digest = graph_digest(model, base_dir)
     for p in model.metadata_props:
         if p.key == DIGEST_KEY:
             p.value = digest
@@ -364,7 +371,7 @@ def stamp_onnx(path: str | os.PathLike) -> str:
 
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
-    _set_digest(model)
+    _set_digest(model, path.parent)
     tmp = path.with_name(path.name + ".stamping")
     onnx.save(model, str(tmp))
     os.replace(tmp, path)
@@ -490,12 +497,19 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
                     if t.data_location == onnx.TensorProto.EXTERNAL:
                         loc, off, length = _external_info(t)
                         offset = data.tell()
-                        _copy_range(base_dir / loc, off, length, data.write)
                         del t2.external_data[:]
                         for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
                             t2.external_data.add(key=k, value=v)
+                        add(t2.SerializeToString(deterministic=True))
+
+                        def sink(chunk: bytes) -> None:
+                            data.write(chunk)
+                            h.update(chunk)
+
+                        _copy_range(base_dir / loc, off, length, sink)
+                    else:
+                        add(t2.SerializeToString(deterministic=True))
                     out_inits.append(t2)
-                    add(t2.SerializeToString(deterministic=True))
                 skeleton.graph.initializer.extend(out_inits)
                 h.update(b"|")
                 _finish_digest(add, h, g)
@@ -642,7 +656,13 @@ def load_onnx_checked(
     if digest is None:
         if require_digest:
             raise ArtifactError(path, f"has no {DIGEST_KEY} (truncated, or not written by attncal export)")
-    elif graph_digest(model) != digest:
+    else:
+        try:
+            actual = graph_digest(model, path.parent)  # external weights read and hashed too
+        except OSError as exc:
+            raise ArtifactError(path, f"its external data cannot be read ({exc.strerror or exc}: "
+                                      f"{Path(exc.filename or '').name}); re-export the model") from None
+    if digest is not None and actual != digest:
         raise ArtifactError(path, "content does not match its attncal digest: the file is corrupted or was "
                                   "modified after export; re-export the model")
     return model
