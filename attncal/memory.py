@@ -8,7 +8,9 @@ as one that runs in the parent.  Only the standard library: every layer may impo
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -151,3 +153,37 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _safetensors_params(path: Path) -> int:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    total = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for d in t["shape"]:
+            count *= int(d)
+        total += count if t["dtype"] in _DTYPE_BYTES else 0
+    return total
+
+
+def float32_weight_bytes(model_dir: Path) -> int:
+    """Bytes of the encoder's weights once loaded in float32 (what the export holds): parameter counts from
+    safetensors headers, else the size of the PyTorch weight files scaled by their stored dtype."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return 4 * sum(_safetensors_params(f) for f in files)
+    scale = 1
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        scale = 2 if dtype in ("float16", "bfloat16") else 1
+    except (OSError, ValueError):
+        pass
+    return scale * sum(f.stat().st_size for f in model_dir.glob("*.bin"))

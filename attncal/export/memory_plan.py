@@ -9,13 +9,11 @@ line, before step 1, with what would fit; `--no-memory-check` exports anyway.
 
 from __future__ import annotations
 
-import json
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..memory import GIB, available_bytes
+from ..memory import GIB, available_bytes, float32_weight_bytes
 from ..runtime.parity import ACTIVATION_SHARE
 
 RUNTIME_BASE = 0.6 * GIB  # Python, torch, transformers, ONNX Runtime and onnx_ir loaded
@@ -39,42 +37,10 @@ TORCHSCRIPT_INLINE_WEIGHTS = 4.5  # TORCHSCRIPT_STEP below PROTO_LIMIT
 PARITY_FIXED = 0.25 * GIB
 OPTIMIZER_CHILD = 0.15 * GIB  # the optimizer's child interpreter: Python, onnx, ONNX Runtime
 DISK_WEIGHTS = 6.0  # the graphs (up to three) and their staged copies, beside OUT until the final rename
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class ExportMemoryError(ValueError):
     """The export would not fit in the memory (or disk) available; the message says so in one line."""
-
-
-def _safetensors_params(path: Path) -> int:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    total = 0
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        count = 1
-        for d in t["shape"]:
-            count *= int(d)
-        total += count if t["dtype"] in _DTYPE_BYTES else 0
-    return total
-
-
-def float32_weight_bytes(model_dir: Path) -> int:
-    """Bytes of the encoder's weights once loaded in float32 (what the export holds): parameter counts from
-    safetensors headers, else the size of the PyTorch weight files scaled by their stored dtype."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        return 4 * sum(_safetensors_params(f) for f in files)
-    scale = 1
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-        scale = 2 if dtype in ("float16", "bfloat16") else 1
-    except (OSError, ValueError):
-        pass
-    return scale * sum(f.stat().st_size for f in model_dir.glob("*.bin"))
 
 
 @dataclass(frozen=True)

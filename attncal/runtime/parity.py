@@ -200,7 +200,7 @@ def check_parity(
 
     from ..artifact import ArtifactError, config_int
     from ..calibration.encode import TorchEncoder
-    from ..memory import available_bytes, release_freed_memory
+    from ..memory import available_bytes, float32_weight_bytes, release_freed_memory
 
     meta = read_metadata(out_dir)
     out = Path(out_dir)
@@ -225,7 +225,9 @@ def check_parity(
         heads = config_int(out, "num_attention_heads")
     except ArtifactError:  # a config that names its heads otherwise: plan as a wide model would (smaller batches)
         heads = FALLBACK_HEADS
-    weights = max(_weights_bytes(out, g) for g in (meta.get("graphs") or {PORTABLE_GRAPH: None}))
+    # The scale of the check is the float32 model's (the reference is float32, whatever the graphs' precision).
+    weights = max([_weights_bytes(out, g) for g in (meta.get("graphs") or {PORTABLE_GRAPH: None})]
+                  + [float32_weight_bytes(Path(str(source)))])
     budget = memory_budget if memory_budget is not None else activation_budget(weights, available_bytes())
     batches, cap = plan_batches(lengths, heads, budget, batch_size)
     check_len = min(max_len, cap) if max_len is not None and cap is not None else (cap or max_len)
