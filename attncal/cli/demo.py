@@ -1,4 +1,6 @@
-"""The main job on the embedded default model: export all-MiniLM-L6-v2 calibrated and uncalibrated, check both against PyTorch, and compare them."""
+"""The main job on the embedded default model: export all-MiniLM-L6-v2 calibrated and uncalibrated, show on real
+prose whether calibration finds passages by their late parts (`demo_position`), then check both against PyTorch
+and compare their cost."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=None,
                    help="run the calibration op with the attncal native library (default: when built, "
                         "unless ATTNCAL_NATIVE=0; --native requires it, --no-native uses the function body)")
+    p.add_argument("--no-position-eval", action="store_true",
+                   help="skip the retrieval comparison on real prose (the Python Language Reference)")
     add_calibration_args(p)
 
 
@@ -75,6 +79,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"model      {meta['source_model']}")
     print(f"config     {config.variant}, λ={config.strength}, basket={config.basket_size}, "
           f"layers={meta['calibrated_layers']} of {meta['num_layers']}, pooling={meta['pooling']}")
+    if not args.no_position_eval:
+        from . import demo_position
+
+        print("== scoring both exports on real prose", file=sys.stderr, flush=True)
+        data, source = demo_position.build_set(out / "posq-example", dirs["calibrated"])
+        results = demo_position.compare(dirs["uncalibrated"], dirs["calibrated"], data)
+        print()
+        print(demo_position.report(results, source))
     print()
     print("parity of each ONNX export vs PyTorch (attncal check, built-in texts):")
     for name, m in metas.items():
