@@ -46,7 +46,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 # build, the longest file, last, where one worker runs it alone while the other idles).  The files that take
 # longest in `--durations` go first, the longest first, so that the short files fill in around them
 # (docs/development.md, "Tests and CI").
-LONGEST_FILES_FIRST = ("test_export.py", "test_split_placement.py", "test_wheel.py", "test_row_placement.py",
+LONGEST_FILES_FIRST = ("test_export.py", "test_split_placement.py", "test_wheel.py", "test_large_export.py",
+                       "test_row_placement.py",
                        "test_encode_corpus.py", "test_serving_architectures.py", "test_calibration_math.py")
 
 

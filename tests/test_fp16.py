@@ -102,3 +102,37 @@ def test_fp16_refuses_explicit_optimized_placements(tmp_path):
         with pytest.raises(ValueError, match=f"--placement {placement} with --fp16: use --placement auto"):
             export(src, tmp_path / "x", ExportOptions(placement=placement, fp16=True), quiet=True)
     assert not (tmp_path / "x").exists()
+
+
+def test_on_disk_conversion_is_the_converters_graph_weight_for_weight(tmp_path, monkeypatch):
+    """The conversion an export runs (weights on disk, converted block by block when saved) gives the graph
+    ONNX Runtime's converter gives with every weight in memory."""
+    import onnx_ir as ir
+
+    from attncal.artifact import stage_onnx
+    from attncal.export import fp16
+    from attncal.export.fp16 import convert_model_to_fp16, convert_to_fp16
+
+    monkeypatch.setattr(fp16, "_BLOCK", 100)  # many blocks per weight of this tiny model
+
+    src = save_synthetic_model("bert", tmp_path / "src", seed=2)
+    export(str(src), tmp_path / "e", ExportOptions(config=CalibrationConfig(basket_size=8), check=False,
+                                                  exporter="torchscript"), quiet=True)
+    graph = tmp_path / "e" / "onnx" / "model_optimized.onnx"
+    prefix = placements.get(json.loads((tmp_path / "e" / "attncal.json").read_text())["graphs"][
+        "onnx/model_optimized.onnx"]["placement"]).FLOAT32_NODES
+    staged = stage_onnx(ir.load(graph), tmp_path / "stage" / "model.onnx")
+    in_memory, kept_a = convert_to_fp16(onnx.load(str(staged)), prefix)  # every weight read into the proto
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL
+               for t in onnx.load(str(staged), load_external_data=False).graph.initializer)
+    lazy, kept_b = convert_model_to_fp16(ir.load(staged), prefix)
+    on_disk = onnx.load(str(stage_onnx(lazy, tmp_path / "out" / "model.onnx")))
+    assert kept_a == kept_b > 0
+    assert [n.SerializeToString(deterministic=True) for n in in_memory.graph.node] == \
+        [n.SerializeToString(deterministic=True) for n in on_disk.graph.node]
+    a = {t.name: t for t in in_memory.graph.initializer}
+    b = {t.name: t for t in on_disk.graph.initializer}
+    assert a.keys() == b.keys() and {t.data_type for t in b.values()} >= {onnx.TensorProto.FLOAT16}
+    for name, t in a.items():
+        assert t.data_type == b[name].data_type, name
+        assert np.array_equal(onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(b[name])), name

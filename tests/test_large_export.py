@@ -112,8 +112,8 @@ def test_export_refuses_in_one_line_when_memory_cannot_suffice(tiny_models, tmp_
 
 def test_a_killed_export_names_its_step_and_leaves_nothing_behind(tiny_models, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "attncal", "export", str(tiny_models["bert"]), "-o", str(out)],
-                            stderr=subprocess.PIPE, text=True, env=_ENV)
+    proc = subprocess.Popen([sys.executable, "-m", "attncal", "export", str(tiny_models["bert"]), "-o", str(out),
+                             "--exporter", "torchscript"], stderr=subprocess.PIPE, text=True, env=_ENV)
     for line in proc.stderr:
         if "[2/4]" in line:
             break

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from attncal import artifact
 from attncal.serving.repository import RepoOptions, build_repository
 from attncal.serving.server import TritonServer, free_port
 
@@ -44,18 +45,25 @@ def served(tmp_path_factory):
                              prompts={"query": "task: search result | query: ", "document": "title: none | text: "},
                              default_prompt_name="document")
     cases["bert-int8"] = dict(arch="bert", quantize="int8")
+    cases["bert-external"] = dict(arch="bert", external=True)  # its graph's weights in model.onnx_data, as above 2 GiB
     encoders = {}
     for name, extra in cases.items():
         arch = extra.pop("arch", name)
         quantize = extra.pop("quantize", None)
+        external = extra.pop("external", False)
         src = save_synthetic_model(arch, root / f"src-{name}", seed=5, max_positions=128, max_seq_length=MAX_LEN,
                                    **extra)
         out = root / name
-        export(str(src), out, ExportOptions(config=CalibrationConfig(basket_size=8, strength=1.0), check=False,
-                                            optimized=False, quantize=quantize, exporter=quick_exporter(arch)),
-               quiet=True)
+        with pytest.MonkeyPatch.context() as mp:
+            if external:
+                mp.setattr(artifact, "INLINE_LIMIT", 0)
+            export(str(src), out, ExportOptions(config=CalibrationConfig(basket_size=8, strength=1.0), check=False,
+                                                optimized=False, quantize=quantize, exporter=quick_exporter(arch)),
+                   quiet=True)
         build_repository(out, repo, RepoOptions(name=name.replace("_", "-"), max_batch=8, max_queue_delay_us=2000))
         encoders[name] = Encoder(out, providers=["CPUExecutionProvider"])
+    served_graphs = [g for g in repo.rglob("*.onnx") if any(d.name.startswith("bert-external") for d in g.parents)]
+    assert served_graphs and all(g.with_name(g.name + "_data").exists() for g in served_graphs), served_graphs
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server.start()
     try:

@@ -1,6 +1,9 @@
 """Run inside the loader overlay: embed texts with optimum and sentence-transformers' ONNX backend.
 
-Usage: python run_loaders.py EXPORT_DIR TEXTS_JSON OUT_NPZ
+Usage: python run_loaders.py EXPORT_DIR TEXTS_JSON OUT_NPZ [GRAPH_FILE]
+
+GRAPH_FILE: the graph under onnx/ to load (default model.onnx), as a user names it to optimum (`file_name`)
+and to sentence-transformers (`model_kwargs={"file_name": ...}`).
 """
 
 import json
@@ -11,19 +14,21 @@ import numpy as np
 
 def main() -> None:
     out_dir, texts_file, result_file = sys.argv[1:4]
+    graph_file = sys.argv[4] if len(sys.argv) > 4 else "model.onnx"
     texts = json.loads(open(texts_file).read())
     meta = json.loads(open(f"{out_dir}/attncal.json").read())
     from optimum.onnxruntime import ORTModelForFeatureExtraction
     from sentence_transformers import SentenceTransformer
     from transformers import AutoTokenizer
 
-    model = ORTModelForFeatureExtraction.from_pretrained(out_dir, subfolder="onnx", file_name="model.onnx")
+    model = ORTModelForFeatureExtraction.from_pretrained(out_dir, subfolder="onnx", file_name=graph_file)
     tok = AutoTokenizer.from_pretrained(out_dir)
     tok.padding_side = meta["padding_side"]
     batch = tok(texts, padding=True, truncation=True, max_length=meta["max_seq_length"], return_tensors="np")
     hidden = model(**{k: batch[k] for k in model.input_names}).last_hidden_state
     hidden = np.asarray(hidden)
-    st = SentenceTransformer(out_dir, backend="onnx", device="cpu")
+    st = SentenceTransformer(out_dir, backend="onnx", device="cpu",
+                             model_kwargs={"file_name": f"onnx/{graph_file}"} if graph_file != "model.onnx" else None)
     st_emb = st.encode(texts, convert_to_numpy=True, normalize_embeddings=False)
     np.savez(result_file, optimum_hidden=hidden, attention_mask=batch["attention_mask"], st=st_emb)
 
