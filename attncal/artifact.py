@@ -322,6 +322,36 @@ def graph_files(meta: dict) -> list[str]:
 
 # -- ONNX files -------------------------------------------------------------------------------------
 
+class _Digest:
+    """The sha256 of `graph_digest`, fed in its order: `head` (header and the sequences before the
+    initializers), then each initializer (`add`, and its external bytes as raw updates), then `tail`."""
+
+    def __init__(self) -> None:
+        self.h = hashlib.sha256()
+
+    def add(self, b: bytes) -> None:
+        self.h.update(len(b).to_bytes(8, "little"))
+        self.h.update(b)
+
+    def head(self, model, props) -> None:
+        g = model.graph
+        for text in (str(model.ir_version), model.producer_name, model.producer_version, model.domain,
+                     str(model.model_version), g.name):
+            self.add(text.encode("utf-8", "surrogatepass"))
+        self._seqs((model.opset_import, props, model.functions, model.training_info, g.input, g.output))
+
+    def tail(self, g) -> str:
+        self.h.update(b"|")  # closes the initializers
+        self._seqs((g.sparse_initializer, g.node, g.value_info, g.quantization_annotation))
+        return "sha256:" + self.h.hexdigest()
+
+    def _seqs(self, seqs) -> None:
+        for seq in seqs:
+            for item in seq:
+                self.add(item.SerializeToString(deterministic=True))
+            self.h.update(b"|")
+
+
 def graph_digest(model, base_dir: str | os.PathLike | None = None) -> str:
     """sha256 over everything a graph file says except its doc strings and this digest: header,
     opsets, inputs, outputs, weights, nodes, value_info, functions and other metadata.  A weight in an
@@ -329,27 +359,14 @@ def graph_digest(model, base_dir: str | os.PathLike | None = None) -> str:
     folder); without `base_dir`, as its reference only."""
     import onnx
 
-    h = hashlib.sha256()
-
-    def add(b: bytes) -> None:
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-
-    g = model.graph
-    for text in (str(model.ir_version), model.producer_name, model.producer_version, model.domain,
-                 str(model.model_version), g.name):
-        add(text.encode("utf-8", "surrogatepass"))
-    props = [p for p in model.metadata_props if p.key != DIGEST_KEY]
-    seqs = [model.opset_import, props, model.functions, model.training_info, g.input, g.output, g.initializer,
-            g.sparse_initializer, g.node, g.value_info, g.quantization_annotation]
-    for seq in seqs:
-        for item in seq:
-            add(item.SerializeToString(deterministic=True))
-            if base_dir is not None and seq is g.initializer and item.data_location == onnx.TensorProto.EXTERNAL:
-                loc, off, length = _external_info(item)
-                _copy_range(Path(base_dir) / loc, off, length, h.update)
-        h.update(b"|")
-    return "sha256:" + h.hexdigest()
+    d = _Digest()
+    d.head(model, [p for p in model.metadata_props if p.key != DIGEST_KEY])
+    for t in model.graph.initializer:
+        d.add(t.SerializeToString(deterministic=True))
+        if base_dir is not None and t.data_location == onnx.TensorProto.EXTERNAL:
+            loc, off, length = _external_info(t)
+            _copy_range(Path(base_dir) / loc, off, length, d.h.update)
+    return d.tail(model.graph)
 
 
 def _set_digest(model, base_dir: str | os.PathLike | None = None) -> None:
@@ -469,20 +486,8 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
     props = [p for p in skeleton.metadata_props if p.key != DIGEST_KEY]
     del skeleton.metadata_props[:]
     skeleton.metadata_props.extend(props)
-    h = hashlib.sha256()
-
-    def add(b: bytes) -> None:
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-
-    g = skeleton.graph
-    for text in (str(skeleton.ir_version), skeleton.producer_name, skeleton.producer_version, skeleton.domain,
-                 str(skeleton.model_version), g.name):
-        add(text.encode("utf-8", "surrogatepass"))
-    for seq in (skeleton.opset_import, props, skeleton.functions, skeleton.training_info, g.input, g.output):
-        for item in seq:
-            add(item.SerializeToString(deterministic=True))
-        h.update(b"|")
+    d = _Digest()
+    d.head(skeleton, props)
     tmp = path.with_name(path.name + ".writing")
     data_name = external_data_name(path)
     data_tmp = path.with_name(data_name + ".writing")
@@ -500,29 +505,25 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
                         del t2.external_data[:]
                         for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
                             t2.external_data.add(key=k, value=v)
-                        add(t2.SerializeToString(deterministic=True))
+                        d.add(t2.SerializeToString(deterministic=True))
 
                         def sink(chunk: bytes) -> None:
                             data.write(chunk)
-                            h.update(chunk)
+                            d.h.update(chunk)
 
                         _copy_range(base_dir / loc, off, length, sink)
                     else:
-                        add(t2.SerializeToString(deterministic=True))
+                        d.add(t2.SerializeToString(deterministic=True))
                     out_inits.append(t2)
                 skeleton.graph.initializer.extend(out_inits)
-                h.update(b"|")
-                _finish_digest(add, h, g)
-                digest = "sha256:" + h.hexdigest()
+                digest = d.tail(skeleton.graph)
                 skeleton.metadata_props.add(key=DIGEST_KEY, value=digest)
                 f.write(skeleton.SerializeToString())
             else:
                 f.write(skeleton.SerializeToString())
                 for t in inits:
-                    _write_inline_initializer(t, base_dir, f, h)
-                h.update(b"|")
-                _finish_digest(add, h, g)
-                digest = "sha256:" + h.hexdigest()
+                    _write_inline_initializer(t, base_dir, f, d)
+                digest = d.tail(skeleton.graph)
                 entry = onnx.StringStringEntryProto(key=DIGEST_KEY, value=digest).SerializeToString()
                 f.write(_field(_MODEL_PROPS, len(entry)) + entry)
         if external:
@@ -534,13 +535,6 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
     if not external:
         path.with_name(data_name).unlink(missing_ok=True)
     return digest
-
-
-def _finish_digest(add, h, g) -> None:
-    for seq in (g.sparse_initializer, g.node, g.value_info, g.quantization_annotation):
-        for item in seq:
-            add(item.SerializeToString(deterministic=True))
-        h.update(b"|")
 
 
 def _copy_range(src: Path, offset: int, length: int, sink) -> None:
@@ -555,15 +549,14 @@ def _copy_range(src: Path, offset: int, length: int, sink) -> None:
             left -= len(chunk)
 
 
-def _write_inline_initializer(t, base_dir: Path, f, h) -> None:
+def _write_inline_initializer(t, base_dir: Path, f, d: _Digest) -> None:
     """One initializer as a ModelProto fragment, its external bytes moved into `raw_data`, and its canonical
     serialization hashed as `graph_digest` hashes it (fields 1-8, raw_data, then 10 on: field order)."""
     import onnx
 
     if t.data_location != onnx.TensorProto.EXTERNAL:
         b = t.SerializeToString(deterministic=True)
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
+        d.add(b)
         g = _field(_GRAPH_INITIALIZER, len(b)) + b
         f.write(_field(_MODEL_GRAPH, len(g)) + g)
         return
@@ -586,16 +579,16 @@ def _write_inline_initializer(t, base_dir: Path, f, h) -> None:
     tensor_len = len(hb) + len(raw) + length + len(tb)
     g_head = _field(_GRAPH_INITIALIZER, tensor_len)
     f.write(_field(_MODEL_GRAPH, len(g_head) + tensor_len) + g_head + hb + raw)
-    h.update(tensor_len.to_bytes(8, "little"))
-    h.update(hb + raw)
+    d.h.update(tensor_len.to_bytes(8, "little"))  # `add` of the whole serialization, streamed
+    d.h.update(hb + raw)
 
     def sink(chunk: bytes) -> None:
         f.write(chunk)
-        h.update(chunk)
+        d.h.update(chunk)
 
     _copy_range(base_dir / loc, off, length, sink)
     f.write(tb)
-    h.update(tb)
+    d.h.update(tb)
 
 
 def save_onnx(model, path: str | os.PathLike) -> None:
