@@ -105,9 +105,15 @@ def test_export_refuses_in_one_line_when_memory_cannot_suffice(tiny_models, tmp_
     assert "Traceback" not in err and len([ln for ln in err.splitlines() if "needs about" in ln]) == 1, err
     est = memory_plan.estimate(Path(tiny_models["bert"]), exporter="dynamo", optimized=True, check=True)
     assert est.peak > 64 * MIB and not out.exists() and not list(tmp_path.iterdir())
-    with pytest.raises(memory_plan.ExportMemoryError, match=r"needs about .* GiB of memory .* and 0\.1 GiB is available: "
-                       r"use .*--no-optimized.*--no-memory-check"):
+    with pytest.raises(memory_plan.ExportMemoryError, match=r"needs about .* GiB of memory .* and 0\.1 GiB is available; "
+                       r"neither --skip-check nor --no-optimized nor --skip-check --no-optimized would fit; "
+                       r"--no-memory-check tries anyway$"):
         memory_plan.check_fits(est, tmp_path, optimized=True, check=True)
+    # With room for the export without its parity check and optimized graph, the refusal says so.
+    smallest = memory_plan.estimate(Path(tiny_models["bert"]), exporter="dynamo", optimized=False, check=False).peak
+    with pytest.raises(memory_plan.ExportMemoryError, match=r"; what would fit: --skip-check --no-optimized \(about "
+                       r"[\d.]+ GiB; no parity check and no optimized graph\); --no-memory-check tries anyway$"):
+        memory_plan.check_fits(est, tmp_path, optimized=True, check=True, available=smallest)
 
 
 def test_a_killed_export_names_its_step_and_leaves_nothing_behind(tiny_models, tmp_path):

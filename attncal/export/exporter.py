@@ -480,7 +480,7 @@ def export(
     from . import memory_plan
 
     estimate = memory_plan.estimate(info.path, exporter=opts.exporter, optimized=opts.optimized, check=opts.check,
-                                    fp16=opts.fp16)
+                                    fp16=opts.fp16, quantize=opts.quantize)
     if opts.memory_check:
         memory_plan.check_fits(estimate, out.parent, optimized=opts.optimized, check=opts.check)
     if watch is not None:

@@ -34,6 +34,10 @@ STEP_WEIGHTS = {
     "parity check": 1.0 + ACTIVATION_SHARE,
 }
 TORCHSCRIPT_INLINE_WEIGHTS = 4.5  # TORCHSCRIPT_STEP below PROTO_LIMIT
+# ONNX Runtime's quantize_dynamic loads the graph with every weight, runs shape inference on it and keeps the
+# float32 weights beside their int8 copies until it saves: the one step not bounded by attncal's own passes.
+QUANTIZE_STEP = "int8 quantization (onnxruntime.quantization)"
+QUANTIZE_WEIGHTS = 5.0
 PARITY_FIXED = 0.25 * GIB
 OPTIMIZER_CHILD = 0.15 * GIB  # the optimizer's child interpreter: Python, onnx, ONNX Runtime
 DISK_WEIGHTS = 6.0  # the graphs (up to three) and their staged copies, beside OUT until the final rename
@@ -59,7 +63,8 @@ class MemoryEstimate:
         return max(self.steps, key=self.steps.__getitem__)
 
 
-def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp16: bool = False) -> MemoryEstimate:
+def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp16: bool = False,
+             quantize: str | None = None) -> MemoryEstimate:
     """The export's per-step peaks for a model whose weights are in `model_dir`, with these options."""
     w = float32_weight_bytes(model_dir)
     steps = {}
@@ -68,6 +73,8 @@ def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp
     if optimized:
         steps[TORCHSCRIPT_STEP] = STEP_WEIGHTS[TORCHSCRIPT_STEP]
         steps["ONNX Runtime's optimizer"] = STEP_WEIGHTS["ONNX Runtime's optimizer"]
+    if quantize:
+        steps[QUANTIZE_STEP] = QUANTIZE_WEIGHTS
     if check:
         steps["parity check"] = STEP_WEIGHTS["parity check"]
     if w < PROTO_LIMIT and TORCHSCRIPT_STEP in steps:
@@ -76,7 +83,7 @@ def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp
     per = {k: int(RUNTIME_BASE + v * w + fixed.get(k, 0)) for k, v in steps.items()}
     return MemoryEstimate(weights=w, steps=per, disk=int(DISK_WEIGHTS * w * (0.5 if fp16 else 1)),
                           options=dict(model_dir=model_dir, exporter=exporter, optimized=optimized, check=check,
-                                       fp16=fp16))
+                                       fp16=fp16, quantize=quantize))
 
 
 def _gib(n: int) -> str:
@@ -88,21 +95,28 @@ def check_fits(est: MemoryEstimate, out_parent: Path, *, optimized: bool, check:
     """Refuse (ExportMemoryError, one line) an export whose estimate exceeds the memory or disk available."""
     available = available_bytes() if available is None else available
     if available is not None and est.peak > available:
-        def need(**change) -> str:
-            return _gib(estimate(**{**est.options, **change}).peak)
-
-        hints = []
+        options = []  # (what to pass, why it needs less, the option changes)
+        if est.options.get("quantize"):
+            options.append(("no --quantize", "ONNX Runtime's quantizer holds the float32 graph with its weights",
+                            dict(quantize=None)))
         if check:
-            hints.append(f"--skip-check (about {need(check=False)}; then run `attncal check` where more memory is free)")
+            options.append(("--skip-check", "then run `attncal check` where more memory is free", dict(check=False)))
         if optimized:
-            hints.append(f"--no-optimized (about {need(optimized=False)}: no ORT-optimized graph, so no TorchScript "
-                         "export or optimizer run)")
+            options.append(("--no-optimized", "no ORT-optimized graph, so no TorchScript export or optimizer run",
+                            dict(optimized=False)))
         if check and optimized:
-            hints.append(f"both (about {need(check=False, optimized=False)})")
-        hints.append("--no-memory-check to try anyway")
+            options.append(("--skip-check --no-optimized", "no parity check and no optimized graph",
+                            dict(check=False, optimized=False)))
+        fits = []
+        for flag, why, change in options:
+            peak = estimate(**{**est.options, **change}).peak
+            if peak <= available:
+                fits.append(f"{flag} (about {_gib(peak)}; {why})")
+        way = ("what would fit: " + ", or ".join(fits) if fits else
+               "neither " + " nor ".join(flag for flag, _, _ in options) + " would fit" if options else "")
         raise ExportMemoryError(
             f"this export needs about {_gib(est.peak)} of memory at its largest step ({est.largest_step}; float32 "
-            f"weights {_gib(est.weights)}) and {_gib(available)} is available: use " + ", or ".join(hints))
+            f"weights {_gib(est.weights)}) and {_gib(available)} is available; {way + '; ' if way else ''}--no-memory-check tries anyway")
     try:
         free = shutil.disk_usage(out_parent).free
     except OSError:
