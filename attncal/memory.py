@@ -102,6 +102,21 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+EXPORT_LIBRARIES = "torch, transformers, onnx, onnxruntime, onnx_ir, onnxscript, sentence_transformers"
+
+
+def interpreter_rss(imports: str = EXPORT_LIBRARIES) -> int:
+    """Resident bytes of a fresh interpreter that has imported `imports`: the fixed part of a process's
+    memory, which budgets stated in weight sizes are measured above."""
+    import subprocess
+    import sys
+
+    code = f"import {imports}\nprint(open('/proc/self/statm').read().split()[1])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    return int(out.stdout.split()[-1]) * _PAGE
+
+
 class TreeSampler:
     """Samples the resident size of a process tree in a background thread, keeping the peak per label.
 

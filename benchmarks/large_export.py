@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attncal.memory import MIB, TreeSampler, available_bytes  # noqa: E402
+from attncal.memory import MIB, TreeSampler, available_bytes, interpreter_rss  # noqa: E402
 
 MODELS = {
     "bge-m3": dict(arch="xlm-roberta", layers=24, hidden=1024, heads=16, intermediate=4096, max_positions=8192,
@@ -47,13 +47,6 @@ def build(name: str, dest: Path) -> Path:
         return dest
     spec = dict(MODELS[name])
     return save_synthetic_model(spec.pop("arch"), dest, **spec)
-
-
-def library_rss() -> int:
-    code = ("import torch, transformers, onnx, onnxruntime, onnx_ir, onnxscript, sentence_transformers\n"
-            "print(open('/proc/self/statm').read().split()[1])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run_export(src: Path, out: Path, extra: list[str]) -> dict:
@@ -113,7 +106,7 @@ def main() -> int:
 
     src = build(a.model, a.work / f"{a.model}-src")
     weights = float32_weight_bytes(src)
-    base = library_rss()
+    base = interpreter_rss()
     res = run_export(src, a.work / f"{a.model}-export", a.export_args)
     res.update(model=a.model, float32_weights_mib=round(weights / MIB, 1), library_rss_mib=round(base / MIB, 1),
                available_mib_at_start=round((available_bytes() or 0) / MIB, 1))

@@ -24,7 +24,7 @@ import pytest
 
 from attncal import artifact
 from attncal.artifact import graph_digest, stage_onnx, stored_digest, write_graph_file
-from attncal.memory import MIB, TreeSampler
+from attncal.memory import MIB, TreeSampler, interpreter_rss
 from attncal.runtime.parity import ATTENTION_COPIES, attention_bytes, plan_batches
 from attncal.synthetic import save_synthetic_model
 
@@ -43,13 +43,6 @@ def large_vocab_model(tmp_path_factory) -> Path:
                                 heads=4, intermediate=1024, max_positions=8192, vocab=250002, pooling="cls")
 
 
-def _library_rss(imports: str) -> int:
-    """Resident bytes of a fresh interpreter that has imported `imports`."""
-    code = f"import {imports}\nprint(open('/proc/self/statm').read().split()[1])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=_ENV)
-    return int(out.stdout.split()[-1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_export_steps_stay_within_their_memory_budgets(large_vocab_model, tmp_path):
     """Each step's peak, sampled from outside every 10 ms (the export and its children), within the memory
     plan's estimate for it: the figure an export is refused by must not be exceeded."""
@@ -58,7 +51,7 @@ def test_export_steps_stay_within_their_memory_budgets(large_vocab_model, tmp_pa
     plan = memory_plan.estimate(large_vocab_model, exporter="dynamo", optimized=True, check=True)
     weights = plan.weights
     assert 250 * MIB < weights < 280 * MIB
-    base = _library_rss("torch, transformers, onnx, onnxruntime, onnx_ir, onnxscript, sentence_transformers")
+    base = interpreter_rss()
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "attncal", "export", str(large_vocab_model), "-o", str(out)],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_ENV)
