@@ -71,9 +71,11 @@ def _drop_unreferenced_data(path: Path) -> None:
     from ..artifact import external_data_name
 
     data = path.with_name(external_data_name(path))
+    if not data.exists():
+        return  # nothing to drop: no parse of the quantized graph
     refs = {e.value for t in onnx.load(str(path), load_external_data=False).graph.initializer
             for e in t.external_data if e.key == "location"}
-    if data.exists() and data.name not in refs:
+    if data.name not in refs:
         data.unlink()
 
 

@@ -37,7 +37,7 @@ FP16_MIN_COS = 0.9995
 INT8_MAX_ABS = 0.05
 # [B,H,S,S] float32 tensors an unfused attention layer holds at once, per text: about three for one text
 # (scores, probabilities, a temporary), more per text in a batch, where ONNX Runtime's planner overlaps the
-# heads' work and its arena rounds blocks up (docs/large-models.md gives the measured peaks).  The longest
+# heads' work (docs/large-models.md gives the measured peaks).  The longest
 # length checked is set by the first, the batch sizes by the second.
 ATTENTION_COPIES = 3
 BATCHED_COPIES = 7
