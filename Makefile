@@ -26,7 +26,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml tests/loaders/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,demo,serving,docs]'
+	$(PY) -m pip install -q -e '.[test,export,eval,demo,serving,docs]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
 	@rm -f $(DEMO_STAMP)
 	@touch $(STAMP)
@@ -43,7 +43,7 @@ serving-env: $(TRITON_STAMP)
 # into the package (scikit-build-core: a C++17 compiler and CMake; the ONNX Runtime headers come once from npm).
 # Where that build fails, it says so and installs the pure-Python package: the demo then times the ONNX function
 # body, and `attncal demo` prints which one ran.
-$(DEMO_STAMP): pyproject.toml $(wildcard plugins/*.txt plugins/*/*.h plugins/*/*.cc plugins/*/*.cu plugins/*/*.cmake)
+$(DEMO_STAMP): pyproject.toml $(wildcard plugins/*.txt plugins/*/*.h plugins/*/*.cc plugins/*/*.cu plugins/*/*.cmake plugins/*/*/*.h plugins/*/*/*.cuh plugins/*/*/*.cc plugins/*/*/*.cu plugins/*/*/*.def)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q '.[demo]' || { \
@@ -74,9 +74,13 @@ wheel: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair dist/raw/attncal-*.whl --exclude libscipy_openblas.so -w dist
 	rm -rf dist/raw
 
-# On a GPU machine with torch and nvcc: kernel correctness, bandwidth and torch timing.
+# On a GPU machine with a CUDA build of torch and nvcc: the GPU correctness suite (tests/gpu, marker `gpu`;
+# JUnit report in results/gpu_tests.xml), then the timing (results/gpu_check.json).  The timing runs even
+# when a test fails; the target fails if either did.
 gpu-check: $(STAMP)
-	$(PY) benchmarks/gpu_check.py --json results/gpu_check.json
+	@mkdir -p results
+	$(PY) -m pytest -q -m gpu -rs tests/gpu --junitxml=results/gpu_tests.xml; status=$$?; \
+	$(PY) benchmarks/gpu_check.py --json results/gpu_check.json || status=1; exit $$status
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/calibration_overhead.py

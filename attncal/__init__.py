@@ -8,51 +8,34 @@ The short public API::
     report = check("out/")                   # attncal.runtime.parity.check_parity
     get_library_path()                       # the packaged ONNX Runtime custom-op library (attncal.native)
 
-Every name but `__version__` and the `get_*_path` functions is imported on first use, so `import attncal`
+Every name but `__version__` and the `get_*_path` functions is imported on first use (`lazy_loader`, as in
+`attncal.calibration` and `attncal.graphs`), so `import attncal`
 loads neither torch (the calibration math, about 3 s on a 2-core machine) nor ONNX Runtime nor the exporter:
 commands that do not need them (`attncal --help`, `attncal inspect`) start without them.
-`encode_corpus` needs the `attncal.corpus` package.  `export` is the `attncal.export` package, which is callable
-(see attncal/export/__init__.py), so `attncal.export.exporter` keeps working.  The deep module
-paths keep working.
+`export` is the `attncal.export` package, which is callable (see attncal/export/__init__.py: a package
+cannot also be a function, and `attncal.export.exporter` must stay importable).  The deep module paths keep
+working.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import lazy_loader
 
 from .native import get_cuda_library_path, get_library_path, get_tensorrt_plugin_path
 
 __version__ = "0.1.0"
 
-_LAZY = {  # public name -> (module, attribute)
-    "CalibrationConfig": ("attncal.calibration.config", "CalibrationConfig"),
-    "apply": ("attncal.calibration.efficient", "apply"),
-    "calibrate": ("attncal.calibration.patching", "calibrate"),
-    "compute_geometry": ("attncal.calibration.efficient", "compute_geometry"),
-    "encode_torch": ("attncal.calibration.encode", "encode_torch"),
-    "reference": ("attncal.calibration.oracle", "reference"),
-    "ExportOptions": ("attncal.export.exporter", "ExportOptions"),
-    "Encoder": ("attncal.runtime.encoder", "Encoder"),
-    "check": ("attncal.runtime.parity", "check_parity"),
-    "ArtifactError": ("attncal.artifact", "ArtifactError"),
-    "encode_corpus": ("attncal.corpus", "encode_corpus"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'attncal' has no attribute {name!r}")
-    module_name, attr = _LAZY[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise AttributeError(f"attncal.{name} needs the {module_name} package, which is not installed") from None
-    value = getattr(module, attr)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+__getattr__, _lazy_dir, _ = lazy_loader.attach(__name__, submodules=["export"], submod_attrs={
+    "artifact": ["ArtifactError"],
+    "calibration": ["CalibrationConfig", "apply", "calibrate", "compute_geometry", "encode_torch", "reference"],
+    "corpus": ["encode_corpus"],
+    "export.plan": ["ExportOptions"],
+    "runtime.encoder": ["Encoder"],
+    "runtime.parity": ["check"],
+})
+del _  # __all__ is below: the lazy names and the eager ones
 
 
 if TYPE_CHECKING:  # what type checkers and editors see
@@ -63,13 +46,13 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .calibration.oracle import reference
     from .calibration.patching import calibrate
     from .corpus import encode_corpus
-    from .export.exporter import ExportOptions
+    from .export.plan import ExportOptions
     from .runtime.encoder import Encoder
-    from .runtime.parity import check_parity as check
+    from .runtime.parity import check
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_lazy_dir()))
 
 
 __all__ = ["ArtifactError", "CalibrationConfig", "Encoder", "ExportOptions", "apply", "calibrate", "check",

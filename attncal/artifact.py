@@ -33,7 +33,8 @@ import hashlib
 import json
 import os
 import stat
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -195,21 +196,62 @@ def config_int(export_dir: Path, key: str) -> int:
 # -- attncal.json ---------------------------------------------------------------------------------
 
 _NONE = type(None)
-_REQUIRED: dict[str, tuple[type, ...]] = {
-    "format": (int,), "calibrated": (bool,), "pooling": (str,), "calibrated_layers": (list,),
-}
-_REQUIRED_V2: dict[str, tuple[type, ...]] = {
-    "model_type": (str,), "num_layers": (int,), "inputs": (list,), "padding_side": (str,), "files": (list,),
-}
-_OPTIONAL: dict[str, tuple[type, ...]] = {
-    "config": (dict, _NONE), "source_model": (str, _NONE), "model_type": (str,), "num_layers": (int,),
-    "max_seq_length": (int, _NONE), "padding_side": (str,), "inputs": (list,), "outputs": (list,),
-    "opset": (int,), "exporter": (str,), "placement": (str, _NONE), "placement_reason": (str, _NONE),
-    "graphs": (dict,), "op_type": (str, _NONE), "op_attributes": (dict, _NONE), "fp16": (bool,),
-    "parity": (dict, _NONE), "normalize": (bool,), "versions": (dict,), "files": (list,),
-    "architecture": (str,), "tested": (bool,), "optimizer": (str, _NONE), "quantization": (dict, _NONE),
-    "export_steps": (list,), "memory_estimate": (dict,),
-}
+
+
+@dataclass
+class ExportMetadata:
+    """`attncal.json`: what an export holds and how it was made.  `format` is the schema version; the
+    fields are written in this order, and their types are what `validate_metadata` checks."""
+
+    calibrated: bool
+    config: dict | None  # CalibrationConfig.to_dict() of a calibrated export
+    calibrated_layers: list
+    op_type: str | None
+    op_attributes: dict | None
+    source_model: str | None
+    model_type: str
+    architecture: str
+    tested: bool  # an architecture outside modelinfo.TESTED_MODEL_TYPES exports labelled untested
+    num_layers: int
+    pooling: str
+    normalize: bool
+    max_seq_length: int | None
+    padding_side: str
+    inputs: list
+    outputs: list
+    opset: int
+    exporter: str
+    placement: str | None
+    placement_reason: str | None
+    optimizer: str | None  # why there is no ORT-optimized graph, or what its optimizer fused
+    graphs: dict  # graph file -> placement, runtime, fused attention, parity, ...
+    fp16: bool
+    fp16_method: str | None
+    quantization: dict | None
+    files: list
+    versions: dict
+    parity: dict | None
+    memory_estimate: dict
+    export_steps: list | None = None  # written once the export's steps have run
+    format: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        out = {"format": self.format}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "format" and not (f.name == "export_steps" and value is None):
+                out[f.name] = value
+        return out
+
+
+def _hint_types(hint: Any) -> tuple[type, ...]:
+    return tuple(_NONE if t is None else t for t in (typing.get_args(hint) or (hint,)))
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    name: _hint_types(hint) for name, hint in typing.get_type_hints(ExportMetadata).items()}
+_REQUIRED = ("format", "calibrated", "pooling", "calibrated_layers")
+_REQUIRED_V2 = ("model_type", "num_layers", "inputs", "padding_side", "files")
 
 
 def _type_name(types: tuple[type, ...]) -> str:
@@ -238,11 +280,11 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
         raise ArtifactError(path, f"unknown export format version {fmt}; this attncal reads formats "
                                   f"{', '.join(map(str, SUPPORTED_FORMATS))}"
                                   + ("; upgrade attncal or re-export" if newer else "; re-export the model"))
-    required = dict(_REQUIRED, **(_REQUIRED_V2 if fmt >= 2 else {}))
+    required = _REQUIRED + (_REQUIRED_V2 if fmt >= 2 else ())
     missing = [k for k in required if k not in meta]
     if missing:
         raise ArtifactError(path, f"missing key(s) {', '.join(map(repr, missing))} (format {fmt})")
-    for key, types in {**_OPTIONAL, **required}.items():
+    for key, types in _FIELD_TYPES.items():
         if key in meta and not _is(meta[key], types):
             raise ArtifactError(path, f"key {key!r} must be {_type_name(types)}, got {meta[key]!r:.80}")
     if not all(_is(x, (int,)) for x in meta["calibrated_layers"]):
@@ -286,8 +328,10 @@ def read_metadata(out_dir: str | os.PathLike) -> dict:
     return validate_metadata(read_json(path, "attncal metadata"), path)
 
 
-def write_metadata(out_dir: str | os.PathLike, meta: dict) -> Path:
+def write_metadata(out_dir: str | os.PathLike, meta: dict | ExportMetadata) -> Path:
     """Validate and write `attncal.json` (atomically); `format` defaults to FORMAT_VERSION."""
+    if isinstance(meta, ExportMetadata):
+        meta = meta.to_dict()
     meta.setdefault("format", FORMAT_VERSION)
     path = Path(out_dir) / METADATA_FILE
     validate_metadata(meta, path)

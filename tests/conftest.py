@@ -1,4 +1,7 @@
-"""Shared fixtures: random attention tensors with left/right padding, tiny model directories."""
+"""Shared fixtures and hooks: tiny model directories, the shared torch.onnx exports, the suite's file order.
+
+The helpers that build random masks, tensors and calibration cases are in tests/support (`support.*`),
+shared with the GPU tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -6,13 +9,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+import torch  # noqa: F401  (loaded before any test module and the native libraries it loads)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -119,42 +121,6 @@ def shared_raw_exports(tmp_path_factory):
         yield root
 
 
-def random_mask(rng: random.Random, B: int, K: int, left: bool, min_len: int = 0) -> torch.Tensor:
-    """A [B,K] mask with one contiguous run per row (right or left padding)."""
-    mask = torch.zeros(B, K, dtype=torch.long)
-    for b in range(B):
-        n = rng.randint(min(min_len, K), K)
-        if left:
-            mask[b, K - n :] = 1
-        else:
-            mask[b, :n] = 1
-    return mask
-
-
-def random_probs(gen: torch.Generator, mask: torch.Tensor, H: int, dtype=torch.float64, temp: float = 2.0) -> torch.Tensor:
-    """Post-softmax attention [B,H,K,K] with masked keys at exactly 0 (fully masked rows all 0)."""
-    B, K = mask.shape
-    logits = torch.randn(B, H, K, K, generator=gen, dtype=torch.float64) * temp
-    logits = logits.masked_fill(mask[:, None, None, :] == 0, float("-inf"))
-    return torch.softmax(logits, -1).nan_to_num(0.0).to(dtype)
-
-
-def random_scores(gen: torch.Generator, mask: torch.Tensor, H: int, dtype=torch.float32, temp: float = 2.0,
-                  Q: int | None = None) -> torch.Tensor:
-    """Attention scores [B,H,Q,K] (the input of the attention Softmax) as encoders build them: logits
-    plus an additive mask of the dtype's lowest value at masked keys (fully masked rows all equal)."""
-    B, K = mask.shape
-    logits = torch.randn(B, H, K if Q is None else Q, K, generator=gen, dtype=torch.float64) * temp
-    return logits.to(dtype).masked_fill(mask[:, None, None, :] == 0, torch.finfo(dtype).min)
-
-
-def softmax_reference(scores: torch.Tensor, mask: torch.Tensor, rc) -> torch.Tensor:
-    """The fused ops' spec in float64: the oracle applied to Softmax(scores)."""
-    from attncal.calibration import reference
-
-    return reference(torch.softmax(scores.double(), -1), mask, rc)
-
-
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """One saved random-weight model directory per architecture (built once per test session)."""
@@ -163,23 +129,3 @@ def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {a: save_synthetic_model(a, root / a, seed=1, max_positions=256) for a in ARCHITECTURES}
 
-
-def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
-    """[B,Q] bool: which query rows the spec calibrates (derived from the spec, not from an implementation)."""
-    B, K = mask.shape
-    out = torch.zeros(B, K, dtype=torch.bool)
-    if rc.strength == 0:
-        return out
-    for b in range(B):
-        idx = mask[b].nonzero().flatten()
-        if len(idx) == 0:
-            continue
-        start, end = int(idx[0]), int(idx[-1])
-        C = end - start + 1 - rc.n_isolated  # the span's length: a hole inside it still counts
-        if C <= 0 or (rc.skip_short and C < rc.basket_size):
-            continue
-        if rc.all_rows:
-            out[b, start : end + 1] = True
-        else:
-            out[b, end if rc.pool_last else start] = True
-    return out

@@ -155,8 +155,8 @@ def test_layering_artifact_below_export_graphs_runtime():
         for f in (ROOT / "attncal" / sub).glob("*.py"):
             bad = {n for n in _imports(f) if n.startswith("attncal.export")}
             assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
-    # console (third-party chatter off the console) sits beside artifact: cli and export both use it
-    assert all(n.startswith("attncal.artifact") for n in _imports(ROOT / "attncal/console.py"))
+    # library_output (third-party chatter off the console) sits beside artifact: cli and export both use it
+    assert all(n.startswith("attncal.artifact") for n in _imports(ROOT / "attncal/library_output.py"))
     code = "import sys, attncal.artifact; print(sorted(m for m in sys.modules if m.startswith('attncal.')))"
     mods = _fresh_python(code)
     assert "attncal.export" not in mods and "attncal.runtime" not in mods

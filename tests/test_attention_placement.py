@@ -21,7 +21,7 @@ from attncal.artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
 from attncal.export.exporter import ExportError, ExportOptions, export
-from attncal.graphs import attention_placement, projected_attention_placement
+from attncal.graphs import placements
 from attncal.graphs.attention_placement import AttentionPlacementError
 from attncal.graphs.projected_attention_placement import ProjectedAttentionPlacementError
 from attncal.graphs.placements import plan
@@ -143,7 +143,7 @@ def test_refusals_say_why_and_leave_the_graph_unchanged(exports, tmp_path):
     cfg = CalibrationConfig(pooling="mean", basket_size=BASKET)
     plain = ir.load(out / PORTABLE_GRAPH)
     with pytest.raises(AttentionPlacementError, match="fused com.microsoft::Attention nodes, and this graph has none"):
-        attention_placement.place(plain, cfg, 2)
+        placements.get("attention").place(plain, cfg, 2)
     uncal = tmp_path / "uncal"
     export(src, uncal, ExportOptions(calibrate=False, exporter="torchscript", check=False), quiet=True)
     model = ir.load(uncal / OPTIMIZED_GRAPH)
@@ -151,10 +151,10 @@ def test_refusals_say_why_and_leave_the_graph_unchanged(exports, tmp_path):
     model.graph.outputs.append(atts[-1].outputs[0])  # the last layer's context is now a graph output
     before = ir.to_proto(model).SerializeToString()
     with pytest.raises(AttentionPlacementError, match="is a graph output; cannot rewire it"):
-        attention_placement.place(model, cfg, len(atts))
+        placements.get("attention").place(model, cfg, len(atts))
     assert ir.to_proto(model).SerializeToString() == before
     with pytest.raises(ProjectedAttentionPlacementError, match="is a graph output; cannot rewire it"):
-        projected_attention_placement.place(model, cfg, len(atts))
+        placements.get("projected-attention").place(model, cfg, len(atts))
     assert ir.to_proto(model).SerializeToString() == before
     for placement, opts, why in (
             ("attention", dict(fp16=True), "--placement attention with --fp16: use --placement auto"),

@@ -1,11 +1,11 @@
-"""The one native definition of the ai.attncal attributes (plugins/kernels/attncal_attributes.def) and
+"""The one native definition of the ai.attncal attributes (plugins/kernels/common/attncal_attributes.def) and
 the parser generated from it:
 
 * the table agrees with attncal.graphs.contract (names in order, types, which ops take each, only
   `layer` optional), and no other native file under plugins/ spells an attribute's name as a string;
-* the ctypes mirror of AttncalParams (attncal.runtime.attributes_def, used by benchmarks/gpu_check.py)
-  is built from the table and has the C struct's layout (a small C++ program compiled with g++ prints
-  the offsets);
+* the ctypes mirror of AttncalParams (attncal.runtime.attributes_def, used through tests/support/cuda.py by
+  the GPU tests and benchmarks/gpu_check.py) is built from the table and has the C struct's layout (a
+  small C++ program compiled with g++ prints the offsets);
 * ONNX Runtime, through the custom-op library, refuses malformed nodes with a message naming the
   field: `strength` missing with a stray `pool_last` in its place (the case a count of the fields
   seen accepted), ill-typed, foreign fields; a duplicated attribute is refused by ONNX Runtime's own
@@ -69,27 +69,22 @@ def test_attribute_names_are_spelled_in_one_native_file():
     literal = re.compile(rf'"({names})\b')
     hits = []
     for path in sorted((ROOT / "plugins").rglob("*")):
-        if path.suffix in {".h", ".cc", ".cpp", ".cu", ".def", ".txt", ".cmake"} and path.is_file():
+        if path.suffix in {".h", ".cc", ".cpp", ".cu", ".cuh", ".def", ".txt", ".cmake"} and path.is_file():
             hits += [f"{path.relative_to(ROOT)}:{m.group(0)}" for m in literal.finditer(path.read_text())]
     assert hits == []
-    assert all(re.search(rf"^ATTNCAL_ATTR\({n},", (KERNELS / "attncal_attributes.def").read_text(), re.M)
+    assert all(re.search(rf"^ATTNCAL_ATTR\({n},", (KERNELS / "common" / "attncal_attributes.def").read_text(), re.M)
                for n in contract.ATTRIBUTES)
 
 
 def test_ctypes_mirror_is_built_from_the_def():
-    import sys
+    from support import cuda
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    assert gpu_check.Params is attributes_def.params_structure()
+    assert cuda.Params is attributes_def.params_structure()
     rows = attributes_def.attributes()
     expected = (["all_rows"] + [r.name for r in rows if r.type == "INT"] + [r.name for r in rows if r.type == "FLOAT"])
-    assert [n for n, _ in gpu_check.Params._fields_] == expected
+    assert [n for n, _ in cuda.Params._fields_] == expected
     rc = CalibrationConfig(pooling="cls", strength=0.25).resolve()
-    p = gpu_check.params_of(rc)
+    p = cuda.params_of(rc)
     assert (p.all_rows, p.strength, p.basket_size, p.pool_last) == (0, 0.25, rc.basket_size, int(rc.pool_last))
     with pytest.raises(KeyError, match="strenght"):
         attributes_def.make_params(False, {"strenght": 0.5})
@@ -104,12 +99,12 @@ def test_ctypes_mirror_has_the_c_layout(tmp_path):
     src.write_text("""
 #include <cstddef>
 #include <cstdio>
-#include "attncal_params.h"
+#include "common/attncal_params.h"
 int main() {
   std::printf("all_rows %zu %zu\\n", offsetof(AttncalParams, all_rows), sizeof(AttncalParams::all_rows));
 #define ATTNCAL_ATTR(name, type, ops, presence, dflt) \\
   std::printf(#name " %zu %zu\\n", offsetof(AttncalParams, name), sizeof(AttncalParams::name));
-#include "attncal_attributes.def"
+#include "common/attncal_attributes.def"
 #undef ATTNCAL_ATTR
   std::printf("sizeof %zu 0\\n", sizeof(AttncalParams));
 }

@@ -26,8 +26,10 @@ from attncal.graphs.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTI
                                      takes_scores, with_attention)
 from attncal.graphs.function_body import make_function
 from attncal.graphs.single_op import single_op_model
-from test_calibration_math import random_config
-from test_native_kernel import mixed_mask
+from support.cases import random_config
+from support.masks import mixed_mask
+from support.oracle_loop import attention_oracle_errors, random_attention_batch
+from support.tensors import plain_attention, random_qkv
 
 LOWEST = float(np.finfo(np.float32).min)
 
@@ -40,50 +42,6 @@ def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
 
 def feeds(q, k, v, mask) -> dict:
     return {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(), "attention_mask": mask.numpy()}
-
-
-def item_mask(rng: random.Random, B: int, K: int) -> torch.Tensor:
-    """Each item its own length (0 included: an item with no valid key) and padding side, no holes."""
-    return mixed_mask(rng, B, K, holes=0.0)
-
-
-def random_qkv(gen: torch.Generator, B: int, S_q: int, S_k: int, N: int, D: int, D_v: int, dtype, temp: float,
-               dead: tuple[int, int] | None = None, exact: bool = False):
-    """Q [B,S_q,N*D] (times `temp`), K [B,S_k,N*D], V [B,S_k,N*D_v] uniform in [-2, 2] (|context| < 2,
-    so a float16 context is within 2^-11 of the exact one).  `dead`: keys [lo, hi) whose scores are
-    exactly -3e4·scale in every head, far below every other key's (the last column of each head of q
-    is 1; k is (0, ..., 0, -3e4) there, its last column 0 elsewhere): exp gives exactly 0 in float32
-    and float64, so their baskets are empty (an item whose valid keys are all dead: uniform over them).
-    `exact`: q and k on a grid of 1/8 (|q| <= 8, |k| <= 4), so that with a power-of-two scale the
-    float32 scores are exact (every product and partial sum fits in float32's 24 bits)."""
-    q = torch.randn(B, S_q, N, D, generator=gen, dtype=torch.float64) * temp
-    k = torch.randn(B, S_k, N, D, generator=gen, dtype=torch.float64)
-    v = torch.rand(B, S_k, N * D_v, generator=gen, dtype=torch.float64) * 4 - 2
-    if exact:
-        q, k = (q * 8).round().clamp(-64, 64) / 8, (k * 8).round().clamp(-32, 32) / 8
-    if dead is not None and D >= 2:
-        q[..., -1] = 1.0
-        k[..., -1] = 0.0
-        k[:, dead[0]:dead[1]] = 0.0
-        k[:, dead[0]:dead[1], :, -1] = -3e4  # their scores are exactly -3e4·scale (no rounding)
-    return (q.reshape(B, S_q, N * D).to(dtype), k.reshape(B, S_k, N * D).to(dtype), v.to(dtype))
-
-
-def score_rounding(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, N: int, scale: float) -> torch.Tensor:
-    """[B]: a first-order bound δ on the float32 rounding error of the body's scores at the valid keys,
-    2^-24·((D + 1)·Σ_i |q_i·scale|·|k_i| + |s|): the scaled query (one rounding per term), the dot
-    product of D terms (γ_D) and the scale itself when it is 1/sqrt(D).  The body computes the scores
-    in float32 (the contract), the oracle in float64 from the same inputs; every calibrated weight is
-    a ratio of exponentials of these scores (softmax, basket masses, the blend's normalisations), so
-    each moves by a relative ≤ ~6δ and the context, a convex combination of V, by ≤ 6δ·2·max|v|."""
-    B, S_q, _ = q.shape
-    qh = q.double().reshape(B, S_q, N, -1).transpose(1, 2)
-    kh = k.double().reshape(B, k.shape[1], N, -1).transpose(1, 2)
-    D = qh.shape[-1]
-    qh = qh * (scale if scale != 0 else 1.0 / np.sqrt(D))
-    bound = (D + 1) * (qh.abs() @ kh.abs().transpose(-1, -2)) + (qh @ kh.transpose(-1, -2)).abs()
-    bound = bound.masked_fill(mask[:, None, None, :] == 0, 0.0)
-    return bound.amax(dim=(1, 2, 3)) * 2.0 ** -24
 
 
 def random_attention_spec(rng: random.Random, baskets: list[int], max_heads: int):
@@ -213,17 +171,9 @@ def test_function_body_matches_oracle(float16, n_configs, tol):
         for _ in range(3):
             K = rng.randint(1, 16 if rc.all_rows else 40)
             B = rng.randint(4, 12)
-            mask = item_mask(rng, B, K)
-            q1 = not rc.all_rows and rng.random() < 0.3  # the single query is the pooling token's
-            lo = rng.randrange(K)
-            dead = (lo, lo + 2 * S) if rng.random() < 0.25 and D >= 2 else None
-            q, k, v = random_qkv(gen, B, 1 if q1 else K, K, N, D, D_v, dtype, temp=rng.choice([0.5, 1.0, 3.0]),
-                                 dead=dead, exact=exact)
+            mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.0)
             (out,) = sess.run(None, feeds(q, k, v, mask))
-            ref = attention_reference(q, k, v, mask, rc, N, scale).numpy()
-            assert out.shape == ref.shape and out.dtype == (np.float16 if float16 else np.float32)
-            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2))
-            rounding = np.zeros(B) if exact else (12 * score_rounding(q, k, mask, N, scale) * float(v.abs().max())).numpy()
+            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16)
             bound = tol + rounding
             assert np.all(err <= bound), (float(err.max()), spec, K, int(np.argmax(err / bound)), bound.max())
             worst, cases, runs = max(worst, float(err.max())), cases + B, runs + 1
@@ -261,13 +211,7 @@ def test_fully_masked_item_gives_mean_of_value_and_padding_rows_plain_attention(
     mean_v = v[2].double().mean(0).numpy()  # [N*D_v]: per head, the mean over all 7 keys
     assert np.abs(out[2] - mean_v[None, :]).max() <= tol
     assert np.abs(ref[2] - mean_v[None, :]).max() <= 1e-12
-    # Plain attention (no calibration) over the valid keys, float64.
-    qh = q.double().reshape(4, 7, N, D).transpose(1, 2)
-    kh = k.double().reshape(4, 7, N, D).transpose(1, 2)
-    vh = v.double().reshape(4, 7, N, D_v).transpose(1, 2)
-    s = (qh @ kh.transpose(-1, -2)) / np.sqrt(D)
-    plain = torch.softmax(s.masked_fill(MASK[:, None, None, :] == 0, float("-inf")), -1) @ vh
-    plain = plain.transpose(1, 2).reshape(4, 7, N * D_v).numpy()
+    plain = plain_attention(q, k, v, MASK, N).numpy()  # no calibration, over the valid keys, float64
     for b, rows in ((1, [4, 5, 6]), (3, [0, 1])):  # padding query rows
         assert np.abs(out[b, rows] - plain[b, rows]).max() <= tol
     calibrated = {"cls": [(0, 0), (1, 0), (3, 2)], "last": [(0, 6), (1, 3), (3, 6)],
@@ -341,7 +285,7 @@ def test_node_copied_with_other_attributes_computes_its_own_contract():
     model.ir_version = 10
     onnx.checker.check_model(model, full_check=True)
     gen = torch.Generator().manual_seed(8)
-    mask = item_mask(random.Random(8), 5, 16)
+    mask = mixed_mask(random.Random(8), 5, 16, holes=0.0)
     q, k = torch.randn(5, 16, 12, generator=gen) * 2, torch.randn(5, 16, 12, generator=gen)
     v = torch.rand(5, 16, 6, generator=gen) * 4 - 2
     a, b = plain_session(model).run(None, feeds(q, k, v, mask))

@@ -1,4 +1,4 @@
-"""The native CPU kernel of the calibrated attention ops (plugins/kernels/calibrated_attention_cpu.h
+"""The native CPU kernel of the calibrated attention ops (plugins/kernels/cpu/calibrated_attention.h
 through the ORT library): >= 20,000 random cases per dtype against the float64 oracle, every weight
 mode and isolation, both padding sides and holes, partial and empty baskets, Q = 1, items with no
 valid key, fp16; bit-identical results at 1, 2 and 4 threads; NaN rules; clear refusals of bad
@@ -20,8 +20,11 @@ from attncal.calibration import CalibrationConfig
 from attncal.calibration.oracle import attention_reference
 from attncal.graphs.contract import attention_op_spec
 from attncal.graphs.single_op import single_op_model
-from test_calibrated_attention import feeds, random_attention_spec, random_qkv, score_rounding, tally
-from test_native_kernel import library, mixed_mask  # noqa: F401  (library: the built-library fixture)
+from support.masks import mixed_mask
+from support.oracle_loop import attention_oracle_errors, random_attention_batch, run_oracle_loop
+from support.tensors import random_qkv
+from test_calibrated_attention import feeds, random_attention_spec, tally
+from test_native_kernel import library  # noqa: F401  (the built-library fixture)
 
 
 @pytest.fixture(scope="module")
@@ -46,40 +49,39 @@ def test_kernel_matches_oracle_on_20000_cases(library, attention_count, float16,
     rng = random.Random(2201 + float16)
     gen = torch.Generator().manual_seed(22)
     dtype = torch.float16 if float16 else torch.float32
-    cases, runs, worst, worst_exact, before = 0, 0, 0.0, 0.0, attention_count()
-    seen = {k: 0 for k in ("cls", "last", "mean", "left", "right", "holes", "empty_item", "partial",
-                           "empty_basket", "q1", "lambda0", "skip_short", "iso_first", "iso_last", "equal",
-                           "original", "fixed", "scale0", "exact_scores", "multi_block")}
-    while cases < 20000:
+    before = attention_count()
+    worst_exact = 0.0
+
+    def configure():
         S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8, 16], max_heads=2)
-        sess = session(single_op_model(spec, float16=float16), library, threads=2)
-        for _ in range(3):
-            # Long rows now and then: more than one block of query rows per head (the kernel's unit; the
-            # per-row float64 oracle makes them slow, and test_threads_give_identical_bits has more).
-            # Mean pooling calibrates every row, cls/last one: the oracle's cost sets the lengths.
-            K = rng.randint(1, 12 if rc.all_rows else 32) if rng.random() < 0.98 else rng.randint(280, 320)
-            B = rng.randint(8, 24) if K < 100 else 1
-            mask = mixed_mask(rng, B, K, holes=0.15)
-            q1 = not rc.all_rows and rng.random() < 0.3
-            lo = rng.randrange(K)
-            dead = (lo, lo + 2 * S) if rng.random() < 0.25 and D >= 2 else None
-            q, k, v = random_qkv(gen, B, 1 if q1 else K, K, N, D, D_v, dtype, temp=rng.choice([0.5, 1.0, 3.0]),
-                                 dead=dead, exact=exact)
-            (out,) = sess.run(None, feeds(q, k, v, mask))
-            ref = attention_reference(q, k, v, mask, rc, N, scale).numpy()
-            assert out.shape == ref.shape and out.dtype == (np.float16 if float16 else np.float32)
-            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2))
-            rounding = np.zeros(B) if exact else (12 * score_rounding(q, k, mask, N, scale) * float(v.abs().max())).numpy()
-            assert np.all(err <= tol + rounding), (float(err.max()), spec, K, int(np.argmax(err - rounding)))
-            cases, runs, worst = cases + B, runs + 1, max(worst, float(err.max()))
-            if exact:
-                worst_exact = max(worst_exact, float(err.max()))
-                seen["exact_scores"] += B
-            seen["multi_block"] += B * (K >= 280)
-            tally(seen, rc, mask, S, dead, q1, scale)
-    assert attention_count() - before == runs, "every run must execute the native kernel"
-    print(f"\ncalibrated attention kernel {'fp16' if float16 else 'fp32'}: {cases} cases in {runs} runs, max abs "
-          f"err {worst:.3g} ({worst_exact:.3g} with exact float32 scores), {seen}")
+        return S, N, D, D_v, exact, scale, rc, spec, session(single_op_model(spec, float16=float16), library, threads=2)
+
+    def run(config, seen):
+        nonlocal worst_exact
+        S, N, D, D_v, exact, scale, rc, spec, sess = config
+        # Long rows now and then: more than one block of query rows per head (the kernel's unit; the
+        # per-row float64 oracle makes them slow, and test_threads_give_identical_bits has more).
+        # Mean pooling calibrates every row, cls/last one: the oracle's cost sets the lengths.
+        K = rng.randint(1, 12 if rc.all_rows else 32) if rng.random() < 0.98 else rng.randint(280, 320)
+        B = rng.randint(8, 24) if K < 100 else 1
+        mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.15)
+        (out,) = sess.run(None, feeds(q, k, v, mask))
+        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16)
+        assert np.all(err <= tol + rounding), (float(err.max()), spec, K, int(np.argmax(err - rounding)))
+        if exact:
+            worst_exact = max(worst_exact, float(err.max()))
+            seen["exact_scores"] += B
+        seen["multi_block"] += B * (K >= 280)
+        tally(seen, rc, mask, S, dead, q1, scale)
+        return B, float(err.max())
+
+    loop = run_oracle_loop(20000, configure, run, runs_per_config=3, seen=(
+        "cls", "last", "mean", "left", "right", "holes", "empty_item", "partial", "empty_basket", "q1", "lambda0",
+        "skip_short", "iso_first", "iso_last", "equal", "original", "fixed", "scale0", "exact_scores", "multi_block"))
+    assert attention_count() - before == loop.runs, "every run must execute the native kernel"
+    print(f"\ncalibrated attention kernel {'fp16' if float16 else 'fp32'}: {loop.cases} cases in {loop.runs} runs, max "
+          f"abs err {loop.worst:.3g} ({worst_exact:.3g} with exact float32 scores), {loop.seen}")
+    seen = loop.seen
     multi_block = seen.pop("multi_block")
     assert min(seen.values()) >= 40 and multi_block >= 10, (seen, multi_block)
 

@@ -11,30 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attncal.calibration import CalibrationConfig, apply, compute_geometry, reference
-from conftest import calibrated_rows, random_mask, random_probs
+from support.cases import calibrated_rows, random_config
+from support.masks import random_mask
+from support.tensors import random_probs
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3}
 N_CASES = {torch.float64: 14_000, torch.float32: 4_000, torch.float16: 2_000}
-
-
-def random_config(rng: random.Random, S: int) -> CalibrationConfig:
-    kw: dict = {}
-    if rng.random() < 0.3:
-        kw["isolate_first"] = rng.random() < 0.5
-    if rng.random() < 0.3:
-        kw["isolate_last"] = rng.random() < 0.5
-    for name in ("first_weight", "last_weight"):
-        if rng.random() < 0.25:
-            kw[name] = rng.choice(["equal", "original", round(rng.uniform(0, 0.45), 3)])
-    return CalibrationConfig(
-        variant=rng.choice(["uniform", "cls-soft", "cls-hard"]),
-        strength=rng.choice([0.0, 1.0, rng.random(), rng.random()]),
-        basket_size=S,
-        pooling=rng.choice(["cls", "last", "mean"]),
-        self_weight=round(rng.uniform(0, 0.5), 3),
-        skip_short=rng.random() < 0.5,
-        **kw,
-    )
 
 
 def run_case(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, stats: dict) -> None:

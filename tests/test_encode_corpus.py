@@ -113,8 +113,11 @@ def test_each_format_matches_encoder_and_manifest(fmt, tiny_export, rows, refere
     assert m["attncal_version"] == attncal.__version__
     assert m["config_hash"] == "sha256:" + hashlib.sha256((tiny_export / "attncal.json").read_bytes()).hexdigest()
     assert m["model"]["calibrated"] is True and m["model"]["dimension"] == reference.shape[1]
-    assert m["input"]["files"][0]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    # the fingerprint is made of listings (name, size, modification time): no input byte is hashed for it
+    st = src.stat()
+    assert m["input"]["files"][0]["size"] == st.st_size and m["input"]["files"][0]["mtime_ns"] == st.st_mtime_ns
     assert m["input"]["fingerprint"].startswith("sha256:") and m["options"]["shard_size"] == 70
+    assert m["layout"] == "sequential" and m["input"]["files"][0]["rows"] == len(rows)
 
 
 def test_multiple_files_workers_and_windows(tiny_export, rows, reference, tmp_path):
@@ -199,6 +202,23 @@ def _encode_cmd(export: Path, src: Path, out: Path, *extra: str) -> list[str]:
             "--batch-size", "8", "--window", "32", "--shard-size", "100", "-q", *extra]
 
 
+def sigkill_after_shards(cmd: list[str], env: dict, out, shards: int, endpoint: str | None = None) -> dict | None:
+    """Run `cmd` and SIGKILL it once the manifest of `out` (a path or URI) lists `shards` shards; return
+    the manifest it left."""
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            m = load_manifest(out, endpoint=endpoint)
+            if m and len(m["shards"]) >= shards:
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    return load_manifest(out, endpoint=endpoint)
+
+
 def test_resume_after_sigkill_gives_identical_output(tiny_export, tmp_path):
     """Kill a run with SIGKILL after some shards are complete; --resume completes it; the result is
     byte-for-byte the shards of an uninterrupted run (ids, order, embeddings) with no row lost or doubled."""
@@ -208,18 +228,7 @@ def test_resume_after_sigkill_gives_identical_output(tiny_export, tmp_path):
     full = tmp_path / "full"
     subprocess.run(_encode_cmd(tiny_export, src, full), check=True, env=env, timeout=300)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_encode_cmd(tiny_export, src, killed), env=env)
-    deadline = time.time() + 120
-    try:
-        while time.time() < deadline:
-            m = load_manifest(killed) if (killed / "manifest.json").exists() else None
-            if m and len(m["shards"]) >= 3:
-                break
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    m = load_manifest(killed)
+    m = sigkill_after_shards(_encode_cmd(tiny_export, src, killed), env, killed, 3)
     assert m is not None and not m["complete"] and 3 <= len(m["shards"]) < 60, "the kill must land mid-run"
     subprocess.run(_encode_cmd(tiny_export, src, killed, "--resume"), check=True, env=env, timeout=300)
     a, b = load_manifest(full), load_manifest(killed)
@@ -258,12 +267,39 @@ def run_encode(request, engine: str, export: Path, src, out: Path, **kw):
         faulthandler.cancel_dump_traceback_later()
 
 
+def assert_layout(m: dict) -> None:
+    """What the manifest of either layout guarantees: shards of at most shard_size rows, listed in
+    input order, each with the number of rows before it.  Sequential: shard k holds rows
+    [k * size, (k + 1) * size).  Pieces (ray): the shards of piece P are part-P-000, part-P-001, ...,
+    all full but the last, the pieces in order."""
+    size = m["options"]["shard_size"]
+    firsts = [sum(s["rows"] for s in m["shards"][:k]) for k in range(len(m["shards"]))]
+    assert [s["first_row"] for s in m["shards"]] == firsts and sum(s["rows"] for s in m["shards"]) == m["rows"]
+    assert all(0 < s["rows"] <= size for s in m["shards"])
+    if m["layout"] == "sequential":
+        assert all(s["rows"] == size for s in m["shards"][:-1])
+        return
+    keys = [tuple(int(x) for x in s["file"][len("part-"):-len(".parquet")].split("-")) for s in m["shards"]]
+    assert keys == sorted(keys) and [k[0] for k in keys] == [s["piece"] for s in m["shards"]]
+    for k, s in enumerate(m["shards"][:-1]):
+        assert keys[k + 1] == (keys[k][0], keys[k][1] + 1) or keys[k + 1][1] == 0
+        assert s["rows"] == size or keys[k + 1][1] == 0
+    assert [d["piece"] for d in m["pieces"]] == list(range(m["plan"]["pieces"]))
+
+
 def assert_same_output(a: Path, b: Path) -> None:
     """Two engines' outputs of one input: the same skip list (file, line, id, reason) in the manifest
-    and skipped.jsonl, the same shards (rows, ids, order) and embeddings within TOL."""
+    and skipped.jsonl, the same rows (ids, order) with embeddings within TOL, each output laid out as
+    its layout promises, and the very same shards where both have the same layout."""
     ma, mb = load_manifest(a), load_manifest(b)
-    assert ma["skip_list"] == mb["skip_list"] and ma["skipped"] == mb["skipped"]
+    assert ma["skip_list"] == mb["skip_list"] and ma["skipped"] == mb["skipped"] and ma["rows"] == mb["rows"]
     assert (a / "skipped.jsonl").read_bytes() == (b / "skipped.jsonl").read_bytes()
+    (ida, ea), (idb, eb) = read_embeddings(a), read_embeddings(b)
+    assert ida == idb and np.abs(ea - eb).max() <= TOL
+    assert_layout(ma)
+    assert_layout(mb)
+    if ma["layout"] != mb["layout"]:
+        return
     assert [(s["file"], s["rows"], s["first_row"]) for s in ma["shards"]] == \
         [(s["file"], s["rows"], s["first_row"]) for s in mb["shards"]]
     for s in ma["shards"]:
@@ -277,10 +313,12 @@ ENGINES = ["local", "ray"]  # triton reads with the local readers (`_windows`); 
 
 
 def test_ray_pieces_parse_like_the_local_reader(tmp_path, monkeypatch):
-    """The Ray engine's pieces (byte ranges, row groups, whole CSV files), parsed one by one as Ray's
-    map step does, give exactly the local reader's valid rows and bad rows, however finely cut."""
+    """The Ray engine's pieces (byte ranges planned from the size alone, row groups, whole CSV files),
+    parsed one by one as its actors do, give exactly the local reader's valid rows and bad rows, however
+    finely cut; a JSON-lines piece's line numbers, shifted by the lines of the pieces before it (or
+    counted by `lines_before`), are the file's."""
     from attncal.corpus import inputs
-    from attncal.corpus.inputs import InputFile, Piece, plan_pieces, read_chunks, read_piece
+    from attncal.corpus.inputs import Piece, lines_before, plan_pieces, read_chunks, read_piece, rebase, resolve_inputs
 
     src, _ = bad_jsonl(tmp_path / "bad.jsonl", make_rows(60))
     with open(src, "ab") as f:
@@ -294,38 +332,64 @@ def test_ray_pieces_parse_like_the_local_reader(tmp_path, monkeypatch):
     p = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"id": [f"p{i}" if i % 7 else None for i in range(200)], "text": ["t"] * 200}), p,
                    row_group_size=30)
-    files = [InputFile(src, "jsonl"), InputFile(uni, "jsonl"), InputFile(c, "csv"), InputFile(p, "parquet")]
+    files = resolve_inputs([src, uni, c, p])
 
     def rows_of(chunks):
         chunks = list(chunks)
         return [x for ch in chunks for x in ch.ids], [x for ch in chunks for x in ch.texts], \
             [b for ch in chunks for b in ch.bad]
 
-    for size in (inputs.JSON_CHUNK_BYTES, 700, 1):
-        monkeypatch.setattr(inputs, "JSON_CHUNK_BYTES", size)
+    def pieces_rows(pieces):
+        ids, texts, bad, before = [], [], [], 0
+        for x in pieces:
+            if x.format == "jsonl":
+                assert lines_before(x) == before, (x.offset, before)
+            got = list(read_piece(x, "text", "id"))
+            i, t, b = rows_of(got)
+            ids, texts, bad = ids + i, texts + t, bad + (rebase(b, before) if x.format == "jsonl" else b)
+            before += sum(ch.lines for ch in got)
+        return ids, texts, bad
+
+    for piece_bytes, chunk_bytes in ((1 << 20, inputs.JSON_CHUNK_BYTES), (700, 300), (97, 1 << 20), (7, 50)):
+        monkeypatch.setattr(inputs, "JSON_CHUNK_BYTES", chunk_bytes)
         for f in files:
-            pieces = [Piece.from_json(x.to_json()) for x in plan_pieces(f)]  # as they travel through Ray
-            assert rows_of(read_chunks(f, "text", "id")) == \
-                rows_of(ch for x in pieces for ch in read_piece(x, "text", "id")), (size, f)
-            assert size > 1 or f.format == "csv" or len(pieces) >= 2
+            pieces = [Piece.from_json(x.to_json()) for x in plan_pieces(f, piece_bytes)]  # as they travel to actors
+            assert rows_of(read_chunks(f, "text", "id")) == pieces_rows(pieces), (piece_bytes, f)
+            assert piece_bytes > 50 or f.format == "csv" or len(pieces) >= 2
+            if f.format != "parquet":
+                assert sum(x.nbytes for x in pieces) == f.size
     ids, _, bad = rows_of(read_chunks(files[1], "text", "id"))
     assert ids == ["a"] and [(b.line, b.id, b.reason) for b in bad] == [
         (2, None, "not UTF-8 (byte 24)"), (3, "c", "field 'text' is not valid UTF-8 (lone surrogate)")]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_bad_rows_fail_then_skip(engine, request, tiny_export, rows, reference, tmp_path, capsys):
-    """One error policy on every engine: `fail` names the same first bad row before anything is
-    written; `skip` leaves out and names the same rows, and the good rows' shards are the same."""
+def test_bad_rows_fail_then_skip(engine, request, tiny_export, rows, reference, tmp_path, capsys, monkeypatch):
+    """One error policy on every engine: `fail` names the same first bad row and leaves no output
+    (local: refused before anything is written; ray: stopped when an actor meets it, what was written
+    removed); `skip` leaves out and names the same rows, and the good rows are the same.  On Ray the
+    skip run is cut into pieces of 600 bytes, so most bad rows are in a piece that numbers its lines
+    from 1 and the driver's line shift is what names them."""
+    from attncal.corpus import api
+
+    if engine == "ray":
+        request.getfixturevalue("ray_session")
+        capsys.readouterr()  # what starting Ray printed
     src, bad_lines = bad_jsonl(tmp_path / "bad.jsonl", rows[:40])
     out = tmp_path / "out"
-    with pytest.raises(CorpusInputError, match=r"^7 bad row\(s\), first .*bad\.jsonl:3: invalid JSON"):
-        encode_corpus(tiny_export, src, out, engine=engine, **SMALL)
-    assert not out.exists()  # refused before anything was written
+    if engine == "local":  # (Ray's is the command below: each Ray run starts its actors, seconds here)
+        with pytest.raises(CorpusInputError, match=r"^7 bad row\(s\), first .*bad\.jsonl:3: invalid JSON"):
+            encode_corpus(tiny_export, src, out, engine=engine, **SMALL)
+        assert not out.exists()  # refused before anything was written
     code = main(["encode", str(tiny_export), "--input", str(src), "--output", str(out), "-q", "--engine", engine])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and not out.exists() and len(err.splitlines()) == 1
+    assert code == 2 and not out.exists() and len(err.splitlines()) == 1, (err, out.exists() and list(out.iterdir()))
     assert f"7 bad row(s), first {src}:3: invalid JSON" in err
+    if engine == "ray":
+        monkeypatch.setattr(api, "PIECE_BYTES", 600)
+        with pytest.raises(CorpusInputError, match=r"^(at least )?\d+ bad row\(s\), first .*bad\.jsonl:(\d+): ") as exc:
+            run_encode(request, engine, tiny_export, src, out)
+        assert int(exc.value.args[0].split("bad.jsonl:")[1].split(":")[0]) in bad_lines and not out.exists()
 
     res = run_encode(request, engine, tiny_export, src, out, on_error="skip")
     m = load_manifest(out)
@@ -344,6 +408,7 @@ def test_bad_rows_fail_then_skip(engine, request, tiny_export, rows, reference, 
     ref = {r["id"]: reference[i] for i, r in enumerate(rows)}
     assert np.abs(emb - np.stack([ref[i] for i in ids])).max() <= TOL
     if engine != "local":
+        assert len(m["pieces"]) >= 8
         run_encode(request, "local", tiny_export, src, tmp_path / "local", on_error="skip")
         assert_same_output(tmp_path / "local", out)
 
@@ -352,8 +417,9 @@ def test_bad_rows_fail_then_skip(engine, request, tiny_export, rows, reference, 
 def test_bad_rows_csv_and_parquet(engine, request, tiny_export, tmp_path):
     c = tmp_path / "bad.csv"
     c.write_bytes(b'id,text\nc1,hello\nc2\nc3,"two\nlines"\nc4,caf\xe9\nc5,fine\n')
-    with pytest.raises(CorpusInputError, match=r"2 bad row\(s\), first .*bad\.csv:3: missing field 'text'"):
-        encode_corpus(tiny_export, c, tmp_path / "o1", engine=engine, **SMALL)
+    if engine == "local":  # Ray's `fail` is test_bad_rows_fail_then_skip's
+        with pytest.raises(CorpusInputError, match=r"2 bad row\(s\), first .*bad\.csv:3: missing field 'text'"):
+            encode_corpus(tiny_export, c, tmp_path / "o1", engine=engine, **SMALL)
     p = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"id": ["p1", None, "p3"], "text": ["a", "b", None]}), p)
     # both files in one run (the ray engine reads mixed formats too): one Ray pipeline, not two
@@ -367,11 +433,20 @@ def test_bad_rows_csv_and_parquet(engine, request, tiny_export, tmp_path):
         run_encode(request, "local", tiny_export, [c, p], tmp_path / "local", on_error="skip")
         assert_same_output(tmp_path / "local", tmp_path / "o1")
     pq.write_table(pa.table({"id": [1], "body": [b"x"]}), tmp_path / "wrong.parquet")
-    with pytest.raises(CorpusInputError, match="no column 'text'"):
+    with pytest.raises(CorpusInputError, match="no column 'text'"):  # on Ray: raised in an actor, the same error
         encode_corpus(tiny_export, tmp_path / "wrong.parquet", tmp_path / "o3", engine=engine, **SMALL)
+    assert not (tmp_path / "o3").exists()
 
 
-def test_ray_engine_on_local_2cpu_instance(request, tiny_export, rows, reference, tmp_path):
+def test_ray_engine_on_local_2cpu_instance_and_resume(request, tiny_export, rows, reference, tmp_path, monkeypatch):
+    """Parquet and JSON lines in one Ray run, cut into pieces of 4 KiB: the local engine's rows in the
+    cluster layout.  Then a run interrupted after three pieces (Ctrl-C in the driver) commits them,
+    and --resume encodes only the other pieces: the manifest and every shard equal the uninterrupted
+    run's."""
+    from attncal.corpus import api
+    from attncal.corpus.progress import Progress
+
+    monkeypatch.setattr(api, "PIECE_BYTES", 4096)
     d = tmp_path / "in"
     d.mkdir()
     write_parquet(d / "a.parquet", rows[:120])
@@ -379,16 +454,34 @@ def test_ray_engine_on_local_2cpu_instance(request, tiny_export, rows, reference
     out = tmp_path / "ray"
     res = run_encode(request, "ray", tiny_export, d, out, workers=2)
     m = assert_matches(out, rows, reference)
-    assert m["engine"]["name"] == "ray" and res.rows == len(rows)
+    assert m["engine"]["name"] == "ray" and res.rows == len(rows) and m["plan"]["pieces"] >= 6
     local = tmp_path / "local"
     encode_corpus(tiny_export, d, local, **SMALL)
     assert_same_output(local, out)
-    # JSON lines with integer ids and rows without text: Ray drops the same rows the scan skips
-    j = tmp_path / "c.jsonl"
-    j.write_text("".join(json.dumps({"id": i, "text": r["text"] if i % 50 else None}) + "\n"
-                         for i, r in enumerate(rows)))
-    run_encode(request, "ray", tiny_export, j, tmp_path / "ray-json", on_error="skip")
-    ids, emb = read_embeddings(tmp_path / "ray-json")
-    keep = [i for i in range(len(rows)) if i % 50]
-    assert ids == [str(i) for i in keep] and np.abs(emb - reference[keep]).max() <= TOL
-    assert len(load_manifest(tmp_path / "ray-json")["skip_list"]) == len(rows) - len(keep)
+
+    class Interrupted(Progress):
+        def update(self, *args, **kw):
+            super().update(*args, **kw)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+
+    calls: list = []
+    monkeypatch.setattr(api, "Progress", Interrupted)
+    stopped = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        run_encode(request, "ray", tiny_export, d, stopped, workers=2)
+    part = load_manifest(stopped)
+    assert not part["complete"] and len(part["pieces"]) == 3 and part["plan"] == m["plan"]
+    assert {s["file"] for s in part["shards"]} <= {p.name for p in stopped.iterdir()}
+    with pytest.raises(ValueError, match="unfinished encode run"):
+        read_embeddings(stopped)
+    monkeypatch.setattr(api, "Progress", Progress)
+    res = run_encode(request, "ray", tiny_export, d, stopped, workers=2, resume=True)
+    again = load_manifest(stopped)
+    assert again["runs"] == 2 and res.resumed_from == sum(x["rows"] for x in part["pieces"]) > 0
+    assert res.rows_this_run == len(rows) - res.resumed_from
+    for key in ("shards", "pieces", "plan", "skip_list", "rows", "input"):
+        assert again[key] == m[key], key
+    assert_same_output(out, stopped)
+    assert sorted(p.name for p in stopped.iterdir()) == sorted(p.name for p in out.iterdir())

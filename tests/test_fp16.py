@@ -63,7 +63,7 @@ def test_fp16_export_writes_optimized_graphs_with_fp32_calibration(tmp_path, cap
     assert graphs["onnx/model.onnx"]["placement"] == "softmax"
     assert graphs["onnx/model_optimized.onnx"]["placement"] == optimized
     assert graphs["onnx/model_optimized_native.onnx"]["placement"] == "attention"
-    prefix = placements.get(optimized).FLOAT32_NODES
+    prefix = placements.get(optimized).float32_nodes
     assert graphs["onnx/model_optimized.onnx"]["float32_nodes"] > 0 and prefix
     assert graphs["onnx/model_optimized_native.onnx"]["float32_nodes"] == 0
     for name, g in graphs.items():
@@ -120,7 +120,7 @@ def test_on_disk_conversion_is_the_converters_graph_weight_for_weight(tmp_path, 
                                                   exporter="torchscript"), quiet=True)
     graph = tmp_path / "e" / "onnx" / "model_optimized.onnx"
     prefix = placements.get(json.loads((tmp_path / "e" / "attncal.json").read_text())["graphs"][
-        "onnx/model_optimized.onnx"]["placement"]).FLOAT32_NODES
+        "onnx/model_optimized.onnx"]["placement"]).float32_nodes
     staged = stage_onnx(ir.load(graph), tmp_path / "stage" / "model.onnx")
     in_memory, kept_a = convert_to_fp16(onnx.load(str(staged)), prefix)  # every weight read into the proto
     assert any(t.data_location == onnx.TensorProto.EXTERNAL

@@ -15,8 +15,9 @@ from attncal.calibration import CalibrationConfig, reference
 from attncal.graphs.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, VERSION, op_spec, resolved_from_attrs
 from attncal.graphs.function_body import make_function
 from attncal.graphs.single_op import single_op_model
-from conftest import calibrated_rows, random_mask, random_probs
-from test_calibration_math import random_config
+from support.cases import calibrated_rows, random_config
+from support.masks import random_mask
+from support.tensors import random_probs
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

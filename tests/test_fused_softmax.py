@@ -23,9 +23,12 @@ from attncal.graphs.fused_softmax_placement import fuse_softmax
 from attncal.graphs.function_body import make_function
 from attncal.graphs.rewrite import remove_calibration
 from attncal.graphs.single_op import single_op_model
-from conftest import calibrated_rows, random_mask, random_scores, softmax_reference
-from test_calibration_math import random_config
-from test_native_kernel import counters, library, mixed_mask, session  # noqa: F401 (fixtures)
+from support.cases import random_config
+from support.masks import mixed_mask, random_mask
+from support.oracle_loop import (random_calibration_batch, random_calibration_op, run_oracle_loop,
+                                 tally_calibration_items)
+from support.tensors import random_scores, softmax_reference
+from test_native_kernel import counters, library, session  # noqa: F401 (fixtures)
 
 
 def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -49,15 +52,6 @@ def test_contract_pairs_each_op_with_its_fused_form():
     assert resolved_from_attrs(spec.op_type, spec.attrs) == rc
     fn = make_function(SOFTMAX_ALL_ROWS_OP, 18)
     assert list(fn.input) == ["scores", "attention_mask"] and fn.node[0].op_type == "Softmax"
-
-
-def test_exporter_and_cli_offer_every_registered_placement():
-    """The exporter's light-weight list (used by the CLI without importing the graph modules) is the
-    registry's."""
-    from attncal.export.exporter import PLACEMENTS
-    from attncal.graphs.placements import CHOICES
-
-    assert PLACEMENTS == CHOICES and "fused-softmax" in CHOICES
 
 
 @pytest.mark.parametrize("float16,n_configs,tol", [(False, 120, 1e-6), (True, 60, 2e-3)], ids=["fp32", "fp16"])
@@ -93,38 +87,36 @@ def test_native_fused_kernel_matches_oracle_on_20000_cases(library, counters, fl
     rng = random.Random(4401 + float16)
     gen = torch.Generator().manual_seed(44)
     dtype = torch.float16 if float16 else torch.float32
-    cases, worst, runs, before = 0, 0.0, 0, counters["compute"]()
-    seen = {"q1": 0, "left": 0, "right": 0, "partial": 0, "all_rows": 0, "pooled": 0, "lambda0": 0}
-    while cases < 20000:
-        S = rng.choice([1, 2, 3, 4, 5, 8, 16])
-        spec = op_spec(random_config(rng, S).resolve(), layer=rng.randint(0, 30), fused_softmax=True)
-        rc = resolved_from_attrs(spec.op_type, spec.attrs)
-        sess = session(single_op_model(spec, float16=float16), library)
-        for _ in range(2):
-            K = rng.randint(1, 16 if rc.all_rows else 48)
-            B = rng.randint(16, 40)
-            mask = mixed_mask(rng, B, K)
-            q1 = not rc.all_rows and rng.random() < 0.3  # Q == 1: the single row is the pooling row
-            scores = random_scores(gen, mask, 1 if rc.all_rows else rng.randint(1, 2), dtype,
-                                   temp=rng.choice([0.5, 2.0, 6.0]), Q=1 if q1 else None)
-            if rng.random() < 0.2:  # keys whose exp is exactly 0 in any precision: empty baskets
-                scores[..., rng.randrange(K):][..., : 2 * S] -= 1e4
-                scores.clamp_(min=torch.finfo(dtype).min)  # masked keys stay at the lowest value
-            (out,) = sess.run(None, {"scores": scores.numpy(), "attention_mask": mask.numpy()})
-            ref = softmax_reference(scores, mask, rc).numpy()
-            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2, 3))
-            assert err.max() <= tol, (float(err.max()), spec, K, int(err.argmax()))
-            lengths = mask.sum(1)
-            seen["q1"] += B * q1
-            seen["left"] += int((mask[:, -1] == 1).sum())
-            seen["right"] += int(((mask[:, 0] == 1) & (mask[:, -1] == 0)).sum())
-            seen["partial"] += int(((lengths - rc.n_isolated) % S != 0).sum())
-            seen["all_rows" if rc.all_rows else "pooled"] += B
-            seen["lambda0"] += B * (rc.strength == 0)
-            worst, cases, runs = max(worst, float(err.max())), cases + B, runs + 1
-    assert counters["compute"]() - before == runs, "every run must execute the native kernel"
-    print(f"\nfused {'fp16' if float16 else 'fp32'}: {cases} cases in {runs} runs, max abs err {worst:.3g}, {seen}")
-    assert min(seen.values()) > 1000, seen
+    before = counters["compute"]()
+
+    def configure():
+        S, spec, rc = random_calibration_op(rng, fused_softmax=True)
+        return S, spec, rc, session(single_op_model(spec, float16=float16), library)
+
+    def run(config, seen):
+        S, spec, rc, sess = config
+        B, K, mask = random_calibration_batch(rng, rc)
+        q1 = not rc.all_rows and rng.random() < 0.3  # Q == 1: the single row is the pooling row
+        scores = random_scores(gen, mask, 1 if rc.all_rows else rng.randint(1, 2), dtype,
+                               temp=rng.choice([0.5, 2.0, 6.0]), Q=1 if q1 else None)
+        if rng.random() < 0.2:  # keys whose exp is exactly 0 in any precision: empty baskets
+            scores[..., rng.randrange(K):][..., : 2 * S] -= 1e4
+            scores.clamp_(min=torch.finfo(dtype).min)  # masked keys stay at the lowest value
+        (out,) = sess.run(None, {"scores": scores.numpy(), "attention_mask": mask.numpy()})
+        ref = softmax_reference(scores, mask, rc).numpy()
+        err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2, 3))
+        assert err.max() <= tol, (float(err.max()), spec, K, int(err.argmax()))
+        seen["q1"] += B * q1
+        tally_calibration_items(seen, mask, rc, S)
+        seen["lambda0"] += B * (rc.strength == 0)
+        return B, float(err.max())
+
+    loop = run_oracle_loop(20000, configure, run, runs_per_config=2,
+                           seen=("q1", "left", "right", "partial", "all_rows", "pooled", "lambda0"))
+    assert counters["compute"]() - before == loop.runs, "every run must execute the native kernel"
+    print(f"\nfused {'fp16' if float16 else 'fp32'}: {loop.cases} cases in {loop.runs} runs, max abs err "
+          f"{loop.worst:.3g}, {loop.seen}")
+    assert min(loop.seen.values()) > 1000, loop.seen
 
 
 def scores_then_op(spec, float16: bool) -> onnx.ModelProto:

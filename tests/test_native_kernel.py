@@ -1,4 +1,4 @@
-"""The native CPU kernel (plugins/kernels/calibration_cpu.h through the ORT
+"""The native CPU kernel (plugins/kernels/cpu/row_calibration.h through the ORT
 library): >= 20,000 random cases per dtype against the float64 oracle, thread
 count independence, in place vs out of place, and the subnormal fixed weight.
 Many cases share one session run (a batch of items with their own masks)."""
@@ -20,8 +20,11 @@ from attncal.calibration import CalibrationConfig, reference
 from attncal.graphs.contract import DOMAIN, VERSION, op_spec, resolved_from_attrs
 from attncal.graphs.single_op import single_op_model
 from attncal.runtime import oplib
-from conftest import random_probs
-from test_calibration_math import random_config
+from support.cases import calibrated_rows
+from support.masks import mixed_mask
+from support.oracle_loop import (random_calibration_batch, random_calibration_op, run_oracle_loop,
+                                 tally_calibration_items)
+from support.tensors import random_probs
 
 
 @pytest.fixture(scope="module")
@@ -66,41 +69,6 @@ def softmax_then_op(spec, float16: bool) -> onnx.ModelProto:
     return m
 
 
-def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
-    """[B,Q=K] bool: the rows the spec calibrates (the valid span counts holes, as the oracle does)."""
-    B, K = mask.shape
-    out = torch.zeros(B, K, dtype=torch.bool)
-    for b in range(B):
-        idx = mask[b].nonzero().flatten()
-        if rc.strength == 0 or len(idx) == 0:
-            continue
-        start, end = int(idx[0]), int(idx[-1])
-        C = end - start + 1 - rc.n_isolated
-        if C <= 0 or (rc.skip_short and C < rc.basket_size):
-            continue
-        if rc.all_rows:
-            out[b, start:end + 1] = True
-        else:
-            out[b, end if rc.pool_last else start] = True
-    return out
-
-
-def mixed_mask(rng: random.Random, B: int, K: int, holes: float = 0.1) -> torch.Tensor:
-    """Each item its own length (0 included) and padding side (left or right); with probability
-    `holes` a hole inside the span (no random draw for it when `holes` is 0)."""
-    mask = torch.zeros(B, K, dtype=torch.long)
-    for b in range(B):
-        n = rng.randint(0, K)
-        if rng.random() < 0.5:
-            mask[b, K - n:] = 1
-        else:
-            mask[b, :n] = 1
-        if holes and n > 4 and rng.random() < holes:
-            idx = mask[b].nonzero().flatten()
-            mask[b, int(idx[rng.randrange(1, n - 1)])] = 0
-    return mask
-
-
 @pytest.mark.parametrize("float16,tol", [(False, 1e-6), (True, 2e-3)], ids=["fp32", "fp16"])
 def test_kernel_matches_oracle_on_20000_cases(library, counters, float16, tol):
     """A case is one batch item (its own mask, padding side and length) under one attribute set,
@@ -108,41 +76,38 @@ def test_kernel_matches_oracle_on_20000_cases(library, counters, float16, tol):
     rng = random.Random(1201 + float16)
     gen = torch.Generator().manual_seed(12)
     dtype = torch.float16 if float16 else torch.float32
-    cases, worst, runs, before = 0, 0.0, 0, counters["compute"]()
-    seen = {"q1": 0, "left": 0, "right": 0, "partial": 0, "all_rows": 0, "pooled": 0}
-    while cases < 20000:
-        S = rng.choice([1, 2, 3, 4, 5, 8, 16])
-        rc = random_config(rng, S).resolve()
-        spec = op_spec(rc, layer=rng.randint(0, 30))
-        rc = resolved_from_attrs(spec.op_type, spec.attrs)
-        sess = session(single_op_model(spec, float16=float16), library)
-        for _ in range(2):
-            K = rng.randint(1, 16 if rc.all_rows else 48)
-            B = rng.randint(16, 40)
-            mask = mixed_mask(rng, B, K)
-            probs = random_probs(gen, mask, 1 if rc.all_rows else rng.randint(1, 2), dtype,
-                                 temp=rng.choice([0.5, 2.0, 6.0]))
-            if not rc.all_rows and rng.random() < 0.3:  # Q == 1: the single row is the pooling row
-                probs = probs[:, :, rng.randrange(K): , :][:, :, :1, :].contiguous()
-                seen["q1"] += B
-            if rng.random() < 0.2:
-                probs[..., rng.randrange(K):][..., : 2 * S] = 0  # empty baskets
-            (out,) = sess.run(None, {"probs": probs.numpy(), "attention_mask": mask.numpy()})
-            ref = reference(probs.double(), mask, rc).numpy()
-            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2, 3))
-            assert err.max() <= tol, (float(err.max()), spec, K, int(err.argmax()))
-            if probs.shape[2] == K:  # rows the spec leaves alone are bit-identical
-                untouched = (~calibrated_rows(mask, rc))[:, None, :].expand(out.shape[:3]).numpy()
-                assert np.array_equal(out[untouched].view(np.uint8), probs.numpy()[untouched].view(np.uint8))
-            lengths = mask.sum(1)
-            seen["left"] += int((mask[:, -1] == 1).sum())
-            seen["right"] += int(((mask[:, 0] == 1) & (mask[:, -1] == 0)).sum())
-            seen["partial"] += int(((lengths - rc.n_isolated) % S != 0).sum())
-            seen["all_rows" if rc.all_rows else "pooled"] += B
-            worst, cases, runs = max(worst, float(err.max())), cases + B, runs + 1
-    assert counters["compute"]() - before == runs, "every run must execute the native kernel"
-    print(f"\n{'fp16' if float16 else 'fp32'}: {cases} cases in {runs} runs, max abs err {worst:.3g}, {seen}")
-    assert min(seen.values()) > 1000, seen
+    before = counters["compute"]()
+
+    def configure():
+        S, spec, rc = random_calibration_op(rng)
+        return S, spec, rc, session(single_op_model(spec, float16=float16), library)
+
+    def run(config, seen):
+        S, spec, rc, sess = config
+        B, K, mask = random_calibration_batch(rng, rc)
+        probs = random_probs(gen, mask, 1 if rc.all_rows else rng.randint(1, 2), dtype,
+                             temp=rng.choice([0.5, 2.0, 6.0]))
+        if not rc.all_rows and rng.random() < 0.3:  # Q == 1: the single row is the pooling row
+            probs = probs[:, :, rng.randrange(K): , :][:, :, :1, :].contiguous()
+            seen["q1"] += B
+        if rng.random() < 0.2:
+            probs[..., rng.randrange(K):][..., : 2 * S] = 0  # empty baskets
+        (out,) = sess.run(None, {"probs": probs.numpy(), "attention_mask": mask.numpy()})
+        ref = reference(probs.double(), mask, rc).numpy()
+        err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2, 3))
+        assert err.max() <= tol, (float(err.max()), spec, K, int(err.argmax()))
+        if probs.shape[2] == K:  # rows the spec leaves alone are bit-identical
+            untouched = (~calibrated_rows(mask, rc))[:, None, :].expand(out.shape[:3]).numpy()
+            assert np.array_equal(out[untouched].view(np.uint8), probs.numpy()[untouched].view(np.uint8))
+        tally_calibration_items(seen, mask, rc, S)
+        return B, float(err.max())
+
+    loop = run_oracle_loop(20000, configure, run, runs_per_config=2,
+                           seen=("q1", "left", "right", "partial", "all_rows", "pooled"))
+    assert counters["compute"]() - before == loop.runs, "every run must execute the native kernel"
+    print(f"\n{'fp16' if float16 else 'fp32'}: {loop.cases} cases in {loop.runs} runs, max abs err {loop.worst:.3g}, "
+          f"{loop.seen}")
+    assert min(loop.seen.values()) > 1000, loop.seen
 
 
 @pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])

@@ -16,11 +16,16 @@ tested by tests/cpp/trt_attention_host_test.cpp: creators and field names, attri
 refusals (num_heads, scale), the attribute round trip, output types (float, half, bfloat16) and
 shapes, format combinations, run-time shape refusals, workspace size, a clean enqueue error.  No
 libnvinfer: the test binaries provide getPluginRegistry.  The headers are read in place, never
-copied into the repository; without the setting the tests skip and say how to provide them."""
+copied into the repository; without the setting the tests skip and say how to provide them.
+
+Also here, needing only g++: the host test of the CUDA launchers' shared-memory choices
+(plugins/kernels/cuda/launch_config.h; tests/cpp/launch_config_test.cpp), which both plugins' launchers
+make before every launch."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,7 +74,8 @@ def launcher(tmp_path_factory) -> tuple[list[str], list[str]]:
     for name in ("calibration_cuda.cu", "calibrated_attention_cuda.cu"):  # one arch: this is a host test
         obj = out / name.replace(".cu", ".o")
         subprocess.run([nvcc, "-std=c++17", "-O2", "-c", "-Xcompiler", "-fPIC", "-gencode",
-                        "arch=compute_80,code=sm_80", "-I", str(KERNELS), str(KERNELS / name), "-o", str(obj)],
+                        "arch=compute_80,code=sm_80", "-I", str(KERNELS), str(KERNELS / "cuda" / name),
+                        "-o", str(obj)],
                        check=True, capture_output=True, text=True, timeout=300)
         objs.append(str(obj))
     lib_dirs = [d for d in (cuda / "lib64", cuda / "lib", cuda / "targets/x86_64-linux/lib") if d.is_dir()]
@@ -134,3 +140,18 @@ def test_trt_attention_plugin_host(version, request, tmp_path):
         for strength in ("0.5", "0.0"):
             assert f"{op} (strength {strength}): enqueue without a GPU: returned" in out
     assert out.count("clean error") == 4
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++)")
+def test_cuda_launch_config_host(tmp_path):
+    """The tiled attention kernel's configuration for the shared-memory opt-in limits of sm_80, sm_86,
+    sm_89 and sm_90, head sizes 32..256 and every dtype: it fits, it is the largest that fits, sm_80 and
+    sm_90 keep the kernel's designed configuration and sm_86 / sm_89 never fall back to the per-row
+    kernel for a head the tiled kernel serves; the per-row and calibration kernels fit any shape."""
+    exe = tmp_path / "launch_config_test"
+    cmd = ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I", str(KERNELS),
+           str(CPP / "launch_config_test.cpp"), "-o", str(exe)]
+    out = _build_and_run(cmd, exe)
+    m = re.search(r"^(\d+) choices checked, 0 failure\(s\)$", out, re.M)
+    assert m, out
+    assert int(m.group(1)) > 4 * 3 * 225 * 2, out  # every device, dtype, head size and block class at least

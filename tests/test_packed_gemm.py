@@ -1,4 +1,4 @@
-"""The packed-weight projection GEMM (plugins/kernels/packed_gemm_cpu.h) on its own: both micro-kernels
+"""The packed-weight projection GEMM (plugins/kernels/cpu/packed_gemm.h) on its own: both micro-kernels
 (AVX-512 and AVX2, each where this CPU runs it) against a float64 reference on shapes that cut every
 block short, and identical results whichever row and panel tiles compute them (tests/cpp/packed_gemm_test.cpp).
 The ONNX Runtime op that uses it is tested in test_projected_attention.py."""

@@ -16,6 +16,8 @@ Two graph families, a few nodes per layer:
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -26,6 +28,7 @@ from attncal import CalibrationConfig
 from attncal.graphs import placements
 from attncal.graphs.builder import Ops
 from attncal.graphs.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, SOFTMAX_ALL_ROWS_OP
+from attncal.graphs.placement_base import PRECISIONS, PlacementPlan, Refusal
 from attncal.graphs.rewrite import insert_calibration, remove_calibration
 from attncal.graphs.row_placement import RowPlacementError
 from attncal.graphs.softmax_pattern import SoftmaxPatternError
@@ -333,3 +336,70 @@ def test_removal_of_a_calibration_that_is_a_graph_output_is_refused_before_any_e
     assert_refused_unchanged(remove_calibration, model, SoftmaxPatternError,
                              r"the output p1_attncal of calibration node attncal_AllRowsCalibration_layer1 is a graph "
                              r"output")
+
+
+# ---------------------------------------------------------------------------------------------
+# The protocol: every placement's check makes no edit; the registry is the one list of names
+# ---------------------------------------------------------------------------------------------
+# Each tiny graph and the placements that take it: the plain graph every placement but the two that rewrite
+# ONNX Runtime's fused attention, the fused graph the reverse; a defect in layer 1 is refused by the rules that
+# meet it (the walk back from a Softmax stops at a Tanh; a past state is no encoder layer).
+CHECK_CASES = {
+    "plain": (plain_model, {}, {"softmax", "fused-softmax", "row", "split"}),
+    "plain-tanh": (plain_model, dict(before_softmax="Tanh"), {"softmax", "fused-softmax"}),
+    "fused": (fused_model, {}, {"row", "split", "attention", "projected-attention"}),
+    "fused-past": (fused_model, dict(past=True), set()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECK_CASES))
+@pytest.mark.parametrize("name", sorted(placements.PLACEMENTS))
+def test_every_placement_checks_without_editing(name, case):
+    """`check` leaves the model's bytes and readers as they were, accepted or refused (the plain rules'
+    checks run ONNX shape inference and take it off again); its refusal is what `place` raises, and its
+    plan applies to the model it checked."""
+    make, options, accepting = CHECK_CASES[case]
+    placement = placements.get(name)
+    config = ROW if name == "row" else SPLIT
+    model = make(**options)
+    before = snapshot(model)
+    outcome = placement.check(model, config, LAYERS)
+    after = snapshot(model)
+    assert after[1] == before[1], f"{name}'s check left readers behind on the {case} graph"
+    assert after[0] == before[0], f"{name}'s check edited the {case} graph"
+    if name not in accepting:
+        assert isinstance(outcome, Refusal), outcome
+        assert_refused_unchanged(lambda m: place(name, m, config), model, outcome.error, re.escape(outcome.message))
+    else:
+        assert isinstance(outcome, PlacementPlan), outcome
+        assert placement.apply(model, outcome).layers == [0, 1]
+        check_valid(model)
+
+
+def test_plan_refuses_the_precisions_a_placement_does_not_list():
+    rc = CalibrationConfig(pooling="cls").resolve()
+    for name, placement in placements.PLACEMENTS.items():
+        for precision in sorted(PRECISIONS - placement.precisions):
+            with pytest.raises(ValueError, match=f"a {precision} export"):
+                placements.plan(name, rc, precision)
+        for precision in sorted(placement.precisions):
+            assert placements.plan(name, rc, precision).optimized == name
+
+
+def test_the_registry_is_the_one_list_of_placement_names():
+    """The command lines' `--placement` choices and the exporter's are the registry's own tuple, not a copy,
+    and the registry has one placement for each name of `placement_names`."""
+    import argparse
+
+    from attncal.cli import bench as bench_cli
+    from attncal.cli import export as export_cli
+    from attncal.export import exporter
+    from attncal.graphs import placement_names
+
+    assert tuple(placements.PLACEMENTS) == placement_names.NAMES
+    assert placements.CHOICES is placement_names.CHOICES and exporter.PLACEMENTS is placements.CHOICES
+    for cli in (export_cli, bench_cli):
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        [choices] = [a.choices for a in parser._actions if "--placement" in a.option_strings]
+        assert choices is placements.CHOICES, cli.__name__

@@ -23,8 +23,9 @@ from attncal.calibration import CalibrationConfig, reference
 from attncal.graphs.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, VERSION, op_spec, resolved_from_attrs
 from attncal.graphs.single_op import single_op_model
 from attncal.runtime import oplib
-from conftest import calibrated_rows, random_mask, random_probs
-from test_calibration_math import random_config
+from support.cases import calibrated_rows, random_config
+from support.masks import random_mask
+from support.tensors import random_probs
 
 
 @pytest.fixture(scope="module")
@@ -244,5 +245,5 @@ def test_gpu_check_rejects_bad_arguments():
     import gpu_check
 
     with pytest.raises(SystemExit) as exc:
-        gpu_check.main(["--cases", "0"])
+        gpu_check.main(["--arch", "0"])  # an architecture below sm_50: refused
     assert exc.value.code == 2

@@ -20,7 +20,8 @@ from onnx import numpy_helper
 from attncal.graphs.contract import attention_op_spec
 from attncal.graphs.single_op import single_op_model
 from test_calibrated_attention import random_attention_spec
-from test_native_kernel import library, mixed_mask  # noqa: F401  (library: the built-library fixture)
+from support.masks import mixed_mask
+from test_native_kernel import library  # noqa: F401  (the built-library fixture)
 from test_packed_gemm import packed_kernels
 
 

@@ -1,19 +1,27 @@
-"""int8 exports: ONNX Runtime's dynamic quantization of every graph, calibration kept in fp32, parity judged by
-cosine to the fp32 PyTorch reference with per-precision tolerances."""
+"""int8 exports: dynamic quantization of every graph, calibration kept in fp32, parity judged by cosine to the
+fp32 PyTorch reference with per-precision tolerances; attncal's streamed quantizer against ONNX Runtime's
+`quantize_dynamic` (the reference, here only), graph for graph, weight for weight, output for output."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from attncal import CalibrationConfig
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
 from attncal.export.exporter import ExportOptions, export
-from attncal.export.quantize import weight_nodes
+from attncal import artifact
+from attncal.artifact import DIGEST_KEY, external_data_name, load_onnx_checked
+from attncal.export import quantize
+from attncal.export.quantize import quantize_graph, weight_nodes
 from attncal.graphs.contract import DOMAIN
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
@@ -38,11 +46,19 @@ def _float_inputs_only(model: onnx.ModelProto) -> None:
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
-def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path, capsys):
+def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path, capsys, monkeypatch):
     src = save_synthetic_model("bert", tmp_path / "m", seed=2, pooling=pooling, max_positions=256)
     cfg = CalibrationConfig(basket_size=16, strength=0.8)
     out = tmp_path / "int8"
+    _capture_fp32(monkeypatch, tmp_path / "fp32")
     meta = export(src, out, ExportOptions(config=cfg, quantize="int8", exporter="torchscript"), quiet=True)
+    # Every graph is the one ONNX Runtime's quantize_dynamic writes from the same float32 graph (mean pooling:
+    # all-rows calibration, split placement with ORT Attention; cls: the pooled row, row placement).
+    for graph_file in meta["graphs"]:
+        name = Path(graph_file).name
+        _reference(tmp_path / "fp32" / name, tmp_path / "ref" / name)
+        _assert_same_graph(tmp_path / "ref" / name, out / graph_file)
+        _assert_same_outputs(tmp_path / "ref" / name, out / graph_file)
     assert meta["quantization"]["precision"] == "int8" and meta["quantization"]["per_channel"] is True
     assert set(meta["graphs"]) == {"onnx/model.onnx", "onnx/model_optimized.onnx", "onnx/model_optimized_native.onnx"}
     for graph_file, g in meta["graphs"].items():
@@ -73,7 +89,7 @@ def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path,
     assert ids == [str(i) for i in range(len(TEXTS))] and np.abs(emb - got).max() <= 1e-6
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
-    assert "precision  int8 (onnxruntime.quantization.quantize_dynamic" in shown and "(int8)" in shown
+    assert "precision  int8 (attncal's streamed dynamic quantization, equal to onnxruntime" in shown and "(int8)" in shown
 
 
 def test_int8_refusals_and_tolerances(tmp_path):
@@ -100,3 +116,217 @@ def test_int8_minilm_real_weights(tmp_path):
         assert g["parity"]["ok"] and g["parity"]["p50_cos"] >= 0.99, g["parity"]
     written = json.loads((out / "attncal.json").read_text())
     assert written["quantization"] == meta["quantization"]
+
+
+# -- attncal's streamed quantizer against ONNX Runtime's quantize_dynamic ------------------------------------
+
+def _reference(src: Path, dst: Path, per_channel: bool = True) -> None:
+    """ONNX Runtime's quantize_dynamic with the options attncal's int8 export stands for (what the export
+    called before its own quantizer): QInt8 per-channel weights, MatMul / Gemm / Attention, the weight nodes."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model = onnx.load(str(src), load_external_data=False)
+    quantize._name_unnamed(model)
+    nodes = weight_nodes(model)
+    named = src.with_name(src.name + ".named.onnx")
+    onnx.save(model, str(named))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        quantize_dynamic(named, dst, weight_type=QuantType.QInt8, per_channel=per_channel,
+                         op_types_to_quantize=["Attention", "Gemm", "MatMul"], nodes_to_quantize=nodes,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    finally:
+        named.unlink(missing_ok=True)
+
+
+def _capture_fp32(monkeypatch, dest: Path) -> None:
+    """Copy each float32 graph (and its data file) the export hands to the quantizer into `dest` first."""
+    real = quantize.quantize_graph
+
+    def spy(path, per_channel=True):
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in (Path(path), Path(path).with_name(external_data_name(path))):
+            if f.exists():
+                shutil.copyfile(f, dest / f.name)
+        return real(path, per_channel)
+
+    monkeypatch.setattr(quantize, "quantize_graph", spy)
+
+
+def _serialized(items) -> list[bytes]:
+    return [x.SerializeToString(deterministic=True) for x in items]
+
+
+def _assert_same_graph(ref_path: Path, got_path: Path) -> None:
+    """The same model: header, opsets, metadata (attncal's digest aside: ours always has one, stamped by the
+    writer, ONNX Runtime's copies the float32 graph's stale one if any), inputs, outputs, value_info, functions and the node list (types, domains, attributes, wiring, names,
+    order); the same initializers in the same order, each bit-identical (name, type, dims, bytes)."""
+    ref, got = onnx.load(str(ref_path)), onnx.load(str(got_path))  # external data loaded where there is any
+    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        assert getattr(got, f) == getattr(ref, f), f
+    assert _serialized(got.opset_import) == _serialized(ref.opset_import)
+    props = [[(p.key, p.value) for p in m.metadata_props if p.key != DIGEST_KEY] for m in (ref, got)]
+    assert props[1] == props[0] and any(p.key == DIGEST_KEY for p in got.metadata_props)
+    assert _serialized(got.functions) == _serialized(ref.functions)
+    for f in ("input", "output", "value_info", "sparse_initializer", "node"):
+        a, b = _serialized(getattr(ref.graph, f)), _serialized(getattr(got.graph, f))
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert a == b, (f"{got_path.name}: graph.{f} differs from ONNX Runtime's at {i} of {len(a)} / {len(b)}:\n"
+                        f"{getattr(ref.graph, f)[i] if i < len(a) else None}\n---\n"
+                        f"{getattr(got.graph, f)[i] if i < len(b) else None}")
+    assert [t.name for t in got.graph.initializer] == [t.name for t in ref.graph.initializer]
+    for r, g in zip(ref.graph.initializer, got.graph.initializer):
+        assert (g.data_type, list(g.dims)) == (r.data_type, list(r.dims)), g.name
+        assert numpy_helper.to_array(g).tobytes() == numpy_helper.to_array(r).tobytes(), g.name
+
+
+def _feeds(session, seed: int):
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for batch, length in ((2, 11), (1, 23), (3, 7)):
+        ids = rng.integers(6, 100, size=(batch, length), dtype=np.int64)
+        mask = np.ones((batch, length), np.int64)
+        mask[-1, length // 2:] = 0  # a padded row
+        values = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        feeds.append({i.name: values[i.name] for i in session.get_inputs()})
+    return feeds
+
+
+def _assert_same_outputs(ref_path: Path, got_path: Path) -> None:
+    """ONNX Runtime's outputs of both graphs bit-identical on padded and unpadded batches."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    ref = ort.InferenceSession(str(ref_path), so, providers=["CPUExecutionProvider"])
+    got = ort.InferenceSession(str(got_path), so, providers=["CPUExecutionProvider"])
+    for feed in _feeds(ref, 0):
+        for a, b in zip(ref.run(None, feed), got.run(None, feed)):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), got_path.name
+
+
+_INT8 = CalibrationConfig(basket_size=16, strength=0.8)
+
+
+@pytest.fixture(scope="module")
+def xlmr_int8(tmp_path_factory):
+    """An XLM-R-like int8 export (cls pooling: row placement, ORT Attention, the attention op's native graph)
+    with a Dense head (a Gemm), and the float32 graphs its quantizer was given."""
+    root = tmp_path_factory.mktemp("xlmr-int8")
+    src = save_synthetic_model("xlm-roberta", root / "m", seed=3, layers=2, max_positions=64, pooling="cls",
+                               dense=((16, "Tanh", True),))
+    with pytest.MonkeyPatch.context() as mp:
+        _capture_fp32(mp, root / "fp32")
+        meta = export(src, root / "out", ExportOptions(config=_INT8, quantize="int8", exporter="torchscript",
+                                                       check=False), quiet=True)
+    assert set(meta["graphs"]) == {"onnx/model.onnx", "onnx/model_optimized.onnx", "onnx/model_optimized_native.onnx"}
+    return root, meta
+
+
+def test_xlmr_int8_graphs_equal_onnxruntime_quantizer(xlmr_int8):
+    root, meta = xlmr_int8
+    for graph_file, info in meta["graphs"].items():
+        name = Path(graph_file).name
+        _reference(root / "fp32" / name, root / "ref" / name)
+        _assert_same_graph(root / "ref" / name, root / "out" / graph_file)
+        _assert_same_outputs(root / "ref" / name, root / "out" / graph_file)
+        model = onnx.load(str(root / "out" / graph_file))
+        ops = [n.op_type for n in model.graph.node]
+        assert info["quantized_nodes"] == ops.count("MatMulInteger") + ops.count("QAttention") > 0
+        # ONNX Runtime's dynamic mode does not quantize Gemm: the Dense head becomes a float32 MatMul on a
+        # transposed copy of its weight, plus an Add, under a name outside the nodes to quantize.
+        gemm = next(n for n in onnx.load(str(root / "fp32" / name), load_external_data=False).graph.node
+                    if n.op_type == "Gemm")
+        matmul = next(n for n in model.graph.node if n.name == gemm.name + "_MatMul")
+        assert matmul.op_type == "MatMul" and matmul.input[1] == gemm.input[1] + "_Transposed"
+        assert any(n.name == gemm.name + "_Add" for n in model.graph.node) and "Gemm" not in ops
+        weight = next(t for t in model.graph.initializer if t.name == matmul.input[1])
+        assert weight.data_type == onnx.TensorProto.FLOAT
+    assert "QAttention" in {n.op_type for n in onnx.load(str(root / "out" / "onnx/model_optimized.onnx")).graph.node}
+
+
+def _external_copy(src: Path, dest: Path) -> Path:
+    """`src` rewritten with its tensors of 1 KiB and more in `<name>_data` beside it (as a large export is)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    onnx.save(onnx.load(str(src)), str(dest / src.name), save_as_external_data=True,
+              location=external_data_name(src), size_threshold=1024)
+    return dest / src.name
+
+
+def test_external_data_in_and_out_small_blocks(xlmr_int8, tmp_path, monkeypatch):
+    """A graph with a data file (bge-m3's size), read a block of two rows at a time: the same graph as
+    ONNX Runtime's; written as one file below 2 GiB (the float32 data file goes) and with its own data file
+    above (here: a lowered limit); no working file left; the digest covers the int8 weights."""
+    root, _ = xlmr_int8
+    name = "model_optimized.onnx"  # Attention, MatMuls, the Gemm head
+    _reference(root / "fp32" / name, tmp_path / "ref" / name)
+    monkeypatch.setattr(quantize, "_BLOCK_BYTES", 2 * 4 * 32)  # hidden 32: two rows of a weight per read
+    inline = _external_copy(root / "fp32" / name, tmp_path / "inline")
+    assert (tmp_path / "inline" / external_data_name(name)).exists()
+    quantize_graph(inline)
+    assert sorted(f.name for f in inline.parent.iterdir()) == [name]  # the float32 data file is gone
+    _assert_same_graph(tmp_path / "ref" / name, inline)
+    load_onnx_checked(inline, interface=True, require_digest=True)
+
+    monkeypatch.setattr(artifact, "INLINE_LIMIT", 1024)
+    external = _external_copy(root / "fp32" / name, tmp_path / "external")
+    fp32_data = (external.parent / external_data_name(name)).stat().st_size
+    quantize_graph(external)
+    data = external.parent / external_data_name(name)
+    assert sorted(f.name for f in external.parent.iterdir()) == [name, data.name]
+    assert 0 < data.stat().st_size < fp32_data
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL and t.data_type == onnx.TensorProto.INT8
+               for t in onnx.load(str(external), load_external_data=False).graph.initializer)
+    _assert_same_graph(tmp_path / "ref" / name, external)
+    _assert_same_outputs(tmp_path / "ref" / name, external)
+    load_onnx_checked(external, interface=True, require_digest=True)
+    with open(data, "r+b") as f:  # a flipped int8 byte is caught by the digest
+        f.seek(3)
+        b = f.read(1)
+        f.seek(3)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(artifact.ArtifactError, match="does not match its attncal digest"):
+        load_onnx_checked(external, interface=True, require_digest=True)
+
+
+def test_per_tensor_equals_onnxruntime_quantizer(xlmr_int8, tmp_path):
+    root, _ = xlmr_int8
+    name = "model.onnx"
+    _reference(root / "fp32" / name, tmp_path / "ref" / name, per_channel=False)
+    got = tmp_path / "got" / name
+    got.parent.mkdir()
+    shutil.copyfile(root / "fp32" / name, got)
+    assert quantize_graph(got, per_channel=False) > 0
+    _assert_same_graph(tmp_path / "ref" / name, got)
+    _assert_same_outputs(tmp_path / "ref" / name, got)
+
+
+def test_quantizer_holds_no_float32_copy_of_a_weight(tmp_path, monkeypatch):
+    """One 16 MiB float32 weight on disk, read 1 MiB at a time: the quantizer's Python allocations (numpy
+    included) stay below half the weight, where ONNX Runtime's hold it and its int8 copy; same graph."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4096, 1024), dtype=np.float32)
+    w[:, 7] = 0.0  # an all-zero channel: scale 1.0
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4096])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1024])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    src = tmp_path / "src" / "model.onnx"
+    src.parent.mkdir()
+    onnx.save(model, str(src), save_as_external_data=True, location="model.onnx_data")
+    del model, graph
+    _reference(src, tmp_path / "ref" / "model.onnx")
+    got = tmp_path / "got" / "model.onnx"
+    shutil.copytree(src.parent, got.parent)
+    monkeypatch.setattr(quantize, "_BLOCK_BYTES", 1024**2)
+    tracemalloc.start()
+    try:
+        assert quantize_graph(got) == 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < w.nbytes / 2, f"peak {peak / 2**20:.1f} MiB for a {w.nbytes / 2**20:.0f} MiB weight"
+    _assert_same_graph(tmp_path / "ref" / "model.onnx", got)

@@ -22,7 +22,9 @@ from attncal.graphs.single_op import single_op_model
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.synthetic import synthetic_text
-from conftest import quick_exporter, random_mask, random_probs
+from conftest import quick_exporter
+from support.masks import random_mask
+from support.tensors import random_probs
 
 pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
 

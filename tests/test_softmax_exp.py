@@ -1,4 +1,4 @@
-"""The softmax's exp of the native CPU kernels (plugins/kernels/calibration_cpu.h) on its own, in vector steps
+"""The softmax's exp of the native CPU kernels (plugins/kernels/cpu/exp.h) on its own, in vector steps
 and in the scalar tail, against exp in double, special values included (tests/cpp/exp_row_test.cpp).  Built with
 the versions picked at load time (AVX-512 / AVX2 / baseline, whichever this CPU runs) and without them
 (the baseline 8-lane form)."""
@@ -70,12 +70,12 @@ def test_row_routines_have_an_avx2_version(tmp_path, function):
     to two SSE halves kept on the stack: the row sums ran at 0.55 ns a key instead of 0.11, and the
     calibrated attention op spent 1.8 ns a key on a row instead of 1.0-1.4 (Zen 3, K = 512).  Each must have
     an AVX2 version (picked at load time) that works in 256-bit registers."""
-    obj = _compile(tmp_path, "#include \"calibration_cpu.h\"\n"
+    obj = _compile(tmp_path, "#include \"cpu/row_calibration.h\"\n"
                              "void use(const float* x, float* y, int64_t K, const attncal::ItemPlan& it,\n"
-                             "         const AttncalParams& p, attncal::Scratch& sc) {\n"
-                             "  attncal::softmax_calibrate_row(x, y, K, it, p, sc);\n"
-                             "  attncal::calibrate_row(x, y, K, it, p, sc);\n"
+                             "         const float* keep, const AttncalParams& p, attncal::Scratch& sc) {\n"
+                             "  attncal::softmax_calibrate_row(x, y, K, it, keep, p, sc);\n"
+                             "  attncal::calibrate_row(x, y, K, it, keep, p, sc);\n"
                              "}\n")
-    mangled = f"_ZN7attncalL{len(function)}{function}EPKfPflRKNS_8ItemPlanERK13AttncalParamsRNS_7ScratchE.avx2"
+    mangled = f"_ZN7attncalL{len(function)}{function}EPKfPflRKNS_8ItemPlanES1_RK13AttncalParamsRNS_7ScratchE.avx2"
     asm = _disassemble(obj, mangled)
     assert asm.count("%ymm") >= 8, asm

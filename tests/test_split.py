@@ -15,16 +15,7 @@ import torch
 from attncal.calibration import CalibrationConfig, compute_geometry, reference
 from attncal.calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, ResolvedCalibration
 from attncal.calibration.split import SPLIT_MODES, allowed_from_mask, split_calibrated_attention
-
-
-def _token_mask(lengths: list[int], K: int, left: bool) -> torch.Tensor:
-    m = torch.zeros(len(lengths), K, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        if left:
-            m[b, K - n:] = 1
-        else:
-            m[b, :n] = 1
-    return m
+from support.masks import token_mask
 
 
 def _model_mask(kind: str, tok: torch.Tensor, window: int = 5) -> torch.Tensor | None:
@@ -47,7 +38,7 @@ def _case(rc: ResolvedCalibration, lengths, K, left, kind, mode, dtype=torch.flo
     q = torch.randn(B, H, K, d, generator=g, dtype=dtype) * 1.5
     k = torch.randn(B, H, K, d, generator=g, dtype=dtype)
     v = torch.randn(B, H, K, d, generator=g, dtype=dtype)
-    tok = _token_mask(lengths, K, left)
+    tok = token_mask(lengths, K, left)
     allowed = _model_mask(kind, tok)
     scale = d ** -0.5
     s = torch.matmul(q, k.transpose(2, 3)) * scale
@@ -131,7 +122,7 @@ def _model(arch: str, attn: str):
 def _batch(arch: str, S: int = 45, lengths=(45, 29, 11)):
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(6, 100, (len(lengths), S), generator=gen)
-    mask = _token_mask(list(lengths), S, left=arch == "qwen3")
+    mask = token_mask(list(lengths), S, left=arch == "qwen3")
     kw = {"input_ids": ids, "attention_mask": mask}
     if arch == "qwen3":
         kw["use_cache"] = False

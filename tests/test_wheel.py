@@ -47,8 +47,72 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+# Texts whose tokenization differs most between tokenizer implementations: accents and combining marks, CJK,
+# emoji, right-to-left script, control characters, a text far past every max length, and whitespace only.
+TOKENIZER_TEXTS = ["Café naïve coöperate — “quotes” and ½", "e\u0301 vs é, ﬁ ligature", "東京で日本語のテキスト",
+                   "emoji 👩‍💻🚀 and flags 🇫🇷", "مرحبا بالعالم", "tab\tnew\nline\r\x0b", " ".join(["long"] * 6000),
+                   "   \n\t  ", "a", "query: what is calibration? passage: one vector per passage"]
+
+_TORCH_FREE = """
+import json, sys
+from transformers import AutoTokenizer
+from attncal.runtime import Encoder
+args = json.loads(sys.argv[1])
+out = {"ids": {d: AutoTokenizer.from_pretrained(d)(args["texts"])["input_ids"] for d in args["dirs"]}}
+enc = Encoder(args["export"])
+out["feeds"] = {k: v.tolist() for k, v in enc.tokenize(args["texts"]).items()}
+out["graph_inputs"] = enc.input_names
+out["embeddings"] = enc.encode([t for t in args["texts"] if t.strip()]).tolist()
+out["torch_loaded"] = "torch" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def _runtime_without_torch(vpy: str, root: Path, env: dict[str, str], tiny_models: dict[str, str]) -> None:
+    """What `pip install attncal` alone gives: the Encoder, `attncal encode`, `inspect` and `doctor` on an export
+    made by the checkout, with the tokenizer the model was exported with; `attncal export` names the extra."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from attncal import CalibrationConfig
+    from attncal.export.exporter import ExportOptions, export
+    from attncal.modelinfo import default_model_path, read_prompts
+    from attncal.runtime import Encoder
+
+    check = _run([vpy, "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"], root, env)
+    assert check.split()[-1] == "True", "the runtime install pulled torch"
+    out = root / "made-here"
+    export(tiny_models["bert"], out, ExportOptions(config=CalibrationConfig(basket_size=16), exporter="torchscript",
+                                                  check=False), quiet=True)
+    dirs = [str(Path(d)) for d in tiny_models.values()] + [str(default_model_path())]
+    prompts = {p for d in dirs for p in (read_prompts(d)[0] or {}).values()}
+    texts = TOKENIZER_TEXTS + sorted(prompts)
+    got = json.loads(_run([vpy, "-c", _TORCH_FREE, json.dumps({"dirs": dirs, "texts": texts, "export": str(out)})],
+                          root, env).splitlines()[-1])
+    assert got["torch_loaded"] is False
+    for d in dirs:  # every tested architecture's tokenizer, and all-MiniLM-L6-v2's (BertTokenizer)
+        assert got["ids"][d] == AutoTokenizer.from_pretrained(d)(texts)["input_ids"], d
+    here = Encoder(out)
+    assert got["feeds"] == {k: v.tolist() for k, v in here.tokenize(texts).items()}
+    assert sorted(got["feeds"]) == sorted(got["graph_inputs"]) == sorted(here.input_names)
+    np.testing.assert_allclose(np.array(got["embeddings"]), here.encode([t for t in texts if t.strip()]), atol=1e-6)
+
+    cli = str(root / "venv" / "bin" / "attncal")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts) if t.strip()))
+    _run([cli, "encode", str(out), "-i", str(corpus), "-o", str(root / "emb"), "--quiet"], root, env)
+    assert "PooledRowCalibrated" in _run([cli, "inspect", str(out)], root, env)  # its calibrated layers
+    doctor = json.loads(_run([cli, "doctor", str(out), "--json"], root, env))
+    assert doctor["accelerators"]["torch_cuda"] is False, doctor.get("accelerators")
+    proc = subprocess.run([cli, "export", str(tiny_models["bert"]), "-o", str(root / "refused")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "attncal export: error: torch is not installed; this command needs pip install 'attncal[export]'"), proc.stderr
+    assert not (root / "refused").exists()
+
+
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is needed to build the wheel")
-def test_sdist_wheel_repair_install_export_check(tmp_path):
+def test_sdist_wheel_repair_install_export_check(tmp_path, tiny_models):
     # The checkout's build fetches the ONNX Runtime headers once (npm); the wheel build reuses them.
     try:
         oplib.build_library()
@@ -64,7 +128,7 @@ def test_sdist_wheel_repair_install_export_check(tmp_path):
     (sdist,) = (tmp_path / "sdist").glob("attncal-*.tar.gz")
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    for needed in ("plugins/CMakeLists.txt", "plugins/kernels/calibrated_attention_cpu.h", "plugins/ort/attncal_ort.cc",
+    for needed in ("plugins/CMakeLists.txt", "plugins/kernels/cpu/calibrated_attention.h", "plugins/ort/attncal_ort.cc",
                    "attncal/native.py", "attncal/serving/requirements-triton.txt", "pyproject.toml"):
         assert needed in names, f"sdist lacks {needed}"
     assert not any(n.startswith(("build/", ".venv")) for n in names)
@@ -93,14 +157,17 @@ def test_sdist_wheel_repair_install_export_check(tmp_path):
     (repaired,) = (tmp_path / "repaired").glob("attncal-*.whl")
     assert "manylinux" in repaired.name, repaired.name
 
-    # 4. A fresh environment outside the source tree: CPU torch first, then the wheel and its dependencies.
+    # 4. A fresh environment outside the source tree: the wheel alone, the runtime, without torch.
     # --no-compile: pip's up-front bytecode compilation of every module was most of the install's time (torch:
     # 42 s of CPU against 13 s), and the user's commands below compile and cache what they import, once.
     root = tmp_path / "user"
     venv.EnvBuilder(with_pip=True).create(root / "venv")
     vpy = str(root / "venv" / "bin" / "python")
-    _run([vpy, "-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0"], root, env)
     _run([vpy, "-m", "pip", "install", "-q", "--no-compile", str(repaired)], root, env)
+    _runtime_without_torch(vpy, root, env, tiny_models)
+    # Then the exporters: CPU torch first, so the extra's torch range is satisfied and pulls no CUDA build.
+    _run([vpy, "-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0"], root, env)
+    _run([vpy, "-m", "pip", "install", "-q", "--no-compile", f"{repaired}[export]"], root, env)
 
     site = Path(_run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root, env).strip())
     out = _run([vpy, "-c", "import attncal; print(attncal.get_library_path())"], root, env).strip()
@@ -122,3 +189,35 @@ def test_sdist_wheel_repair_install_export_check(tmp_path):
     doctor = json.loads(_run([attncal_cli, "doctor", str(root / "out"), "--json"], root, env))
     assert doctor["native"]["library"] == str(lib), doctor["native"]
     assert doctor["native"]["loads"] is True and all(doctor["native"]["ops"].values()), doctor["native"]
+
+
+def test_each_optional_module_is_named_with_the_extra_that_installs_it():
+    """The CLI's one-line refusal names an extra for a missing module (`EXTRA_OF_MODULE`): that extra of
+    pyproject.toml must install the distribution the module comes from (read from the installed metadata)."""
+    import importlib.metadata as md
+    import re
+    import tomllib
+
+    from attncal.cli import EXTRA_OF_MODULE
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def dists(extra: str) -> set[str]:
+        out = set()
+        for req in extras[extra]:
+            name, _, rest = re.match(r"([A-Za-z0-9_.-]+)(\[([^\]]*)\])?", req).group(1, 2, 3)
+            if name == "attncal":  # an extra that includes another
+                for inner in (rest or "").split(","):
+                    out |= dists(inner.strip())
+            else:
+                out.add(name.lower().replace("_", "-"))
+        return out
+
+    owners = md.packages_distributions()
+    for module, extra in EXTRA_OF_MODULE.items():
+        assert extra in extras, (module, extra)
+        installed = {d.lower().replace("_", "-") for d in owners.get(module, [])}
+        assert installed & dists(extra), (module, extra, installed, dists(extra))
+    runtime = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in
+               tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert "torch" not in runtime and not runtime & dists("export")

@@ -1,4 +1,4 @@
-"""Calibration math: configuration, the naive oracle, the efficient implementation, model patching.
+"""Calibration math: configuration, the float64 oracle, the efficient implementation, model patching.
 
 The names below load on first use (`lazy_loader`): `config` needs only the standard library, the rest need
 torch, and a command that only reads an export's configuration (`attncal inspect`, `attncal --help`)

@@ -1,4 +1,4 @@
-"""The naive reference implementation: the test oracle.
+"""The float64 reference implementation: the test oracle.
 
 It follows the specification step by step, one (batch, head, row) at a time,
 in float64, and shares no code with the efficient implementation

@@ -6,7 +6,7 @@ line and exit with status 2; they never show a traceback.
 
 The commands that run torch, transformers or ONNX Runtime (export, check, bench,
 eval, encode, demo) print only attncal's own lines: those libraries' warnings and
-messages are captured (attncal.console), shown with -v/--verbose, and kept in a
+messages are captured (attncal.library_output), shown with -v/--verbose, and kept in a
 log file where the command writes a directory (export: OUT/attncal-export.log).
 """
 
@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from .. import console
+from .. import library_output
 from ..artifact import ArtifactError
 from ..calibration.config import CalibrationConfig
 from ..modelinfo import ModelNotFoundError, UnsupportedModelError
@@ -32,6 +32,11 @@ VERBOSE_HELP = ("show the warnings and messages of torch, transformers and ONNX 
 # module needs torch, and commands that do not (--help, inspect) start without it.
 USER_ERRORS = (ArtifactError, ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError,
                UnsupportedModelError)
+# What a command may import that the runtime install (`pip install attncal`) lacks, by top-level import name,
+# and the extra of pyproject.toml that installs it: a missing one is named in one line with the extra.
+EXTRA_OF_MODULE = {"torch": "export", "sentence_transformers": "export", "onnx_ir": "export",
+                   "onnxscript": "export", "matplotlib": "eval", "ir_measures": "eval", "yaml": "eval",
+                   "chonkie": "eval", "ray": "ray", "tritonclient": "serving"}
 
 
 class CLIError(Exception):
@@ -119,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    library_output.without_torch_advice()
     parser = build_parser()
     args = parser.parse_args(argv)
     captured = args.command in CAPTURED_COMMANDS
-    with console.capture_third_party(verbose=args.verbose) if captured else contextlib.nullcontext() as capture:
+    with library_output.capture_third_party(verbose=args.verbose) if captured else contextlib.nullcontext() as capture:
         args.capture = capture
         code = _run(args)
         if code not in (0, 130) and capture is not None and not capture.verbose and capture.third_party_lines:
@@ -146,6 +152,13 @@ def _run(args: argparse.Namespace) -> int:
         return exc.code
     except USER_ERRORS as exc:
         print(f"attncal {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"attncal {args.command}: error: {exc.name.partition('.')[0]} is not installed; this command needs "
+              f"pip install 'attncal[{extra}]'", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"attncal {args.command}: interrupted", file=sys.stderr)

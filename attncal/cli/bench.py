@@ -34,7 +34,7 @@ def _position_limit(info) -> int | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..bench.engines import DEFAULT_ENGINES, ENGINES
-    from ..export.exporter import PLACEMENTS
+    from ..graphs.placement_names import CHOICES as PLACEMENTS
 
     p.add_argument("model", nargs="?", default=None,
                    help="model directory, an attncal export (its source model is used) or 'default'")

@@ -102,13 +102,14 @@ def _accelerators() -> dict[str, Any]:
     import ctypes.util
 
     import onnxruntime as ort
-    import torch
 
+    torch = _torch()
+    cuda = torch is not None and torch.cuda.is_available()
     out: dict[str, Any] = {"ort_providers": ort.get_available_providers(),
-                           "torch_cuda": torch.cuda.is_available(),
-                           "torch_cuda_version": torch.version.cuda,
+                           "torch_cuda": cuda,
+                           "torch_cuda_version": torch.version.cuda if torch is not None else None,
                            "nvcc": None, "tensorrt_library": ctypes.util.find_library("nvinfer")}
-    if torch.cuda.is_available():
+    if cuda:
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     from ..runtime import oplib
 
@@ -118,11 +119,20 @@ def _accelerators() -> dict[str, Any]:
     return out
 
 
-def _threads() -> dict[str, Any]:
-    import torch
+def _torch():
+    """torch where it is installed; the runtime install (`pip install attncal`) has none, and doctor still runs."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return None
+    return torch
 
+
+def _threads() -> dict[str, Any]:
+    torch = _torch()
     return {"cpu_count": os.cpu_count(), "sched_affinity": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity") else None, "torch_threads": torch.get_num_threads(),
+            if hasattr(os, "sched_getaffinity") else None,
+            "torch_threads": torch.get_num_threads() if torch is not None else None,
             **{k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                               "ATTNCAL_NATIVE", "HF_HUB_OFFLINE")}}
 

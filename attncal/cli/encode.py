@@ -1,4 +1,5 @@
-"""Re-index a corpus with an attncal export: streaming JSONL/CSV/Parquet in, Parquet shards + manifest out."""
+"""Re-index a corpus with an attncal export: streaming JSONL/CSV/Parquet in, Parquet shards + manifest out,
+local paths or object-storage URIs."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from . import CLIError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", metavar="OUT_OR_MODEL",
-                   help="an attncal export directory (a model or `default` is refused: run `attncal export` first)")
+                   help="an attncal export directory or its URI (a model or `default` is refused: run `attncal export` "
+                        "first)")
     p.add_argument("--input", "-i", required=True, action="append",
-                   help="a .jsonl/.csv/.parquet file, a directory of them, or a glob (repeatable)")
-    p.add_argument("--output", "-o", required=True, help="output directory for shards and manifest.json")
+                   help="a .jsonl/.csv/.parquet file, a directory of them, or a glob; a local path or a URI such as "
+                        "s3://bucket/corpus/ (repeatable)")
+    p.add_argument("--output", "-o", required=True,
+                   help="output directory (local path or URI) for shards and manifest.json")
     p.add_argument("--text-field", default="text", help="field holding the passage (default %(default)s)")
     p.add_argument("--id-field", default="id", help="field holding the id, written as a string (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="texts per model call (default %(default)s)")
@@ -20,15 +24,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="local: worker processes; triton: concurrent requests; ray: Encoder actors (default 1)")
     p.add_argument("--engine", choices=("local", "triton", "ray"), default="local")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run after its last complete shard")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: keep what its manifest lists, encode the rest")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail",
-                   help="bad rows: stop before writing anything, or skip them into skipped.jsonl (default fail)")
+                   help="bad rows: stop and leave no output, or skip them into skipped.jsonl (default fail)")
     p.add_argument("--shard-size", type=int, default=100_000, help="rows per Parquet shard (default %(default)s)")
     p.add_argument("--window", type=int, default=4096,
                    help="rows sorted by length together; bounds memory (default %(default)s)")
     p.add_argument("--url", default="localhost:8001", help="triton: gRPC address (default %(default)s)")
     p.add_argument("--model", default=None, help="triton: served model name (the ensemble from attncal triton-repo)")
     p.add_argument("--ray-address", default=None, help="ray: an existing cluster (default: a local Ray instance)")
+    p.add_argument("--s3-endpoint", default=None,
+                   help="S3-compatible endpoint for s3:// URIs, e.g. http://minio:9000 (default: $AWS_ENDPOINT_URL, "
+                        "else AWS); Ray workers get it with the job")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
@@ -46,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                                batch_size=args.batch_size, max_length=args.max_length, workers=args.workers,
                                engine=args.engine, resume=args.resume, on_error=args.on_error, url=args.url,
                                model_name=args.model, ray_address=args.ray_address, shard_size=args.shard_size,
-                               window=args.window, show_progress=not args.quiet)
+                               window=args.window, s3_endpoint=args.s3_endpoint, show_progress=not args.quiet)
     except (TritonEngineError, RayEngineError) as exc:
         raise CLIError(str(exc), code=1) from None
     print(result.summary())

@@ -11,7 +11,8 @@ LOG_FILE_HELP = "they are written to OUT/attncal-export.log"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..export.exporter import DEFAULT_OPSET, EXPORTERS, PLACEMENTS
+    from ..export.exporter import DEFAULT_OPSET, EXPORTERS
+    from ..graphs.placement_names import CHOICES as PLACEMENT_CHOICES
     from ..modelinfo import TESTED_MODEL_TYPES
 
     p.epilog = (
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
-    p.add_argument("--placement", choices=PLACEMENTS, default="auto",
+    p.add_argument("--placement", choices=PLACEMENT_CHOICES, default="auto",
                    help="where calibration goes (default auto: row for cls/last pooling; for mean pooling split "
                         "on the ORT-optimized graph and fused-softmax on the portable graph; plus, beside the "
                         "ORT-optimized graph, onnx/model_optimized_native.onnx with the projected-attention "

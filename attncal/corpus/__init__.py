@@ -1,4 +1,5 @@
-"""Re-index a corpus with a calibrated export: streaming input, Parquet shards, resume, three engines.
+"""Re-index a corpus with a calibrated export: streaming input, Parquet shards, resume, three engines,
+local paths or object storage.
 
 `encode_corpus` is the Python API of `attncal encode`; see docs/reindexing.md.
 """
@@ -6,6 +7,7 @@
 from .api import ENGINES, EncodeResult, encode_corpus, scan
 from .inputs import BadRow, CorpusInputError, resolve_inputs
 from .shards import MANIFEST, SKIP_FILE, load_manifest, read_embeddings
+from .storage import StorageError
 
 __all__ = ["ENGINES", "BadRow", "CorpusInputError", "EncodeResult", "MANIFEST", "SKIP_FILE", "encode_corpus",
-           "load_manifest", "read_embeddings", "resolve_inputs", "scan"]
+           "StorageError", "load_manifest", "read_embeddings", "resolve_inputs", "scan"]

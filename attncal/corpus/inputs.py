@@ -8,8 +8,8 @@ Why each reader is shaped as it is:
   by line with `json`, which names every bad line exactly.  Blank lines are
   skipped by both.
 - CSV is parsed with Python's `csv` module: pyarrow's CSV reader cannot say on
-  which line an invalid row was (its `InvalidRow.number` is unset), and the
-  issue asks for the line.  CSV parsing is far faster than encoding anyway.
+  which line an invalid row was (its `InvalidRow.number` is unset), and a bad
+  row must be named by its line.  CSV parsing is far faster than encoding anyway.
   A row's line is the line it starts on.
 - Parquet is read by record batch with `pyarrow.parquet`; a bad row is
   reported by its 1-based row number in the file.
@@ -17,18 +17,24 @@ Why each reader is shaped as it is:
 Every reader yields `Chunk`s of valid rows (ids as strings, texts) plus the bad
 rows met on the way, so memory is bounded by the chunk size whatever the
 corpus size.  Ids are written as strings: JSON integers become their decimal
-form, CSV fields are kept verbatim.
+form, CSV fields are kept verbatim.  Files are opened through `storage`, so a
+local path and an object-storage URI are read by the same code.
 
 Engines that read in parallel (Ray) cut each file into `Piece`s with
-`plan_pieces` and parse each piece with `read_piece`, which runs the very
-functions `read_chunks` runs on the same byte ranges (JSON lines), row groups
-(Parquet) or whole file (CSV), so every engine keeps and names the same rows.
+`plan_pieces` without reading it: JSON lines by byte ranges of the file's size
+(a piece owns the lines that start in its range, so a worker finds its first
+line by itself), Parquet by runs of row groups (from the footer, read by a
+worker), CSV whole (a quoted field may hold line ends).  `read_piece` parses a
+piece with the very functions `read_chunks` runs, so every engine keeps and
+names the same rows; a JSON-lines piece after the first one of its file does
+not know how many lines come before it, so it numbers its lines from 1 and
+reports how many it owns (`Chunk.lines`), and the driver adds the lines of the
+pieces before it (`rebase`).
 """
 
 from __future__ import annotations
 
 import csv
-import glob
 import hashlib
 import io
 import json
@@ -37,11 +43,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .storage import GLOB_CHARS, Location, StorageError, expand, explain, is_uri
+
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet",
            ".pq": "parquet"}
 JSON_CHUNK_BYTES = 8 << 20
 CSV_CHUNK_ROWS = 8192
 PARQUET_CHUNK_ROWS = 8192
+_LINE_END_SCAN = 1 << 16  # bytes read at a time while looking for a piece's first or last line end
 
 
 class CorpusInputError(ValueError):
@@ -50,8 +59,26 @@ class CorpusInputError(ValueError):
 
 @dataclass(frozen=True)
 class InputFile:
-    path: Path
+    """One corpus file: where it is, its format, and the size and modification time its listing gave
+    (the input fingerprint is made of these, so nothing is read to make it)."""
+
+    location: Location
     format: str  # jsonl | csv | parquet
+    size: int = -1
+    mtime_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.location, Location):
+            object.__setattr__(self, "location", Location.parse(self.location))
+
+    @property
+    def path(self) -> str:
+        """The name messages, the skip list and the manifest give the file: its absolute path or its URI."""
+        return str(self.location)
+
+    @property
+    def name(self) -> str:
+        return self.location.name
 
 
 @dataclass(frozen=True)
@@ -71,6 +98,10 @@ class BadRow:
     def to_dict(self) -> dict:
         return {"file": self.file, "line": self.line, "id": self.id, "reason": self.reason}
 
+    @classmethod
+    def from_dict(cls, d: dict, format: str = "jsonl") -> "BadRow":  # noqa: A002 - the field's name
+        return cls(d["file"], d["line"], d["reason"], d.get("id"), format)
+
 
 @dataclass
 class Chunk:
@@ -78,69 +109,119 @@ class Chunk:
     texts: list[str]
     bad: list[BadRow] = field(default_factory=list)
     fallback: bool = False  # pyarrow could not parse it; rows came from the line-by-line parser
+    lines: int = 0  # JSON lines: the lines (blank ones included) the chunk spans
 
 
-def resolve_inputs(inputs: str | os.PathLike | list) -> list[InputFile]:
-    """Files of `inputs` (a file, a directory of corpus files, a glob, or a list of those), in order."""
+def _format_of(loc: Location) -> str:
+    suffix = os.path.splitext(loc.name)[1].lower()
+    fmt = FORMATS.get(suffix)
+    if fmt is None:
+        raise CorpusInputError(f"input {loc}: unknown format {suffix!r} (expected .jsonl, .csv or .parquet)")
+    return fmt
+
+
+def resolve_inputs(inputs: str | os.PathLike | list, endpoint: str | None = None) -> list[InputFile]:
+    """Files of `inputs` (a file, a directory of corpus files, a glob, or a list of those; local paths
+    or URIs), in order, each with its size and modification time (listings only: nothing is opened)."""
     items = inputs if isinstance(inputs, (list, tuple)) else [inputs]
     if not items:
         raise CorpusInputError("no input given")
-    files: list[Path] = []
+    found: list[tuple[Location, int, int | None]] = []
     for item in items:
+        if is_uri(item):
+            found += _remote_files(str(item), endpoint)
+            continue
         p = Path(item).expanduser()
         if p.is_dir():
-            found = sorted(q for q in p.iterdir() if q.is_file() and q.suffix.lower() in FORMATS)
-            if not found:
+            files = sorted(q for q in p.iterdir() if q.is_file() and q.suffix.lower() in FORMATS)
+            if not files:
                 raise CorpusInputError(f"input directory {p} holds no .jsonl, .csv or .parquet file")
-            files += found
         elif p.is_file():
-            files.append(p)
-        elif any(ch in str(item) for ch in "*?["):
-            found = sorted(Path(q) for q in glob.glob(str(p)) if Path(q).is_file())
-            if not found:
+            files = [p]
+        elif any(ch in str(item) for ch in GLOB_CHARS):
+            import glob
+
+            files = sorted(Path(q) for q in glob.glob(str(p)) if Path(q).is_file())
+            if not files:
                 raise CorpusInputError(f"input pattern {item} matches no file")
-            files += found
         else:
             raise CorpusInputError(f"input {p} not found")
-    out = []
-    for f in files:
-        fmt = FORMATS.get(f.suffix.lower())
-        if fmt is None:
-            raise CorpusInputError(f"input {f}: unknown format {f.suffix!r} (expected .jsonl, .csv or .parquet)")
-        out.append(InputFile(f.resolve(), fmt))
+        for q in files:
+            st = q.stat()
+            found.append((Location.parse(q, endpoint), st.st_size, st.st_mtime_ns))
+    out = [InputFile(loc, _format_of(loc), size, mtime) for loc, size, mtime in found]
     if len(set(f.path for f in out)) != len(out):
         raise CorpusInputError("the same input file is given twice")
     return out
 
 
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _remote_files(uri: str, endpoint: str | None) -> list[tuple[Location, int, int | None]]:
+    from .storage import check_bucket
+
+    loc = Location.parse(uri, endpoint)
+    check_bucket(loc, "input")
+    try:
+        entries = expand(loc)
+    except OSError as exc:
+        raise explain(exc, "input", loc) from None
+    if any(ch in loc.url for ch in GLOB_CHARS):
+        if not entries:
+            raise CorpusInputError(f"input pattern {uri} matches no file")
+        return [(child, i.size, i.mtime_ns) for child, i in entries]
+    if not entries:
+        raise CorpusInputError(f"input {loc} not found")
+    if len(entries) == 1 and entries[0][0] == loc:
+        return [(loc, entries[0][1].size, entries[0][1].mtime_ns)]
+    kept = [(child, i.size, i.mtime_ns) for child, i in entries
+            if os.path.splitext(child.name)[1].lower() in FORMATS]
+    if not kept:
+        raise CorpusInputError(f"input directory {loc} holds no .jsonl, .csv or .parquet file")
+    return kept
+
+
+def fingerprint(files: list[InputFile]) -> str:
+    """sha256 of every file's name, size and modification time, in order: what a resume compares.
+    Made from listings, so the driver reads no input to make it; rewriting or replacing a file
+    changes its modification time (an object store sets it on every upload)."""
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}\0{f.size}\0{f.mtime_ns}\n".encode())
+    return "sha256:" + digest.hexdigest()
 
 
 def read_chunks(f: InputFile, text_field: str, id_field: str) -> Iterator[Chunk]:
     """Valid rows and bad rows of one file, chunk by chunk, in file order."""
     if f.format == "jsonl":
-        return _read_jsonl(f.path, text_field, id_field)
+        return _read_jsonl(f.location, text_field, id_field)
     if f.format == "csv":
-        return _read_csv(f.path, text_field, id_field)
-    return _read_parquet(f.path, text_field, id_field)
+        return _read_csv(f.location, text_field, id_field)
+    return _read_parquet(f.location, text_field, id_field)
 
 
 @dataclass(frozen=True)
 class Piece:
     """A part of one input file that a parallel reader parses on its own (see `plan_pieces`).
 
-    `first` is the 1-based line (JSON lines) or row number (Parquet) of the piece's first row, so
-    bad rows are named exactly as `read_chunks` names them.  Plain data, so it travels as JSON.
+    `first` is the 1-based line (JSON lines: 1, counted from the piece's first line, see `rebase`)
+    or row number (Parquet: the file's) of the piece's first row.  `offset`/`length`: the byte range
+    whose lines the piece owns (JSON lines); `nbytes`: its share of the file's size, for progress.
+    Plain data, so it travels as JSON.
     """
 
     path: str
     format: str  # jsonl | csv | parquet
     first: int = 1
-    offset: int = 0  # JSON lines: byte range [offset, offset + length) of the file
+    offset: int = 0
     length: int = -1  # -1: to the end of the file
     row_groups: tuple[int, ...] | None = None  # Parquet: these row groups; None: all
+    nbytes: int = 0
+    file_index: int = 0
+    query: str = ""
+    endpoint: str | None = None
+
+    @property
+    def location(self) -> Location:
+        return Location(self.path, self.query, self.endpoint)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -153,56 +234,95 @@ class Piece:
         return cls(**d)
 
 
-def plan_pieces(f: InputFile) -> list[Piece]:
-    """Pieces of `f` that together give exactly `read_chunks(f)`'s rows, in order.
+def parquet_layout(loc: Location) -> list[int]:
+    """Rows of each row group of a Parquet file, from its footer (the only bytes read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    - JSON lines: the byte ranges `read_chunks` itself parses one at a time (cut at line ends by
-      `_byte_chunks`, so the boundaries are the same by construction); the file is read, not parsed.
-    - Parquet: runs of row groups of about `JSON_CHUNK_BYTES` (from the footer; no data read).
+    try:
+        with loc.open_input_file() as fh:
+            meta = pq.ParquetFile(fh).metadata
+    except StorageError:
+        raise
+    except (pa.ArrowInvalid, OSError) as exc:
+        if isinstance(exc, OSError) and "AWS Error" in str(exc):
+            raise explain(exc, "input", loc) from None
+        raise CorpusInputError(f"{loc}: not a Parquet file ({exc})") from None
+    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+
+def plan_pieces(f: InputFile, piece_bytes: int, layout: list[int] | None = None,
+                file_index: int = 0) -> list[Piece]:
+    """Pieces of `f` that together give exactly `read_chunks(f)`'s rows, in order, planned without
+    reading the file (Parquet: from `layout`, the rows per row group of its footer).
+
+    - JSON lines: byte ranges of `piece_bytes`; a piece owns the lines that start in its range.
+    - Parquet: runs of row groups of about `piece_bytes` (by the file's bytes per row).
     - CSV: the whole file, one piece: a quoted field may hold line ends, so a row boundary is only
       known by parsing from the header on (`csv` is sequential).
     """
+    loc = f.location
+    common = dict(file_index=file_index, query=loc.query, endpoint=loc.endpoint)
     if f.format == "jsonl":
-        return [Piece(str(f.path), "jsonl", line, offset, len(raw))
-                for line, offset, raw in _byte_chunks(f.path, JSON_CHUNK_BYTES)]
+        spans = [(start, min(piece_bytes, f.size - start)) for start in range(0, f.size, piece_bytes)]
+        return [Piece(loc.url, "jsonl", 1, start, n, nbytes=n, **common) for start, n in spans]
     if f.format == "parquet":
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(f.path).metadata
-        pieces, groups, first, row, size = [], [], 1, 1, 0
-        for g in range(meta.num_row_groups):
-            rg = meta.row_group(g)
+        layout = parquet_layout(loc) if layout is None else layout
+        total = sum(layout)
+        per_row = f.size / total if total else 0.0
+        pieces, groups, first, row, counted = [], [], 1, 1, 0
+        for g, n in enumerate(layout):
             groups.append(g)
-            row += rg.num_rows
-            size += rg.total_byte_size
-            if size >= JSON_CHUNK_BYTES or g == meta.num_row_groups - 1:
-                pieces.append(Piece(str(f.path), "parquet", first, row_groups=tuple(groups)))
-                groups, first, size = [], row, 0
+            row += n
+            if (row - first) * per_row >= piece_bytes or g == len(layout) - 1:
+                nbytes = f.size - counted if g == len(layout) - 1 else round((row - first) * per_row)
+                pieces.append(Piece(loc.url, "parquet", first, row_groups=tuple(groups), nbytes=nbytes, **common))
+                groups, first, counted = [], row, counted + nbytes
         return pieces
-    return [Piece(str(f.path), f.format)]
+    return [Piece(loc.url, f.format, nbytes=f.size, **common)]
 
 
 def read_piece(piece: Piece, text_field: str, id_field: str) -> Iterator[Chunk]:
-    """Valid rows and bad rows of one piece, chunk by chunk: the code `read_chunks` runs."""
-    path = Path(piece.path)
+    """Valid rows and bad rows of one piece, chunk by chunk: the code `read_chunks` runs.  A JSON-lines
+    piece numbers its lines from 1 (`rebase` gives the file's numbers) and each chunk says how many
+    lines it spans."""
+    loc = piece.location
     if piece.format == "jsonl":
-        with open(path, "rb") as fh:
-            fh.seek(piece.offset)
-            raw = fh.read(piece.length if piece.length >= 0 else -1)
-        return iter([_parse_jsonl_piece(path, piece.first, raw, text_field, id_field)])
+        return _read_jsonl_piece(loc, piece.offset, piece.length, text_field, id_field)
     if piece.format == "csv":
-        return _read_csv(path, text_field, id_field)
-    return _read_parquet(path, text_field, id_field, piece.row_groups, piece.first)
+        return _read_csv(loc, text_field, id_field)
+    return _read_parquet(loc, text_field, id_field, piece.row_groups, piece.first)
+
+
+def rebase(bad: list[BadRow], lines_before: int) -> list[BadRow]:
+    """Bad rows of a JSON-lines piece numbered in the file: `lines_before` lines precede the piece."""
+    return [BadRow(b.file, b.line + lines_before, b.reason, b.id, b.format) for b in bad]
+
+
+def lines_before(piece: Piece) -> int:
+    """Lines of the file before a JSON-lines piece's first line: the line ends in bytes [0, offset),
+    plus the line that runs into the piece's range from before it, which belongs to an earlier piece."""
+    n, last = 0, b"\n"
+    with piece.location.open_input_stream() as fh:
+        left = piece.offset
+        while left > 0:
+            block = fh.read(min(JSON_CHUNK_BYTES, left))
+            if not block:
+                break
+            n += block.count(b"\n")
+            left -= len(block)
+            last = block[-1:]
+    return n + (0 if last == b"\n" else 1)
 
 
 # -- JSON lines -----------------------------------------------------------------------------------
 
-def _byte_chunks(path: Path, size: int) -> Iterator[tuple[int, int, bytes]]:
+def _byte_chunks(loc: Location, size: int) -> Iterator[tuple[int, int, bytes]]:
     """(first line number, byte offset, bytes) pieces of the file, each ending at a line end (the
     last one may lack its final newline)."""
     line, offset = 1, 0
     rest = b""
-    with open(path, "rb") as fh:
+    with loc.open_input_stream() as fh:
         while True:
             block = fh.read(size)
             if not block:
@@ -220,12 +340,67 @@ def _byte_chunks(path: Path, size: int) -> Iterator[tuple[int, int, bytes]]:
         yield line, offset, rest
 
 
-def _read_jsonl(path: Path, text_field: str, id_field: str) -> Iterator[Chunk]:
-    for first_line, _, piece in _byte_chunks(path, JSON_CHUNK_BYTES):
-        yield _parse_jsonl_piece(path, first_line, piece, text_field, id_field)
+def _read_jsonl(loc: Location, text_field: str, id_field: str) -> Iterator[Chunk]:
+    for first_line, _, piece in _byte_chunks(loc, JSON_CHUNK_BYTES):
+        yield _parse_jsonl_piece(loc, first_line, piece, text_field, id_field)
 
 
-def _parse_jsonl_piece(path: Path, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk:
+def _owned_bytes(fh, start: int, length: int) -> bytes:
+    """The lines that start in bytes [start, start + length) of an open random-access file: from the
+    first line start at or after `start` to the end of the line holding the range's last byte."""
+    end = start + length
+    pos = start
+    if start > 0:
+        fh.seek(start - 1)
+        seen = start - 1
+        while True:
+            block = fh.read(_LINE_END_SCAN)
+            if not block:
+                return b""
+            k = block.find(b"\n")
+            if k >= 0:
+                pos = seen + k + 1
+                break
+            seen += len(block)
+        if pos >= end:
+            return b""  # one line runs across the whole range: it belongs to an earlier piece
+        fh.seek(pos)
+    parts = [fh.read(end - pos)]
+    if parts[0].endswith(b"\n") or len(parts[0]) < end - pos:
+        return parts[0]
+    while True:  # finish the last line, which started in the range
+        block = fh.read(_LINE_END_SCAN)
+        if not block:
+            break
+        k = block.find(b"\n")
+        if k >= 0:
+            parts.append(block[: k + 1])
+            break
+        parts.append(block)
+    return b"".join(parts)
+
+
+def _read_jsonl_piece(loc: Location, offset: int, length: int, text_field: str, id_field: str) -> Iterator[Chunk]:
+    with loc.open_input_file() as fh:
+        data = _owned_bytes(fh, offset, length if length >= 0 else fh.size() - offset)
+    line, k = 1, 0
+    while k < len(data):  # parsed in chunks of about JSON_CHUNK_BYTES, cut at line ends
+        if k + JSON_CHUNK_BYTES >= len(data):
+            stop = len(data)
+        else:
+            cut = data.rfind(b"\n", k, k + JSON_CHUNK_BYTES)
+            if cut < 0:  # a line longer than a chunk
+                cut = data.find(b"\n", k + JSON_CHUNK_BYTES)
+            stop = len(data) if cut < 0 else cut + 1
+        raw = data[k:stop]
+        chunk = _parse_jsonl_piece(loc, line, raw, text_field, id_field)
+        chunk.lines = raw.count(b"\n") + (0 if raw.endswith(b"\n") else 1)
+        yield chunk
+        line += chunk.lines
+        k = stop
+
+
+def _parse_jsonl_piece(path: Location, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk:
     """Rows of a piece of whole lines: pyarrow first, line by line when pyarrow refuses it."""
     if not piece.endswith(b"\n"):
         piece += b"\n"  # the file's last line without its newline
@@ -233,7 +408,7 @@ def _parse_jsonl_piece(path: Path, first_line: int, piece: bytes, text_field: st
     return chunk if chunk is not None else _jsonl_slow(path, first_line, piece, text_field, id_field)
 
 
-def _jsonl_fast(path: Path, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk | None:
+def _jsonl_fast(path: Location, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk | None:
     """pyarrow parse of a chunk; None when pyarrow refuses it (the line-by-line parser then names the lines)."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -278,7 +453,7 @@ def _jsonl_fast(path: Path, first_line: int, piece: bytes, text_field: str, id_f
     return out
 
 
-def _jsonl_slow(path: Path, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk:
+def _jsonl_slow(path: Location, first_line: int, piece: bytes, text_field: str, id_field: str) -> Chunk:
     out = Chunk([], [], fallback=True)
     for k, raw in enumerate(piece.split(b"\n")[:-1]):
         if not raw.strip():
@@ -329,9 +504,9 @@ def _utf8_ok(s: str) -> bool:
         return False
 
 
-def _read_csv(path: Path, text_field: str, id_field: str) -> Iterator[Chunk]:
+def _read_csv(path: Location, text_field: str, id_field: str) -> Iterator[Chunk]:
     csv.field_size_limit(2**31 - 1)
-    with open(path, "rb") as raw:
+    with path.open_input_stream() as raw:
         fh = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline="")
         reader = csv.reader(fh)
         try:
@@ -379,7 +554,7 @@ def _read_csv(path: Path, text_field: str, id_field: str) -> Iterator[Chunk]:
 
 # -- Parquet --------------------------------------------------------------------------------------
 
-def _read_parquet(path: Path, text_field: str, id_field: str, row_groups: tuple[int, ...] | None = None,
+def _read_parquet(loc: Location, text_field: str, id_field: str, row_groups: tuple[int, ...] | None = None,
                   first_row: int = 1) -> Iterator[Chunk]:
     """Rows of the file, or of its `row_groups` (whose first row is row `first_row` of the file)."""
     import pyarrow as pa
@@ -387,40 +562,38 @@ def _read_parquet(path: Path, text_field: str, id_field: str, row_groups: tuple[
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        fh = loc.open_input_file()
+        pf = pq.ParquetFile(fh)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise CorpusInputError(f"{path}: not a Parquet file ({exc})") from None
-    schema = pf.schema_arrow
-    for name in (id_field, text_field):
-        if name not in schema.names:
-            raise CorpusInputError(f"{path}: Parquet file has no column {name!r} (columns: {', '.join(schema.names)})")
-    tt, it = schema.field(text_field).type, schema.field(id_field).type
-    if not (pa.types.is_string(tt) or pa.types.is_large_string(tt)):
-        raise CorpusInputError(f"{path}: column {text_field!r} is {tt}, not a string")
-    if not (pa.types.is_string(it) or pa.types.is_large_string(it) or pa.types.is_integer(it)):
-        raise CorpusInputError(f"{path}: column {id_field!r} is {it}, not a string or integer")
-    row = first_row
-    for batch in pf.iter_batches(batch_size=PARQUET_CHUNK_ROWS, row_groups=row_groups,
-                                 columns=[id_field, text_field]):
-        ids = pc.cast(batch.column(id_field), pa.string()).to_pylist()
-        texts = batch.column(text_field).to_pylist()
-        if batch.column(id_field).null_count == 0 and batch.column(text_field).null_count == 0:
-            yield Chunk(ids, texts)
-        else:
-            out = Chunk([], [])
-            for k, (i, t) in enumerate(zip(ids, texts)):
-                if i is None or t is None:
-                    name = id_field if i is None else text_field
-                    out.bad.append(BadRow(str(path), row + k, f"missing field {name!r}", i, "parquet"))
-                else:
-                    out.ids.append(i)
-                    out.texts.append(t)
-            yield out
-        row += batch.num_rows
-
-
-def parquet_rows(path: Path) -> int:
-    """Row count from the Parquet footer (no data read)."""
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).metadata.num_rows
+        if isinstance(exc, OSError) and "AWS Error" in str(exc):
+            raise explain(exc, "input", loc) from None
+        raise CorpusInputError(f"{loc}: not a Parquet file ({exc})") from None
+    with fh:
+        schema = pf.schema_arrow
+        for name in (id_field, text_field):
+            if name not in schema.names:
+                raise CorpusInputError(f"{loc}: Parquet file has no column {name!r} (columns: "
+                                       f"{', '.join(schema.names)})")
+        tt, it = schema.field(text_field).type, schema.field(id_field).type
+        if not (pa.types.is_string(tt) or pa.types.is_large_string(tt)):
+            raise CorpusInputError(f"{loc}: column {text_field!r} is {tt}, not a string")
+        if not (pa.types.is_string(it) or pa.types.is_large_string(it) or pa.types.is_integer(it)):
+            raise CorpusInputError(f"{loc}: column {id_field!r} is {it}, not a string or integer")
+        row = first_row
+        for batch in pf.iter_batches(batch_size=PARQUET_CHUNK_ROWS, row_groups=row_groups,
+                                     columns=[id_field, text_field]):
+            ids = pc.cast(batch.column(id_field), pa.string()).to_pylist()
+            texts = batch.column(text_field).to_pylist()
+            if batch.column(id_field).null_count == 0 and batch.column(text_field).null_count == 0:
+                yield Chunk(ids, texts)
+            else:
+                out = Chunk([], [])
+                for k, (i, t) in enumerate(zip(ids, texts)):
+                    if i is None or t is None:
+                        name = id_field if i is None else text_field
+                        out.bad.append(BadRow(str(loc), row + k, f"missing field {name!r}", i, "parquet"))
+                    else:
+                        out.ids.append(i)
+                        out.texts.append(t)
+                yield out
+            row += batch.num_rows

@@ -28,6 +28,37 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def windows(chunks: Iterable[Window], skip: int, shard_size: int, window: int) -> Iterator[Window]:
+    """The rows of `chunks` after the first `skip`, in windows of at most `window` rows that never
+    cross a boundary of `shard_size` rows, so a shard's batches (hence its bytes) are the same
+    whether or not the run was resumed."""
+    pos = 0  # index of the next row
+    buf_ids: list[str] = []
+    buf_texts: list[str] = []
+    start = skip  # index of the first row in the buffer
+    for ids, texts in chunks:
+        if pos + len(ids) <= skip:
+            pos += len(ids)
+            continue
+        if pos < skip:
+            ids, texts = ids[skip - pos :], texts[skip - pos :]
+            pos = skip
+        pos += len(ids)
+        k = 0
+        while k < len(ids):
+            limit = min(window, shard_size - start % shard_size)
+            take = min(limit - len(buf_ids), len(ids) - k)
+            buf_ids += ids[k : k + take]
+            buf_texts += texts[k : k + take]
+            k += take
+            if len(buf_ids) == limit:
+                yield buf_ids, buf_texts
+                start += len(buf_ids)
+                buf_ids, buf_texts = [], []
+    if buf_ids:
+        yield buf_ids, buf_texts
+
+
 def load_encoder(export_dir: str, threads: int | None, max_length: int | None, providers=None):
     from ..runtime.encoder import Encoder
 

@@ -1,141 +1,215 @@
-"""The `ray` engine: input pieces -> `map_batches` parsing them -> an actor pool of Encoders -> shards.
+"""The `ray` engine: Encoder actors that read, encode and write whole input pieces; the driver plans.
 
-The pipeline is `from_items` over the input's `Piece`s (`inputs.plan_pieces`:
-byte ranges of JSON lines cut at line ends, runs of Parquet row groups, whole
-CSV files), a stateless `map_batches` that parses each piece with
-`inputs.read_piece` -- the parser and validation of the local readers, run on
-the same byte ranges -- and keeps its valid rows, then `map_batches` with a
-class: Ray starts `workers` actors, each loading one `Encoder` with its share
-of cores (`num_cpus`), and each window-sized batch is sorted by length inside
-the actor.  `preserve_order` keeps the output in input order, so the driver
-writes the same shards (ids, order, manifest) as the other engines.  The
-driver writes the Parquet shards itself: one writer keeps the shard numbering
-and the manifest exact, and an embedding (1.5 KB for MiniLM) is small next to
-the cost of computing it.
+Nothing of the corpus passes through the driver.  The driver (`encode_corpus` in the calling
+process) lists the input, cuts it into pieces from the files' sizes (`inputs.plan_pieces`; the
+Parquet footers are read by an actor), sends each piece -- a few hundred bytes of JSON -- to an
+idle actor, and commits the manifest from what the actors send back: per piece its row and line
+counts, its bad rows and the names of the shards it wrote.  Each actor (`_PieceWorker`) holds one
+`Encoder` with `cpus_per_worker` ONNX Runtime threads; for a piece it reads the piece's bytes from
+the input itself, parses them with the local readers' code (`inputs.read_piece`: the same
+validation, the same bad rows, named the same way), encodes window by window (sorted by length
+inside a window, windows never crossing a shard boundary) and writes the piece's shards to the
+output itself (`shards.ShardWriter`: temporary name, then moved), so the embeddings go from the
+actor to the output.  A piece's shards are a function of the piece alone, so a piece encoded twice
+(a retry after its actor died, a resume) writes the same shards under the same names.
 
-Why not Ray Data's `read_json` / `read_csv` / `read_text`: their pyarrow
-readers stop the whole read at the first invalid JSON line, non-UTF-8 byte or
-short CSV row, and they keep no line numbers, so `--on-error skip` could not
-skip and name the rows the local engine skips; `read_text` also decodes a
-whole file at once and splits on every Unicode line break (a JSON string may
-hold U+2028), not on the newlines that number the lines.  Parsing the local
-readers' own pieces in the map step gives every engine the same rows, and the
-skip list (from the driver's scan, which runs the same code) names them the
-same way.  Parquet is binary, so "read as text" does not apply: a piece is a
-run of row groups, read with `pyarrow.parquet` by the local reader's code,
-which checks the column types and reports a null id or text by its row number
-in the file, as the local engine does.  A CSV file is one piece because a
-quoted field may span lines; CSV files are still read in parallel with each
-other and with encoding.
+Why not Ray Data: its readers stop the whole read at the first invalid JSON line, non-UTF-8 byte
+or short CSV row and keep no line numbers, so `--on-error skip` could not skip and name the rows
+the local engine skips; and its writers name and cut their files themselves, while a shard here
+must be a function of its input piece (its name and its bytes the same on a retry) for the manifest
+to commit it.  Ray core actors give the driver what it needs instead: it knows which piece each
+actor holds, so when an actor dies -- its process killed, its node gone -- the piece goes back in
+the queue for another actor (at most `MAX_ATTEMPTS` times), and a replacement actor is started,
+which joins the pool when Ray finds room for it.  With no actor left and none started within
+`START_TIMEOUT_S`, the run stops with one line; the pieces committed so far are kept and
+`--resume` continues.
 
-With `--ray-address` the run joins an existing cluster; the export directory
-and the input files must then be readable at the same path on every node.
+Ray's CPU counts are reservations: each actor reserves `cpus_per_worker` CPUs, by default the
+cluster's CPUs divided by the number of actors, and no more than the largest node has.  With
+`--ray-address` the run joins an existing cluster: every node then needs the package, read access to
+the export and the input, write access to the output, and the credentials and endpoint for them (a
+local path must be the same shared path on every node; a URI needs none of that).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+import os
+import time
+from collections import Counter, deque
+from typing import Iterator
 
-import numpy as np
+from .inputs import InputFile, Piece
+from .storage import Location
 
-from .inputs import InputFile, plan_pieces
-
-if TYPE_CHECKING:
-    import pyarrow as pa
-
-
-# Ray's CPU counts are logical reservations.  Actors that reserved every CPU would leave none for
-# the piece-parsing tasks (and Ray Data's own small tasks), and the pipeline would wait forever, so
-# the actors together reserve one CPU less than the instance has; each actor's ONNX Runtime still
-# runs `cpus_per_worker` threads, which is what decides the physical share of cores.
-READ_CPUS = 0.1
+START_TIMEOUT_S = 600.0  # an actor fetches the export and loads it before it is ready
+MAX_ATTEMPTS = 3  # a piece whose actor died this many times stops the run (a piece that kills its worker)
+_WAIT_S = 5.0
 
 
 class RayEngineError(RuntimeError):
     """Ray could not run the pipeline; the message says what to change."""
 
 
-def _parse_pieces(batch: "pa.Table", text_field: str, id_field: str) -> Iterator["pa.Table"]:
-    """Valid rows of each piece in `batch`, one table per reader chunk (so memory stays at a chunk).
+class _PieceWorker:
+    """One Encoder per actor, loaded once; reads, encodes and writes whole pieces.
 
-    Bad rows are dropped here; the driver's scan, which ran the same code, has already named them.
-    """
-    import pyarrow as pa
+    A failure to start (an export it cannot fetch, a graph it cannot load) is kept and raised by
+    `ready`, so the driver receives the exception itself and not Ray's account of a dead actor."""
 
-    from .inputs import Piece, read_piece
+    def __init__(self, spec: dict) -> None:
+        self.spec, self.error = spec, None
+        try:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            from .local import load_encoder
+            from .storage import fetch_tree
 
-    for spec in batch.column("piece").to_pylist():
-        for chunk in read_piece(Piece.from_json(spec), text_field, id_field):
-            if chunk.ids:
-                yield pa.table({"id": pa.array(chunk.ids, pa.string()), "text": pa.array(chunk.texts, pa.string())})
+            export: Location = spec["export"]
+            local = export.url if export.is_local else str(fetch_tree(export, spec["digest"]))
+            self.encoder = load_encoder(local, spec["threads"], spec["max_length"])
+        except Exception as exc:  # noqa: BLE001 - raised again by ready()
+            self.error = exc
+
+    def ready(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        import ray
+
+        return {"dimension": self.encoder.dimension, "graph": self.encoder.graph_file, "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id()}
+
+    def layout(self, loc: Location) -> list[int]:
+        from .inputs import parquet_layout
+
+        return parquet_layout(loc)
+
+    def lines_before(self, piece_json: str) -> int:
+        from .inputs import lines_before
+
+        return lines_before(Piece.from_json(piece_json))
+
+    def run(self, index: int, piece_json: str) -> dict:
+        """Read, validate, encode and write piece `index`; return its counts, bad rows and shards.
+
+        With on_error "fail" a bad row stops the encoding of the piece: its shards are deleted and
+        the rest of the piece is only parsed, so the driver learns every bad row of the piece."""
+        from .inputs import read_piece
+        from .local import encode_window, windows
+        from .shards import ShardWriter, piece_shard_name
+
+        s = self.spec
+        piece = Piece.from_json(piece_json)
+        out: Location = s["out"]
+        bad: list[dict] = []
+        shards: list[dict] = []
+        state = {"lines": 0, "failed": False}
+        chunks = read_piece(piece, s["text_field"], s["id_field"])
+
+        def rows():
+            for ch in chunks:
+                state["lines"] += ch.lines
+                bad.extend(b.to_dict() for b in ch.bad)
+                if ch.bad and s["on_error"] == "fail":
+                    state["failed"] = True
+                    return
+                yield ch.ids, ch.texts
+
+        writer = ShardWriter(out, s["shard_size"], self.encoder.dimension, lambda j: piece_shard_name(index, j),
+                             lambda name, n: shards.append({"file": name, "rows": n}))
+        tokens = 0
+        try:
+            for ids, texts in windows(rows(), 0, s["shard_size"], s["window"]):
+                if state["failed"]:
+                    break
+                emb, t = encode_window(self.encoder, texts, s["batch_size"])
+                tokens += t
+                writer.write(ids, emb)
+            if not state["failed"]:
+                writer.finish()
+        except BaseException:
+            writer.abort()
+            for sh in shards:
+                out.child(sh["file"]).delete()
+            raise
+        if state["failed"]:
+            writer.abort()
+            for sh in shards:
+                out.child(sh["file"]).delete()
+            shards.clear()
+            for ch in chunks:  # the rest of the piece: parsed for its bad rows, not encoded
+                state["lines"] += ch.lines
+                bad.extend(b.to_dict() for b in ch.bad)
+        return {"piece": index, "rows": writer.rows_done, "lines": state["lines"], "bad": bad, "shards": shards,
+                "tokens": tokens, "failed": state["failed"]}
 
 
-class _EncodeActor:
-    """One Encoder per actor, loaded once; encodes a window-sized batch."""
-
-    def __init__(self, export_dir: str, threads: int, max_length: int | None, batch_size: int) -> None:
-        import os
-
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from .local import load_encoder
-
-        self.encoder = load_encoder(export_dir, threads, max_length)
-        self.batch_size = batch_size
-
-    def __call__(self, batch):
-        import pyarrow as pa
-
-        from .local import encode_window
-        from .shards import embedding_table
-
-        ids = batch.column("id").to_pylist()
-        emb, tokens = encode_window(self.encoder, batch.column("text").to_pylist(), self.batch_size)
-        table = embedding_table(ids, emb)
-        return table.append_column("tokens", pa.array([tokens] + [0] * (len(ids) - 1), type=pa.int64()))
+def _last_line(exc: BaseException) -> str:
+    lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 class RayEngine:
+    """The actor pool and its scheduling; a context manager (Ray is started, or joined, on entry)."""
+
     name = "ray"
 
-    def __init__(self, export_dir: str, *, batch_size: int, window: int, workers: int = 1,
+    def __init__(self, export: Location, digest: str, *, out: Location, batch_size: int, window: int,
+                 shard_size: int, text_field: str, id_field: str, on_error: str, workers: int = 1,
                  max_length: int | None = None, address: str | None = None, num_cpus: int | None = None,
                  cpus_per_worker: int | None = None) -> None:
         from .local import available_cores
 
-        self.export_dir, self.batch_size, self.window, self.workers = str(export_dir), batch_size, window, workers
-        self.max_length, self.address = max_length, address
+        self.workers, self.address = workers, address
         self.num_cpus = num_cpus if num_cpus is not None else (None if address else available_cores())
-        self.cpus_per_worker = cpus_per_worker or max(1, (self.num_cpus or available_cores()) // workers)
+        self.cpus_per_worker = cpus_per_worker
+        self.spec = {"export": export, "digest": digest, "out": out, "batch_size": batch_size, "window": window,
+                     "shard_size": shard_size, "text_field": text_field, "id_field": id_field,
+                     "on_error": on_error, "max_length": max_length}
+        self._started = False
+        self._starting: dict = {}  # ready() ref -> actor
+        self._idle: list = []
+        self._busy: dict = {}  # run() ref -> (actor, index, piece)
+        self._actors: list = []  # every actor started, alive or not: all are killed at the end
+        self._spawned = 0
+        self._last_death = "unknown"
+        self.lost = 0  # actors that died during the run
+        self.info: dict | None = None
+        self._output = None
 
     def describe(self) -> dict:
         return {"name": self.name, "workers": self.workers, "cpus_per_worker": self.cpus_per_worker,
-                "address": self.address}
+                "address": self.address, "actors_lost": self.lost}
 
-    def _actor_cpus(self) -> float:
-        total = self.num_cpus or (self.cpus_per_worker * self.workers + 1)
-        return max(0.05, min(self.cpus_per_worker, (total - 1) / self.workers))
+    # -- Ray and the actors -----------------------------------------------------------------------
 
-    def encode_files(self, files: list[InputFile], text_field: str, id_field: str,
-                     skip_rows: int = 0) -> Iterator[tuple[list[str], np.ndarray, int]]:
-        """(ids, embeddings, tokens) in input order, starting after the first `skip_rows` valid rows
-        of `files` (which the caller has already dropped whole files from)."""
-        pieces = [p for f in files for p in plan_pieces(f)]
-        if not pieces:  # every file is already written (a resumed run)
-            return
-        from .. import console
+    def __enter__(self) -> "RayEngine":
+        from .. import library_output
 
         # Ray talks a lot (its logger, the C++ core worker, deprecation notes): under the CLI that goes
-        # to the capture (shown with --verbose), and attncal's own bar writes to console.terminal().
-        with console.third_party_output():
-            yield from self._encode_files(pieces, text_field, id_field, skip_rows)
+        # to the capture (shown with --verbose), and attncal's own bar writes to library_output.terminal().
+        self._output = library_output.third_party_output()
+        self._output.__enter__()
+        try:
+            self._connect()
+        except BaseException as exc:
+            self._output.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
 
-    def _encode_files(self, pieces: list, text_field: str, id_field: str,
-                      skip_rows: int) -> Iterator[tuple[list[str], np.ndarray, int]]:
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self._stop()
+        finally:
+            if self._started:
+                import ray
+
+                ray.shutdown()
+            self._output.__exit__(*exc_info)
+
+    def _connect(self) -> None:
         import ray
 
-        from .. import console
+        from .. import library_output
 
-        started = False
         if not ray.is_initialized():
             try:
                 if self.address:
@@ -145,30 +219,200 @@ class RayEngine:
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 where = self.address or "a local instance"
                 raise RayEngineError(f"cannot start Ray on {where}: {str(exc).strip().splitlines()[0]}") from None
-            started = True
-        console.adopt_loggers()  # the handler Ray installed on its logger when imported
+            self._started = True
+        library_output.adopt_loggers()  # the handler Ray installed on its logger when imported
+        nodes = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+        largest = max(nodes, default=0)
+        total = self.num_cpus or sum(nodes)
+        if self.cpus_per_worker is None:
+            self.cpus_per_worker = max(1, min(int(largest), int(total // self.workers)))
+        if largest < self.cpus_per_worker:
+            raise RayEngineError(f"no Ray node has {self.cpus_per_worker} CPU(s) for an Encoder actor (the largest "
+                                 f"has {largest:g}); use fewer CPUs per actor or more --workers")
+        self.spec["threads"] = self.cpus_per_worker
+        self._cls = ray.remote(_PieceWorker)
+
+    def _spawn(self) -> None:
+        actor = self._cls.options(num_cpus=self.cpus_per_worker, max_restarts=0, max_task_retries=0).remote(self.spec)
+        self._starting[actor.ready.remote()] = actor
+        self._actors.append(actor)
+        self._spawned += 1
+
+    def _death_errors(self) -> tuple:
+        import ray.exceptions as rex
+
+        return (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError, rex.ObjectLostError)
+
+    def _task_error(self, exc) -> BaseException:
+        """The exception an actor method raised, as itself (a CorpusInputError, a StorageError)."""
+        cause = getattr(exc, "cause", None)
+        return cause if isinstance(cause, BaseException) else RayEngineError(_last_line(exc))
+
+    def _on_ready(self, ref) -> None:
+        import ray
+        import ray.exceptions as rex
+
+        actor = self._starting.pop(ref)
         try:
-            ctx = ray.data.DataContext.get_current()
-            ctx.execution_options.preserve_order = True
-            ctx.enable_progress_bars = False
-            ds = ray.data.from_items([{"piece": p.to_json()} for p in pieces], override_num_blocks=len(pieces))
-            ds = ds.map_batches(_parse_pieces, fn_kwargs={"text_field": text_field, "id_field": id_field},
-                                batch_format="pyarrow", batch_size=1, num_cpus=READ_CPUS)
-            ds = ds.map_batches(_EncodeActor, batch_format="pyarrow", batch_size=self.window,
-                                fn_constructor_args=(self.export_dir, self.cpus_per_worker, self.max_length,
-                                                     self.batch_size),
-                                compute=ray.data.ActorPoolStrategy(size=self.workers), num_cpus=self._actor_cpus())
-            to_skip = skip_rows
-            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
-                ids = batch.column("id").to_pylist()
-                emb = batch.column("embedding").combine_chunks().flatten().to_numpy().reshape(len(ids), -1)
-                tokens = int(np.sum(batch.column("tokens").to_numpy()))
-                if to_skip:
-                    drop = min(to_skip, len(ids))
-                    ids, emb, to_skip = ids[drop:], emb[drop:], to_skip - drop
-                    if not ids:
-                        continue
-                yield ids, emb, tokens
-        finally:
-            if started:
-                ray.shutdown()
+            info = ray.get(ref)
+        except rex.RayTaskError as exc:  # the actor could not load the export: the same for every actor
+            raise self._task_error(exc) from None
+        except self._death_errors() as exc:
+            if getattr(exc, "actor_init_failed", False):  # e.g. attncal missing on a node: no retry helps
+                raise RayEngineError(f"an Encoder actor could not start: {_last_line(exc)}") from None
+            self._last_death = _last_line(exc)
+            self.lost += 1
+            self._spawn_replacement()
+            return
+        if self.info is not None and info["dimension"] != self.info["dimension"]:
+            raise RayEngineError(f"Encoder actors disagree on the embedding dimension ({info['dimension']} and "
+                                 f"{self.info['dimension']}): the export differs between nodes")
+        self.info = self.info or info
+        self._idle.append(actor)
+
+    def _spawn_replacement(self) -> None:
+        if self._spawned < self.workers * (1 + MAX_ATTEMPTS):
+            self._spawn()
+
+    def _wait(self, refs: list, deadline: float) -> list:
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=1, timeout=_WAIT_S)
+        if not ready and not self._idle and not self._busy and time.monotonic() > deadline:
+            raise RayEngineError(f"no Encoder actor is alive and none started within {START_TIMEOUT_S:.0f} s (the "
+                                 "cluster has no room for one, or its nodes keep dying); the pieces committed so "
+                                 "far are kept and --resume continues")
+        return ready
+
+    def start(self) -> dict:
+        """Start the actors; return the first ready actor's account (dimension, graph) once it is ready."""
+        for _ in range(self.workers):
+            self._spawn()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.info is None:
+            if not self._starting:
+                raise RayEngineError(f"every Encoder actor died while starting (last: {self._last_death})")
+            for ref in self._wait(list(self._starting), deadline):
+                self._on_ready(ref)
+        return self.info
+
+    def _call(self, method: str, *args):
+        """One call on an idle actor (a footer, a line count); retried on another actor if it dies."""
+        import ray
+        import ray.exceptions as rex
+
+        for _ in range(MAX_ATTEMPTS):
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not self._idle:  # wait for a starting actor (a busy one's result must not be taken here)
+                if not self._starting:
+                    self._spawn_replacement()
+                if not self._starting or time.monotonic() > deadline:
+                    break
+                for ref in self._wait(list(self._starting), deadline):
+                    self._on_ready(ref)
+            if not self._idle:
+                break
+            actor = self._idle.pop()
+            try:
+                result = ray.get(getattr(actor, method).remote(*args))
+            except rex.RayTaskError as exc:
+                self._idle.append(actor)
+                raise self._task_error(exc) from None
+            except self._death_errors() as exc:
+                self._last_death = _last_line(exc)
+                self.lost += 1
+                self._spawn_replacement()
+                continue
+            self._idle.append(actor)
+            return result
+        raise RayEngineError(f"the Encoder actors died {MAX_ATTEMPTS} times running {method}")
+
+    def parquet_layouts(self, files: list[InputFile]) -> dict[str, list[int]]:
+        """Rows per row group of each Parquet file, read from the footers by the actors in parallel."""
+        import ray
+        import ray.exceptions as rex
+
+        if not files:
+            return {}
+        while self._starting and len(self._idle) < min(len(files), self.workers):
+            ready, _ = ray.wait(list(self._starting), num_returns=1, timeout=0.5)
+            if not ready:
+                break
+            self._on_ready(ready[0])
+        calls = [(f, self._idle[k % len(self._idle)]) for k, f in enumerate(files)]
+        refs = [(f, actor, actor.layout.remote(f.location)) for f, actor in calls]
+        out = {}
+        for f, actor, ref in refs:
+            try:
+                out[f.path] = ray.get(ref)
+            except rex.RayTaskError as exc:
+                raise self._task_error(exc) from None
+            except self._death_errors() as exc:
+                if actor in self._idle:
+                    self._idle.remove(actor)
+                    self._last_death = _last_line(exc)
+                    self.lost += 1
+                    self._spawn_replacement()
+                out[f.path] = self._call("layout", f.location)
+        return out
+
+    def lines_before(self, piece: Piece) -> int:
+        return self._call("lines_before", piece.to_json())
+
+    def run(self, items: list[tuple[int, Piece]]) -> Iterator[dict]:
+        """Encode the pieces; yield each piece's result as its actor returns it (in no fixed order).
+
+        A piece whose actor died goes back to the front of the queue; the generator's closing (the
+        caller stopped) stops the actors."""
+        import ray
+        import ray.exceptions as rex
+
+        queue = deque(items)
+        attempts: Counter = Counter()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while queue or self._busy:
+            while self._idle and queue:
+                actor = self._idle.pop()
+                i, piece = queue.popleft()
+                self._busy[actor.run.remote(i, piece.to_json())] = (actor, i, piece)
+            if not self._idle and not self._busy and not self._starting:
+                self._spawn_replacement()
+                if not self._starting:
+                    raise RayEngineError(f"every Encoder actor died (last: {self._last_death}) and no more "
+                                         "replacements are started; the pieces committed so far are kept and "
+                                         "--resume continues")
+            for ref in self._wait(list(self._busy) + list(self._starting), deadline):
+                if ref in self._starting:
+                    self._on_ready(ref)
+                    continue
+                actor, i, piece = self._busy.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except rex.RayTaskError as exc:
+                    raise self._task_error(exc) from None
+                except self._death_errors() as exc:
+                    self._last_death = _last_line(exc)
+                    self.lost += 1
+                    attempts[i] += 1
+                    if attempts[i] >= MAX_ATTEMPTS:
+                        raise RayEngineError(f"the actor encoding piece {i} of {piece.path} died {attempts[i]} "
+                                             f"times (last: {_last_line(exc)})") from None
+                    queue.appendleft((i, piece))
+                    self._spawn_replacement()
+                    deadline = time.monotonic() + START_TIMEOUT_S
+                    continue
+                self._idle.append(actor)
+                deadline = time.monotonic() + START_TIMEOUT_S
+                yield result
+
+    def _stop(self) -> None:
+        """Kill every actor (an idle one, or one whose call raised, would otherwise hold its CPUs until
+        Ray collects its handle) and wait until the busy ones are gone, so none writes after the
+        driver has cleaned up or committed."""
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        if self._busy:
+            ray.wait(list(self._busy), num_returns=len(self._busy), timeout=30)
+        self._starting, self._idle, self._busy, self._actors = {}, [], {}, []

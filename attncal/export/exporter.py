@@ -11,7 +11,7 @@ place at the end, so a failure never leaves a half-written OUT behind.
 Warnings and messages of the libraries the export runs through (torch.onnx,
 transformers, ONNX Runtime's optimizer) are kept off the console and written to
 `attncal-export.log` in OUT, inside the temporary directory before the rename
-(attncal.console); attncal's own step lines stay on stderr.
+(attncal.library_output); attncal's own step lines stay on stderr.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import console
+from .. import library_output
 from ..artifact import (  # noqa: F401  (the layout names are re-exported here for compatibility)
     EXTERNAL_DATA_FILE,
+    ExportMetadata,
     FORMAT_VERSION,
     METADATA_FILE,
     NATIVE_GRAPH,
@@ -50,16 +51,13 @@ from ..artifact import (  # noqa: F401  (the layout names are re-exported here f
 )
 from ..calibration.config import CalibrationConfig
 from ..memory import release_freed_memory
-from ..modelinfo import ModelInfo, load_model_info
+from ..modelinfo import ModelInfo
 from .fp16 import METHOD as FP16_METHOD, convert_model_to_fp16
+from .plan import DEFAULT_OPSET, EXPORTERS, PLACEMENTS, ExportOptions, ExportPlan  # noqa: F401  (public here)
 
-EXPORTERS = ("dynamo", "torchscript")
-PLACEMENTS = ("auto", "softmax", "fused-softmax", "row", "split", "attention",  # attncal.graphs.placements.CHOICES
-              "projected-attention")
-DEFAULT_OPSET = 18
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data", ".gguf")
 _SKIP_DIRS = {"onnx", "openvino", ".git", "__pycache__"}
-EXPORT_LOG_FILE = "attncal-export.log"  # third-party warnings and messages of the export (attncal.console)
+EXPORT_LOG_FILE = "attncal-export.log"  # third-party warnings and messages of the export (attncal.library_output)
 
 
 class ExportError(RuntimeError):
@@ -70,24 +68,8 @@ class ParityError(RuntimeError):
     """The exported model does not match the PyTorch reference."""
 
 
-@dataclass
-class ExportOptions:
-    config: CalibrationConfig = field(default_factory=CalibrationConfig)  # its pooling applies even uncalibrated
-    calibrate: bool = True
-    opset: int = DEFAULT_OPSET
-    fp16: bool = False
-    max_length: int | None = None
-    exporter: str = "dynamo"
-    overwrite: bool = False
-    check: bool = True
-    placement: str = "auto"  # one of PLACEMENTS (attncal.graphs.placements)
-    optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
-    quantize: str | None = None  # "int8": every written graph quantized (attncal.export.quantize)
-    memory_check: bool = True  # refuse before step 1 when the estimate exceeds the memory available (memory_plan)
-
-
 def _log(msg: str, quiet: bool) -> None:
-    console.own_line(f"attncal: {msg}")  # context for the export log
+    library_output.own_line(f"attncal: {msg}")  # context for the export log
     if not quiet:
         print(f"attncal: {msg}", file=sys.stderr, flush=True)
 
@@ -134,15 +116,6 @@ class StepMeter:
     def report(self) -> list[dict]:
         self._close()
         return list(self.rows)
-
-
-def prepare_out_dir(out: Path, overwrite: bool) -> None:
-    if out.exists():
-        if not out.is_dir():
-            raise FileExistsError(f"output path {out} exists and is a file")
-        if any(out.iterdir()) and not overwrite:
-            raise FileExistsError(f"output directory {out} is not empty; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
 
 
 def copy_model_files(info: ModelInfo, dest: Path) -> None:
@@ -312,23 +285,16 @@ def _to_fp16(model, placement: str | None, quiet: bool):
     """(the optimized graph converted to float16 with its calibration kept float32, the nodes kept float32)."""
     from ..graphs import placements
 
-    prefix = placements.get(placement).FLOAT32_NODES if placement else None
+    prefix = placements.get(placement).float32_nodes if placement else None
     _log("[2/4] converting the ORT-optimized graph to fp16 (ONNX Runtime's converter"
          + (f"; {prefix}* calibration nodes stay fp32)" if prefix else ")"), quiet)
-    with console.third_party_output():
+    with library_output.third_party_output():
         return convert_model_to_fp16(model, prefix)
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
-
-
-def optimized_graph_applies(info: ModelInfo, opts: ExportOptions) -> bool:
-    """Whether to try ONNX Runtime's transformer optimizer (on an fp32 TorchScript export; --fp16 converts
-    after placement).  Whether it writes a graph is a capability of the model, decided by `_optimizer_fuses`
-    on the optimizer's own output."""
-    return opts.optimized
 
 
 def _ort_optimize(path: Path, info: ModelInfo, cache: dict):
@@ -387,7 +353,7 @@ def _optimized_graph(info: ModelInfo, ts_raw: Path, config: CalibrationConfig | 
     if config is None:
         return _ort_optimize(ts_raw, info, cache), None
     module = placements.get(placement)
-    if module.OPTIMIZE_FIRST:
+    if module.optimize_first:
         model = _ort_optimize(ts_raw, info, cache)
         fused_before = sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type == "Attention")
         result = module.place(model, config, num_layers)
@@ -432,6 +398,29 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+
+
+@dataclass
+class _Run:
+    """What an export's steps pass on: the plan, the working directory, and what each step produced."""
+
+    plan: ExportPlan
+    tmp: Path
+    quiet: bool
+    meter: StepMeter
+    capture: library_output.Capture
+    features: frozenset[str] = frozenset()  # what the attention holds (attncal.calibration.patching)
+    input_names: list[str] = field(default_factory=list)
+    raw_path: Path | None = None  # torch's export, weights on disk
+    result: object | None = None  # the portable graph's PlacementResult
+    graphs: dict = field(default_factory=dict)  # graph file -> its attncal.json entry
+    optimizer_note: str | None = None
+    quantization: dict | None = None
+
+    def log(self, msg: str) -> None:
+        _log(msg, self.quiet)
+
+
 def export(
     model: str | os.PathLike,
     out: str | os.PathLike,
@@ -441,283 +430,309 @@ def export(
     check_fn: Callable | None = None,
     watch=None,
 ) -> dict:
-    """Export `model` to `out`; returns the `attncal.json` contents.  `watch`: see `StepMeter`."""
-    import onnx
-    import onnx_ir as ir
+    """Export `model` to `out`; returns the `attncal.json` contents.  `watch`: see `StepMeter`.
 
-    from ..graphs.rewrite import insert_calibration
+    The plan is validated first (`ExportPlan.make`: every refusal), then the steps run in a working directory
+    beside `out` that is renamed into place at the end, or removed on any failure."""
+    plan = ExportPlan.make(model, out, options or ExportOptions())
+    _note_estimate(plan, watch)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.tmp-", dir=plan.out.parent))
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:  # third-party chatter -> EXPORT_LOG_FILE (and --verbose), not the console
+        capture = stack.enter_context(library_output.capture_third_party())
+        run = _Run(plan, tmp, quiet, stack.enter_context(StepMeter(watch)), capture)
+        if watch is not None:
+            watch.workdir(tmp)
+        try:
+            torch_model = _load(run)
+            _torch_export(run, torch_model)
+            del torch_model
+            _portable_graph(run)
+            ts_raw = _optimize(run)
+            if ts_raw is not None:
+                _optimized_graph_step(run, ts_raw)
+                _native_graph(run, ts_raw)
+            shutil.rmtree(tmp / ".raw", ignore_errors=True)
+            _quantize(run)
+            meta = _metadata(run)
+            _parity(run, meta, check_fn)
+            _commit(run, meta, t_start)
+            return meta.to_dict()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
-    opts = options or ExportOptions()
-    if opts.exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {opts.exporter!r}")
-    if opts.opset < 18:
-        raise ValueError(f"opset {opts.opset} is not supported; attncal exports at opset >= 18")
-    if opts.placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {opts.placement!r}")
-    if opts.placement in ("row", "split", "attention", "projected-attention") and opts.fp16 and opts.calibrate:
-        # fp16: the portable graph takes softmax placement (its op computes in fp32); auto also places the
-        # optimized graphs, which are converted to fp16 after placement (attncal.export.fp16).
-        raise ValueError(f"--placement {opts.placement} with --fp16: use --placement auto (softmax on the portable "
-                         "graph, auto's choice on the optimized graphs, converted to fp16 after placement) or "
-                         "--placement softmax")
-    if opts.quantize is not None:
-        from .quantize import QUANTIZATIONS
 
-        if opts.quantize not in QUANTIZATIONS:
-            raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {opts.quantize!r}")
-        if opts.fp16:
-            raise ValueError("--quantize int8 and --fp16 exclude each other (int8 weights, fp32 activations)")
-    if opts.max_length is not None and opts.max_length < 2:
-        raise ValueError(f"max_length must be >= 2, got {opts.max_length}")
-    if opts.placement in ("attention", "projected-attention") and opts.calibrate and not opts.optimized:
-        raise ValueError(f"--placement {opts.placement} rewrites the ORT-optimized graph; drop --no-optimized")
-    if opts.placement == "projected-attention" and opts.quantize is not None and opts.calibrate:
-        raise ValueError("--placement projected-attention with --quantize int8: ONNX Runtime's quantizer quantizes "
-                         "only separate projection MatMuls; use --placement attention (or auto)")
-    info = load_model_info(model)
-    out = Path(out).expanduser().resolve()
-    prepare_out_dir(out, opts.overwrite)
-    from . import memory_plan
-
-    estimate = memory_plan.estimate(info.path, exporter=opts.exporter, optimized=opts.optimized, check=opts.check,
-                                    fp16=opts.fp16, quantize=opts.quantize)
-    if opts.memory_check:
-        memory_plan.check_fits(estimate, out.parent, optimized=opts.optimized, check=opts.check)
+def _note_estimate(plan: ExportPlan, watch) -> None:
     if watch is not None:
         from ..memory import available_bytes
 
         avail = available_bytes()
-        watch.note(f"the export was estimated at {estimate.peak / 1024**3:.1f} GiB at its peak"
+        watch.note(f"the export was estimated at {plan.estimate.peak / 1024**3:.1f} GiB at its peak"
                    + (f", with {avail / 1024**3:.1f} GiB available at its start" if avail is not None else ""))
-    pooling = info.pooling if opts.config.pooling == "auto" else opts.config.pooling
-    config = opts.config.with_pooling(pooling) if opts.calibrate else None
-    layers: list[int] = config.layer_indices(info.num_layers) if config is not None else []  # range errors first
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    t_start = time.perf_counter()
-    captured = contextlib.ExitStack()  # third-party chatter -> EXPORT_LOG_FILE (and --verbose), not the console
-    capture = captured.enter_context(console.capture_third_party())
-    meter = captured.enter_context(StepMeter(watch))
-    if watch is not None:
-        watch.workdir(tmp)
+
+
+def _load(run: _Run):
+    """The model files beside the graphs, and the torch model (loading is measured with the torch export: both
+    hold the same weights).  Whether it can be calibrated in PyTorch (the parity reference) is probed here, before
+    exporting; the probe also says what the attention holds, which decides whether ORT's optimizer is worth
+    trying (`_fusion_blockers`)."""
+    from ..calibration.patching import UnsupportedArchitectureError, find_attention
+
+    plan, info = run.plan, run.plan.info
+    copy_model_files(info, run.tmp)
+    if plan.opts.max_length is not None:
+        _set_max_length(run.tmp, plan.opts.max_length)
+    run.meter.step("torch export")
+    run.log(f"[1/4] exporting {info.model_type} ({info.architecture}, {info.num_layers} layers) with the "
+            f"{plan.opts.exporter} exporter, opset {plan.opts.opset}")
+    if not info.tested:
+        run.log(f"note: {info.model_type} is not among attncal's tested architectures; the export goes ahead and "
+                "is labelled untested, and the parity check guards it")
+    with library_output.third_party_output():
+        torch_model = load_for_export(info, plan.opts.fp16)
     try:
-        copy_model_files(info, tmp)
-        if opts.max_length is not None:
-            _set_max_length(tmp, opts.max_length)
-        onnx_path = tmp / ONNX_SUBDIR / ONNX_FILE
-        raw_path = tmp / ".raw" / ONNX_FILE
-        meter.step("torch export")
-        _log(f"[1/4] exporting {info.model_type} ({info.architecture}, {info.num_layers} layers) with the "
-             f"{opts.exporter} exporter, opset {opts.opset}", quiet)
-        if not info.tested:
-            _log(f"note: {info.model_type} is not among attncal's tested architectures; the export goes ahead and "
-                 "is labelled untested, and the parity check guards it", quiet)
-        with console.third_party_output():
-            torch_model = load_for_export(info, opts.fp16)
-        # Can it be calibrated in PyTorch (the parity reference)?  Fail before exporting.  The probe also says
-        # what the attention holds, which decides whether ORT's optimizer is worth trying (`_fusion_blockers`).
-        from ..calibration.patching import UnsupportedArchitectureError, find_attention
+        with library_output.third_party_output():
+            sites = find_attention(torch_model)
+        run.features = sites.features
+        sites.base.__dict__.pop("_attncal_sites", None)  # the probe's cache stays out of the traced module
+        del sites
+    except UnsupportedArchitectureError:
+        if plan.config is not None:
+            raise
+    return torch_model
 
-        features: frozenset[str] = frozenset()
-        try:
-            with console.third_party_output():
-                sites = find_attention(torch_model)
-            features = sites.features
-            sites.base.__dict__.pop("_attncal_sites", None)  # the probe's cache stays out of the traced module
-            del sites
-        except UnsupportedArchitectureError:
-            if config is not None:
-                raise
-        try:
-            with console.third_party_output():
-                input_names = torch_export(info, pooling, raw_path, opts.opset, opts.exporter, fp16=opts.fp16,
-                                           model=torch_model)
-            del torch_model
-            if opts.exporter == "dynamo" and estimate.weights >= _RELEASE_MATCHERS_FROM:
-                release_onnxscript_matchers()  # a scan of every Python object: worth it where the weights are large
-            release_freed_memory()
-        except Exception as exc:  # torch.onnx failures are long; report the cause in one line
-            raise ExportError(f"torch.onnx ({opts.exporter}) failed to export {info.model_type}: "
-                              f"{type(exc).__name__}: {_first_line(exc)[:300]}") from exc
-        raw_path = _weights_on_disk(raw_path)
-        ir_model = ir.load(raw_path)
-        result = plan = None
-        if config is not None:
-            from ..graphs import placements
 
-            precision = "fp16" if opts.fp16 else (opts.quantize or "fp32")
-            plan = placements.plan(opts.placement, config.resolve(), precision)
-            if opts.fp16 and plan.portable != "softmax":
-                plan = replace(plan, portable="softmax", reason=plan.reason + "; --fp16: the portable graph takes "
-                               "softmax placement (its op computes in float32)")
-            meter.step("portable graph")
-            _log(f"[2/4] portable graph: {plan.portable} placement in layers {layers}", quiet)
-            result = placements.get(plan.portable).place(ir_model, config, info.num_layers)
-        else:
-            meter.step("portable graph")
-            _log("[2/4] portable graph, uncalibrated", quiet)
-        # ONNX Runtime's load-time fusions and buffer planning as on a TorchScript / optimum export
-        # (standard ONNX either way; values unchanged).
-        from ..graphs.load_time_fusions import drop_intermediate_shapes, reorder_erf_gelu
+def _torch_export(run: _Run, torch_model) -> None:
+    """torch.onnx's export of encoder + pooling, with its weights moved to a data file; the torch model is freed."""
+    plan, info = run.plan, run.plan.info
+    raw_path = run.tmp / ".raw" / ONNX_FILE
+    try:
+        with library_output.third_party_output():
+            run.input_names = torch_export(info, plan.pooling, raw_path, plan.opts.opset, plan.opts.exporter,
+                                           fp16=plan.opts.fp16, model=torch_model)
+        del torch_model
+        if plan.opts.exporter == "dynamo" and plan.estimate.weights >= _RELEASE_MATCHERS_FROM:
+            release_onnxscript_matchers()  # a scan of every Python object: worth it where the weights are large
+        release_freed_memory()
+    except Exception as exc:  # torch.onnx failures are long; report the cause in one line
+        raise ExportError(f"torch.onnx ({plan.opts.exporter}) failed to export {info.model_type}: "
+                          f"{type(exc).__name__}: {_first_line(exc)[:300]}") from exc
+    run.raw_path = _weights_on_disk(raw_path)
 
-        reorder_erf_gelu(ir_model)
-        drop_intermediate_shapes(ir_model)
-        _write_graph(ir_model, onnx_path, tmp / ".raw" / "stage", full_check=True)
-        del ir_model
-        graphs = {f"{ONNX_SUBDIR}/{ONNX_FILE}": {
-            "placement": plan.portable if plan else None, "runtime": "any ONNX runtime (standard ONNX"
-            + (", model-local function)" if result is not None and result.op_type else ")"),
-            "fused_attention": result.fused_attention if result else 0}}
-        optimizer_note = None
-        fuses = False
-        cache: dict = {}
-        blockers = _fusion_blockers(features)
-        if optimized_graph_applies(info, opts) and blockers:
-            optimizer_note = (f"ONNX Runtime's transformer optimizer fuses BERT-shaped attention only; this "
+
+def _portable_graph(run: _Run) -> None:
+    """onnx/model.onnx: the placement on torch's export, ONNX Runtime's load-time fusions made easy (standard
+    ONNX either way; values unchanged), written once."""
+    import onnx_ir as ir
+
+    from ..graphs import placements
+    from ..graphs.load_time_fusions import drop_intermediate_shapes, reorder_erf_gelu
+
+    plan = run.plan
+    ir_model = ir.load(run.raw_path)
+    run.meter.step("portable graph")
+    if plan.placement is not None:
+        run.log(f"[2/4] portable graph: {plan.placement.portable} placement in layers {plan.layers}")
+        run.result = placements.get(plan.placement.portable).place(ir_model, plan.config, plan.info.num_layers)
+    else:
+        run.log("[2/4] portable graph, uncalibrated")
+    reorder_erf_gelu(ir_model)
+    drop_intermediate_shapes(ir_model)
+    _write_graph(ir_model, run.tmp / ONNX_SUBDIR / ONNX_FILE, run.tmp / ".raw" / "stage", full_check=True)
+    del ir_model
+    result = run.result
+    run.graphs[f"{ONNX_SUBDIR}/{ONNX_FILE}"] = {
+        "placement": plan.placement.portable if plan.placement else None, "runtime": "any ONNX runtime (standard ONNX"
+        + (", model-local function)" if result is not None and result.op_type else ")"),
+        "fused_attention": result.fused_attention if result else 0}
+
+
+def _optimize(run: _Run) -> Path | None:
+    """ONNX Runtime's transformer optimizer on an fp32 TorchScript export, where it can fuse every layer's
+    attention: returns the TorchScript export it fused (its optimized copy cached beside it), or None, with
+    the reason in `run.optimizer_note`."""
+    plan, info = run.plan, run.plan.info
+    if not plan.opts.optimized:
+        return None
+    blockers = _fusion_blockers(run.features)
+    if blockers:
+        run.optimizer_note = (f"ONNX Runtime's transformer optimizer fuses BERT-shaped attention only; this "
                               f"{info.model_type} attention has {blockers}, so it was not tried and no "
                               f"{OPTIMIZED_GRAPH} is written")
-            _log(f"[2/4] {optimizer_note}", quiet)
-        elif optimized_graph_applies(info, opts):
-            meter.step("ORT-optimized graph")
-            _log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
-                 + (f" with {plan.optimized} placement" if plan else ""), quiet)
-            ts_raw, ts_root = raw_path, raw_path.parent
-            step = "ONNX Runtime's transformer optimizer"
-            try:
-                if opts.exporter != "torchscript" or opts.fp16:  # the optimizer works on fp32 (fp16 comes after)
-                    ts_root = tmp / ".raw-ts"
-                    ts_raw = ts_root / ONNX_FILE
-                    step = "the TorchScript export ONNX Runtime's optimizer needs"
-                    with console.third_party_output():
-                        torch_export(info, pooling, ts_raw, opts.opset, "torchscript")
-                    release_freed_memory()
-                    ts_raw = _weights_on_disk(ts_raw)
-                    step = "ONNX Runtime's transformer optimizer"
-                with console.third_party_output():
-                    fuses, optimizer_note = _optimizer_fuses(info, ts_raw, cache)
-            except Exception as exc:  # noqa: BLE001 - the optimized graph is optional; say why it is missing
-                optimizer_note = (f"{step} failed on this {info.model_type} model ({type(exc).__name__}: "
-                                  f"{_first_line(exc)[:200]}), so no {OPTIMIZED_GRAPH} is written")
-            if not fuses:
-                _log(f"[2/4] {optimizer_note}", quiet)
-                cache.clear()
-                shutil.rmtree(ts_root, ignore_errors=True)
-        if opts.placement in ("attention", "projected-attention") and config is not None and not fuses:
-            raise ExportError(f"--placement {opts.placement} rewrites ONNX Runtime's fused attention: "
-                              + (optimizer_note or "this export writes no optimized graph")
-                              + "; use --placement auto")
-        if fuses:
-            from ..graphs.placement_base import count_fused_attention
-
-            with console.third_party_output():
-                opt_model, _ = _optimized_graph(info, ts_raw, config, plan.optimized if plan else None,
-                                                info.num_layers, ts_root, cache)
-            n_fused = count_fused_attention(opt_model)
-            note = _fusion_note(opt_model, capture.lines())
-            if note:
-                _log(f"note: {note}", quiet)
-            graphs[OPTIMIZED_GRAPH] = {
-                "placement": plan.optimized if plan else None, "runtime": "ONNX Runtime (com.microsoft contrib ops)",
-                "fused_attention": n_fused}
-            if opts.fp16:
-                opt_model, graphs[OPTIMIZED_GRAPH]["float32_nodes"] = _to_fp16(opt_model, plan and plan.optimized,
-                                                                                quiet)
-            _write_graph(opt_model, tmp / OPTIMIZED_GRAPH, ts_root / "stage")
-            del opt_model
-            if plan is not None and plan.native:
-                meter.step("native graph")
-                _log(f"[2/4] ORT-optimized graph with {plan.native} placement, for the native library "
-                     f"({NATIVE_GRAPH})", quiet)
-                with console.third_party_output():
-                    native_model, _ = _optimized_graph(info, ts_raw, config, plan.native, info.num_layers,
-                                                       ts_root, cache)
-                graphs[NATIVE_GRAPH] = {
-                    "placement": plan.native, "fused_attention": count_fused_attention(native_model),
-                    "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library "
-                               f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
-                if opts.fp16:
-                    native_model, graphs[NATIVE_GRAPH]["float32_nodes"] = _to_fp16(native_model, plan.native, quiet)
-                _write_graph(native_model, tmp / NATIVE_GRAPH, ts_root / "stage")
-                del native_model
-            cache.clear()
-            shutil.rmtree(ts_root, ignore_errors=True)
-        shutil.rmtree(tmp / ".raw", ignore_errors=True)
-        quantization = None
-        if opts.quantize is not None:
-            from .quantize import METHOD, quantize_graph
-
-            meter.step("int8 quantization")
-            _log(f"[2/4] quantizing every graph to {opts.quantize} (onnxruntime.quantization.quantize_dynamic, "
-                 "per-channel weights; attention core and calibration stay fp32)", quiet)
-            counts = {}
-            for graph_file in graphs:
-                with console.third_party_output():
-                    counts[graph_file] = quantize_graph(tmp / graph_file)
-                graphs[graph_file]["quantized_nodes"] = counts[graph_file]
-            quantization = {"precision": opts.quantize, "method": METHOD, "per_channel": True}
-            for graph_file in graphs:  # the quantized graph's digest (the others carry theirs)
-                stamp_onnx(tmp / graph_file)
-        meta = {
-            "format": FORMAT_VERSION,
-            "calibrated": config is not None,
-            "config": config.to_dict() if config is not None else None,
-            "calibrated_layers": layers,
-            "op_type": result.op_type if result else None,
-            "op_attributes": result.attrs if result else None,
-            "source_model": str(info.root),
-            "model_type": info.model_type,
-            "architecture": info.architecture,
-            # Architectures outside modelinfo.TESTED_MODEL_TYPES export when every step passes, labelled so.
-            "tested": info.tested,
-            "num_layers": info.num_layers,
-            "pooling": pooling,
-            "normalize": info.normalize,
-            "max_seq_length": opts.max_length or info.max_seq_length,
-            "padding_side": info.padding_side,
-            "inputs": input_names,
-            "outputs": ["last_hidden_state", "sentence_embedding"],
-            "opset": opts.opset,
-            "exporter": opts.exporter,
-            "placement": opts.placement if config is not None else None,
-            "placement_reason": plan.reason if plan else None,
-            "optimizer": optimizer_note,
-            "graphs": graphs,
-            "fp16": opts.fp16,
-            "fp16_method": FP16_METHOD if opts.fp16 and OPTIMIZED_GRAPH in graphs else None,
-            "quantization": quantization,
-            "files": loader_files(tmp),
-            "versions": library_versions(),
-            "parity": None,
-            "memory_estimate": {"float32_weights_mib": round(estimate.weights / 1024**2, 1),
-                                "steps_mib": {k: round(v / 1024**2, 1) for k, v in estimate.steps.items()}},
-        }
-        write_metadata(tmp, meta)
-        if opts.check:
-            meter.step("parity check")
-            _log("[3/4] checking parity against the PyTorch reference", quiet)
+        run.log(f"[2/4] {run.optimizer_note}")
+        return _refuse_unfused(run)
+    run.meter.step("ORT-optimized graph")
+    run.log("[2/4] ORT-optimized graph (onnxruntime.transformers.optimizer)"
+            + (f" with {plan.placement.optimized} placement" if plan.placement else ""))
+    ts_raw, run.ts_root = run.raw_path, run.raw_path.parent
+    run.cache = {}
+    step = "ONNX Runtime's transformer optimizer"
+    fuses = False
+    try:
+        if plan.opts.exporter != "torchscript" or plan.opts.fp16:  # the optimizer works on fp32 (fp16 comes after)
+            run.ts_root = run.tmp / ".raw-ts"
+            ts_raw = run.ts_root / ONNX_FILE
+            step = "the TorchScript export ONNX Runtime's optimizer needs"
+            with library_output.third_party_output():
+                torch_export(info, plan.pooling, ts_raw, plan.opts.opset, "torchscript")
             release_freed_memory()
-            from ..runtime.parity import check_parity
+            ts_raw = _weights_on_disk(ts_raw)
+            step = "ONNX Runtime's transformer optimizer"
+        with library_output.third_party_output():
+            fuses, run.optimizer_note = _optimizer_fuses(info, ts_raw, run.cache)
+    except Exception as exc:  # noqa: BLE001 - the optimized graph is optional; say why it is missing
+        run.optimizer_note = (f"{step} failed on this {info.model_type} model ({type(exc).__name__}: "
+                              f"{_first_line(exc)[:200]}), so no {OPTIMIZED_GRAPH} is written")
+    if fuses:
+        return ts_raw
+    run.log(f"[2/4] {run.optimizer_note}")
+    run.cache.clear()
+    shutil.rmtree(run.ts_root, ignore_errors=True)
+    return _refuse_unfused(run)
 
-            references: dict = {}  # the PyTorch reference, computed once for every graph
-            for graph_file in graphs:
-                report = (check_fn(tmp, quiet=quiet, graph=graph_file) if check_fn is not None
-                          else check_parity(tmp, quiet=quiet, graph=graph_file, reference_cache=references))
-                graphs[graph_file]["parity"] = report.to_dict()
-                if graph_file.endswith(ONNX_FILE):
-                    meta["parity"] = report.to_dict()
-                write_metadata(tmp, meta)
-                if not report.ok:
-                    raise ParityError(f"parity check of {graph_file} failed: {report.summary()}")
-        else:
-            _log("[3/4] parity check skipped (--skip-check)", quiet)
-        meter.step("write")
-        meta["export_steps"] = meter.report()
-        write_metadata(tmp, meta)
-        capture.write_log(tmp / EXPORT_LOG_FILE)  # inside the export before the rename: part of it
-        commit_dir(tmp, out)
-        _log(f"[4/4] wrote {out} in {time.perf_counter() - t_start:.1f} s", quiet)
-        return meta
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        captured.close()
+
+def _refuse_unfused(run: _Run) -> None:
+    """An explicit placement that rewrites ONNX Runtime's fused attention cannot go on without it."""
+    opts = run.plan.opts
+    if opts.placement in ("attention", "projected-attention") and run.plan.config is not None:
+        raise ExportError(f"--placement {opts.placement} rewrites ONNX Runtime's fused attention: "
+                          + (run.optimizer_note or "this export writes no optimized graph") + "; use --placement auto")
+    return None
+
+
+def _optimized_graph_step(run: _Run, ts_raw: Path) -> None:
+    """onnx/model_optimized.onnx: the placement on ONNX Runtime's optimized graph, converted to fp16 for an
+    fp16 export, written once."""
+    from ..graphs.placement_base import count_fused_attention
+
+    plan = run.plan
+    placement = plan.placement.optimized if plan.placement else None
+    with library_output.third_party_output():
+        opt_model, _ = _optimized_graph(plan.info, ts_raw, plan.config, placement, plan.info.num_layers,
+                                        run.ts_root, run.cache)
+    n_fused = count_fused_attention(opt_model)
+    note = _fusion_note(opt_model, run.capture.lines())
+    if note:
+        run.log(f"note: {note}")
+    entry = run.graphs[OPTIMIZED_GRAPH] = {"placement": placement,
+                                           "runtime": "ONNX Runtime (com.microsoft contrib ops)",
+                                           "fused_attention": n_fused}
+    if plan.opts.fp16:
+        opt_model, entry["float32_nodes"] = _to_fp16(opt_model, placement, run.quiet)
+    _write_graph(opt_model, run.tmp / OPTIMIZED_GRAPH, run.ts_root / "stage")
+
+
+def _native_graph(run: _Run, ts_raw: Path) -> None:
+    """onnx/model_optimized_native.onnx: the optimized graph with the calibrated attention op, for the native
+    library, in a calibrated export (fp16: converted), written once; then the optimizer's files go."""
+    from ..graphs.placement_base import count_fused_attention
+
+    plan = run.plan
+    if plan.placement is not None and plan.placement.native:
+        run.meter.step("native graph")
+        run.log(f"[2/4] ORT-optimized graph with {plan.placement.native} placement, for the native library "
+                f"({NATIVE_GRAPH})")
+        with library_output.third_party_output():
+            native_model, _ = _optimized_graph(plan.info, ts_raw, plan.config, plan.placement.native,
+                                               plan.info.num_layers, run.ts_root, run.cache)
+        entry = run.graphs[NATIVE_GRAPH] = {
+            "placement": plan.placement.native, "fused_attention": count_fused_attention(native_model),
+            "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library "
+                       f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
+        if plan.opts.fp16:
+            native_model, entry["float32_nodes"] = _to_fp16(native_model, plan.placement.native, run.quiet)
+        _write_graph(native_model, run.tmp / NATIVE_GRAPH, run.ts_root / "stage")
+        del native_model
+    run.cache.clear()
+    shutil.rmtree(run.ts_root, ignore_errors=True)
+
+
+def _quantize(run: _Run) -> None:
+    """int8 exports: every graph quantized (attncal.export.quantize), its digest stamped."""
+    opts = run.plan.opts
+    if opts.quantize is None:
+        return
+    from .quantize import METHOD, quantize_graph
+
+    run.meter.step("int8 quantization")
+    run.log(f"[2/4] quantizing every graph to {opts.quantize} (streamed dynamic quantization, "
+            "per-channel weights; attention core and calibration stay fp32)")
+    for graph_file, entry in run.graphs.items():
+        with library_output.third_party_output():
+            entry["quantized_nodes"] = quantize_graph(run.tmp / graph_file)
+    run.quantization = {"precision": opts.quantize, "method": METHOD, "per_channel": True}
+    for graph_file in run.graphs:  # the quantized graph's digest (the others carry theirs)
+        stamp_onnx(run.tmp / graph_file)
+
+
+def _metadata(run: _Run) -> ExportMetadata:
+    """attncal.json as the graphs left it (parity and the steps' figures are added when known)."""
+    plan, info, result = run.plan, run.plan.info, run.result
+    est = plan.estimate
+    meta = ExportMetadata(
+        calibrated=plan.config is not None,
+        config=plan.config.to_dict() if plan.config is not None else None,
+        calibrated_layers=plan.layers,
+        op_type=result.op_type if result else None,
+        op_attributes=result.attrs if result else None,
+        source_model=str(info.root),
+        model_type=info.model_type,
+        architecture=info.architecture,
+        tested=info.tested,
+        num_layers=info.num_layers,
+        pooling=plan.pooling,
+        normalize=info.normalize,
+        max_seq_length=plan.opts.max_length or info.max_seq_length,
+        padding_side=info.padding_side,
+        inputs=run.input_names,
+        outputs=["last_hidden_state", "sentence_embedding"],
+        opset=plan.opts.opset,
+        exporter=plan.opts.exporter,
+        placement=plan.opts.placement if plan.config is not None else None,
+        placement_reason=plan.placement.reason if plan.placement else None,
+        optimizer=run.optimizer_note,
+        graphs=run.graphs,
+        fp16=plan.opts.fp16,
+        fp16_method=FP16_METHOD if plan.opts.fp16 and OPTIMIZED_GRAPH in run.graphs else None,
+        quantization=run.quantization,
+        files=loader_files(run.tmp),
+        versions=library_versions(),
+        parity=None,
+        memory_estimate={"float32_weights_mib": round(est.weights / 1024**2, 1),
+                         "steps_mib": {k: round(v / 1024**2, 1) for k, v in est.steps.items()}},
+    )
+    write_metadata(run.tmp, meta)
+    return meta
+
+
+def _parity(run: _Run, meta: ExportMetadata, check_fn: Callable | None) -> None:
+    """Every graph against the PyTorch reference (computed once for all of them); a failure stops the export."""
+    if not run.plan.opts.check:
+        run.log("[3/4] parity check skipped (--skip-check)")
+        return
+    from ..runtime.parity import check_parity
+
+    run.meter.step("parity check")
+    run.log("[3/4] checking parity against the PyTorch reference")
+    release_freed_memory()
+    references: dict = {}
+    for graph_file in run.graphs:
+        report = (check_fn(run.tmp, quiet=run.quiet, graph=graph_file) if check_fn is not None
+                  else check_parity(run.tmp, quiet=run.quiet, graph=graph_file, reference_cache=references))
+        run.graphs[graph_file]["parity"] = report.to_dict()
+        if graph_file.endswith(ONNX_FILE):
+            meta.parity = report.to_dict()
+        write_metadata(run.tmp, meta)
+        if not report.ok:
+            raise ParityError(f"parity check of {graph_file} failed: {report.summary()}")
+
+
+def _commit(run: _Run, meta: ExportMetadata, t_start: float) -> None:
+    """The steps' figures and the export log go into the export, which is then renamed into place."""
+    run.meter.step("write")
+    meta.export_steps = run.meter.report()
+    write_metadata(run.tmp, meta)
+    run.capture.write_log(run.tmp / EXPORT_LOG_FILE)  # inside the export before the rename: part of it
+    commit_dir(run.tmp, run.plan.out)
+    run.log(f"[4/4] wrote {run.plan.out} in {time.perf_counter() - t_start:.1f} s")

@@ -2,7 +2,7 @@
 
 `onnxruntime.transformers`' `OnnxModel.convert_float_to_float16` converts the optimized graph
 (weights, fused Attention, SkipLayerNormalization, GELU) and inserts Casts around the nodes it is told
-to leave alone.  Those are the placement's calibration nodes (its `FLOAT32_NODES` prefix): the basket
+to leave alone.  Those are the placement's calibration nodes (its `float32_nodes` prefix): the basket
 statistics and blend coefficients need float32, as the contract computes them.
 
 The converter inserts a Cast only where it knows the value's type, and its symbolic shape inference

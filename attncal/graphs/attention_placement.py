@@ -1,10 +1,12 @@
-"""Attention placement: each calibrated layer's fused attention becomes its Q/K/V projections plus one
-calibrated attention op (`AllRowsCalibratedAttention` for mean pooling, `PooledRowCalibratedAttention`
-for cls / last pooling), which computes softmax, calibration and the product with V in one pass.
+"""Attention placement's one rule (fused graph): each calibrated layer's fused attention becomes its
+Q/K/V projections plus one calibrated attention op (`AllRowsCalibratedAttention` for mean pooling,
+`PooledRowCalibratedAttention` for cls / last pooling), which computes softmax, calibration and the
+product with V in one pass.  The projected-attention placement's rule is the same `find` and
+`rewrite` with `projected=True` (`projected_attention_placement`).
 
 Why: split placement keeps ONNX Runtime's fused attention but runs each calibrated layer's attention
 core twice (the full term, then the baskets), and the softmax placements write every head's [B,H,S,S]
-probabilities to memory.  The native kernel (`plugins/kernels/calibrated_attention_cpu.h`) computes a
+probabilities to memory.  The native kernel (`plugins/kernels/cpu/calibrated_attention.h`) computes a
 block of query rows against all keys while the block is in cache and calibrates it there: the cost
 of attention, no second pass, and per-thread scratch instead of a [B,H,S,S] buffer.
 
@@ -17,20 +19,20 @@ graph, and the runtime picks it where the native library is present (`attncal.ru
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig
+from ..calibration.config import CalibrationConfig, ResolvedCalibration
 from .builder import Ops
 from .contract import DOMAIN, VERSION, attention_op_spec
 from .function_body import make_function
-from .placement_base import (PlacementResult, count_fused_attention, fused_attention_parts, fused_layers,
+from .placement_base import (FUSED, PlacementResult, Rule, count_fused_attention, fused_attention_parts, fused_layers,
                              has_fused_attention, qkv_projections)
 from .rewrite import model_opset
-
-NAME = "attention"
-OPTIMIZE_FIRST = True
-# None: the calibrated attention op takes float16 Q/K/V and computes its softmax and calibration in float32 itself.
-FLOAT32_NODES: str | None = None
+from .softmax_pattern import SoftmaxPatternError
 
 
 class AttentionPlacementError(ValueError):
@@ -45,18 +47,24 @@ def _check_layer(graph: ir.Graph, att: ir.Node, error: type[ValueError] = Attent
     return parts
 
 
-def place(model: ir.Model, config: CalibrationConfig, num_layers: int,
-          mask_input: str = "attention_mask") -> PlacementResult:
-    """Rewrite the selected layers of an ORT-optimized graph; every refusal, for every selected layer,
-    comes before the first edit."""
-    return rewrite(model, config, num_layers, mask_input, projected=False, error=AttentionPlacementError)
+@dataclass(frozen=True)
+class AttentionEdits:
+    rc: ResolvedCalibration
+    projected: bool  # the op computes the Q, K and V projection itself (projected_attention_placement)
+    selected: list[int]
+    atts: list[ir.Node]  # one fused Attention node per layer
+    mask: ir.Value
+    common: dict  # the op's attributes shared by every layer (the result's `attrs`)
+    # What `rewrite` inserts; None when nothing is calibrated (no layer, or strength 0).
+    parts: dict[int, tuple[ir.Value, np.ndarray, np.ndarray, int, float]] | None = None
+    op_type: str | None = None
+    function: ir.Function | None = None
 
 
-def rewrite(model: ir.Model, config: CalibrationConfig, num_layers: int, mask_input: str, projected: bool,
-            error: type[ValueError]) -> PlacementResult:
-    """Each selected layer's fused `Attention` becomes the calibrated attention op: after its Q, K and V
-    projections (three MatMul + Add), or, `projected`, the op that computes them itself from the fused
-    node's packed weight and bias (`projected_attention_placement`)."""
+def find(model: ir.Model, config: CalibrationConfig, num_layers: int, *, projected: bool,
+         error: type[ValueError], mask_input: str = "attention_mask") -> AttentionEdits:
+    """Every refusal, for every selected layer of an ORT-optimized graph, raised as `error`; no edit.
+    `projected` picks the op that also computes the Q, K and V projection."""
     rc = config.resolve()
     if not has_fused_attention(model):
         raise error(
@@ -68,10 +76,22 @@ def rewrite(model: ir.Model, config: CalibrationConfig, num_layers: int, mask_in
     attrs = attention_op_spec(rc, 0, num_heads=1, projected=projected).attrs
     common = {k: v for k, v in attrs.items() if k not in ("layer", "num_heads", "scale")}
     if not selected or rc.strength == 0.0:
-        return PlacementResult(selected, None, common, count_fused_attention(model))
+        return AttentionEdits(rc, projected, selected, atts, mask, common)
     parts = {layer: _check_layer(graph, atts[layer], error) for layer in selected}
     op_type = attention_op_spec(rc, 0, 1, projected=projected).op_type
     function = ir.serde.deserialize_function(make_function(op_type, model_opset(model)))
+    return AttentionEdits(rc, projected, selected, atts, mask, common, parts, op_type, function)
+
+
+def rewrite(model: ir.Model, edits: AttentionEdits) -> PlacementResult:
+    """Each selected layer's fused `Attention` becomes the calibrated attention op: after its Q, K and V
+    projections (three MatMul + Add), or, `projected`, the op that computes them itself from the fused
+    node's packed weight and bias (`projected_attention_placement`)."""
+    rc, projected, selected, atts, mask = edits.rc, edits.projected, edits.selected, edits.atts, edits.mask
+    if edits.parts is None:
+        return PlacementResult(selected, None, edits.common, count_fused_attention(model))
+    graph = model.graph
+    parts, op_type, function = edits.parts, edits.op_type, edits.function
     for layer in selected:
         x, W, bias, heads, scale = parts[layer]
         att = atts[layer]
@@ -92,4 +112,8 @@ def rewrite(model: ir.Model, config: CalibrationConfig, num_layers: int, mask_in
             del graph.initializers[name]
     model.functions[function.identifier()] = function
     model.opset_imports[DOMAIN] = VERSION
-    return PlacementResult(selected, op_type, common, count_fused_attention(model))
+    return PlacementResult(selected, op_type, edits.common, count_fused_attention(model))
+
+
+RULE = Rule(FUSED, partial(find, projected=False, error=AttentionPlacementError), rewrite,
+            (AttentionPlacementError, SoftmaxPatternError))  # SoftmaxPatternError: a model without a default opset

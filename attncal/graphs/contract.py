@@ -26,7 +26,7 @@ replace.  The function body, the native CPU kernels (in place and out of
 place) and the PyTorch path `attncal.calibration.apply` give what the float64
 oracle `attncal.calibration.reference` gives, row kind by row kind
 (`tests/test_masked_rows.py`); the CUDA kernels follow the same rules
-(`plugins/kernels/calibration_cuda.h`; compiled in CI, never run here):
+(`plugins/kernels/cuda/calibration_cuda.h`; compiled in CI, never run here):
 
 * Scores all -inf (a fully masked row of an additive -inf mask), or holding a
   NaN or +inf: ONNX Softmax has no value for such a row; ONNX Runtime's Softmax
@@ -57,8 +57,8 @@ Calibrated attention: `PooledRowCalibratedAttention` and
 calibration of `PooledRowCalibration` / `AllRowsCalibration` inside.  The
 attention placement (`attncal.graphs.attention_placement`) writes them into the
 ORT-optimized graph; the native CPU kernel is
-`plugins/kernels/calibrated_attention_cpu.h` (tests/test_calibrated_attention_kernel.py),
-the CUDA kernel `plugins/kernels/calibrated_attention_cuda.cu` (compiled in CI,
+`plugins/kernels/cpu/calibrated_attention.h` (tests/test_calibrated_attention_kernel.py),
+the CUDA kernel `plugins/kernels/cuda/attention_tiled.cuh` (compiled in CI,
 never run on a GPU yet).
 
 * Inputs (ONNX Runtime `com.microsoft::MultiHeadAttention`'s unpacked layout,

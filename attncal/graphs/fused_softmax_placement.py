@@ -1,6 +1,6 @@
-"""Fused-softmax placement: each calibrated layer's attention Softmax becomes one `ai.attncal` op
-that computes the softmax and the calibration together (`SoftmaxAllRowsCalibration`,
-`SoftmaxPooledRowCalibration`).
+"""Fused-softmax placement's one rule (plain graph): each calibrated layer's attention Softmax becomes
+one `ai.attncal` op that computes the softmax and the calibration together
+(`SoftmaxAllRowsCalibration`, `SoftmaxPooledRowCalibration`).
 
 Why: after a separate Softmax, the calibration op costs one more read and write of the
 [B,H,S,S] probabilities per calibrated layer (about 4-6 % of MiniLM's latency at 512 tokens on
@@ -8,9 +8,9 @@ two cores).  Fused, the native kernel calibrates each row while the softmax has 
 calibration adds no memory traffic.  The op's function body is `Softmax` followed by the separate
 op's body, so a runtime without the native kernel runs exactly the softmax placement's graph.
 
-The placement is the softmax placement plus one rewrite, `fuse_softmax`: a calibration op whose
-input is a last-axis Softmax read by nothing else (not a graph output) absorbs that Softmax.
-`check` runs both rewrites' refusals before either edits the graph.
+The rule is the softmax rule plus one rewrite, `fuse_softmax`: a calibration op whose input is a
+last-axis Softmax read by nothing else (not a graph output) absorbs that Softmax.  `find` runs both
+rewrites' refusals before either edits the graph.
 """
 
 from __future__ import annotations
@@ -21,14 +21,9 @@ from ..calibration.config import CalibrationConfig
 from . import softmax_placement
 from .contract import DOMAIN, takes_scores, with_softmax
 from .function_body import make_function
-from .placement_base import PlacementResult, count_fused_attention
+from .placement_base import PLAIN, PlacementResult, Rule, count_fused_attention
 from .rewrite import CalibrationPlan, apply_calibration, model_opset
 from .softmax_pattern import SoftmaxPatternError
-
-NAME = "fused-softmax"
-OPTIMIZE_FIRST = False
-# None: the ai.attncal op computes in float32 whatever its input type (contract).
-FLOAT32_NODES: str | None = None
 
 
 def _last_axis_softmax(node: ir.Node | None) -> bool:
@@ -94,13 +89,13 @@ def fuse_softmax(model: ir.Model) -> int:
     return len(pairs)
 
 
-def check(model: ir.Model, config: CalibrationConfig, num_layers: int) -> CalibrationPlan:
+def find(model: ir.Model, config: CalibrationConfig, num_layers: int) -> CalibrationPlan:
     """Every refusal of the fused-softmax placement, before any edit: the softmax placement's, and
     for each calibrated layer a Softmax that the op can absorb.
 
     After the softmax placement the op is its Softmax's only reader (every reader is moved to the
     op), except for a graph output, which keeps the plain probabilities."""
-    plan = softmax_placement.check(model, config, num_layers)
+    plan = softmax_placement.find(model, config, num_layers)
     for att in plan.softmaxes:
         why = _why_not_absorbable(att.softmax, model.graph)
         if why is not None:
@@ -109,8 +104,11 @@ def check(model: ir.Model, config: CalibrationConfig, num_layers: int) -> Calibr
     return plan
 
 
-def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> PlacementResult:
-    r = apply_calibration(model, check(model, config, num_layers))
+def rewrite(model: ir.Model, plan: CalibrationPlan) -> PlacementResult:
+    r = apply_calibration(model, plan)
     fused = fuse_softmax(model)
-    assert fused == len(r.layers), f"check() accepted every calibrated layer, yet {fused} of {len(r.layers)} fused"
+    assert fused == len(r.layers), f"find() accepted every calibrated layer, yet {fused} of {len(r.layers)} fused"
     return PlacementResult(r.layers, with_softmax(r.op_type), r.attrs, count_fused_attention(model))
+
+
+RULE = Rule(PLAIN, find, rewrite, softmax_placement.REFUSES)

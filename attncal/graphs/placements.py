@@ -1,8 +1,11 @@
-"""The calibration placements and how `auto` chooses between them.
+"""The registry of calibration placements, and how `auto` chooses between them.
 
-Each placement is one module with the same entry point, `place(model, config, num_layers)`
-(see `placement_base`); the exporter looks one up here and calls it, for the portable graph and,
-where ONNX Runtime's transformer optimizer applies, for the optimized graph.
+`PLACEMENTS` maps each name (`placement_names`, the one list) to its `placement_base.Placement`:
+its rules, one module each, and what the exporter needs to know (which graphs and precisions it
+applies to, how its optimized graph is made, which nodes a float16 conversion keeps in float32).
+The exporter looks one up here (`get`) and calls its `place`, for the portable graph and, where ONNX
+Runtime's transformer optimizer applies, for the optimized graphs; `plan` says which placement each
+graph gets.
 
 `auto` (the default) follows what `attncal bench` measured (docs/placements.md; the figures are on
 docs/performance.md and docs/performance-log.md):
@@ -31,21 +34,45 @@ docs/performance.md and docs/performance-log.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 from ..calibration.config import ResolvedCalibration
-from . import (attention_placement, fused_softmax_placement, projected_attention_placement, row_placement,
-               softmax_placement, split_placement)
+from . import (attention_placement, fused_softmax_placement, placement_names, projected_attention_placement,
+               row_placement, row_plain_placement, softmax_placement, split_placement, split_plain_placement)
+from .placement_base import OPTIMIZED, PORTABLE, PRECISIONS, Placement
+from .placement_names import ATTENTION, AUTO, FUSED_SOFTMAX, PROJECTED_ATTENTION, ROW, SOFTMAX, SPLIT
 
-PLACEMENTS: dict[str, ModuleType] = {m.NAME: m for m in (softmax_placement, fused_softmax_placement, row_placement,
-                                                        split_placement, attention_placement,
-                                                        projected_attention_placement)}
+_BOTH_GRAPHS = frozenset({PORTABLE, OPTIMIZED})
+
+PLACEMENTS: dict[str, Placement] = {p.name: p for p in (
+    # Placed on the plain graph, which is then optimized: ORT cannot fuse a calibrated layer (the op
+    # sits between its Softmax and value MatMul).  The op computes in float32 whatever its input type.
+    Placement(SOFTMAX, (softmax_placement.RULE,), _BOTH_GRAPHS, PRECISIONS, optimize_first=False,
+              float32_nodes=None),
+    Placement(FUSED_SOFTMAX, (fused_softmax_placement.RULE,), _BOTH_GRAPHS, PRECISIONS, optimize_first=False,
+              float32_nodes=None),
+    # Placed on the optimized graph beside (row) or instead of (split) its fused attention nodes, which all
+    # survive; their calibration math is standard ops, kept float32 in a float16 graph.
+    Placement(ROW, (row_placement.FUSED_RULE, row_plain_placement.RULE), _BOTH_GRAPHS, PRECISIONS,
+              optimize_first=True, float32_nodes=row_placement.NODE_PREFIX, check_request=row_placement.check_request),
+    Placement(SPLIT, (split_placement.FUSED_RULE, split_plain_placement.RULE), _BOTH_GRAPHS, PRECISIONS,
+              optimize_first=True, float32_nodes=split_placement.NODE_PREFIX,
+              check_request=split_placement.check_request),
+    # Rewrite ONNX Runtime's fused attention, so the optimized graphs only.  The calibrated attention op takes
+    # float16 Q/K/V and computes its softmax and calibration in float32 itself; the projected op is float32 only.
+    Placement(ATTENTION, (attention_placement.RULE,), frozenset({OPTIMIZED}), PRECISIONS, optimize_first=True,
+              float32_nodes=None),
+    Placement(PROJECTED_ATTENTION, (projected_attention_placement.RULE,), frozenset({OPTIMIZED}),
+              projected_attention_placement.PRECISIONS, optimize_first=True, float32_nodes=None,
+              check_request=projected_attention_placement.check_request),
+)}
+if tuple(PLACEMENTS) != placement_names.NAMES:
+    raise ImportError(f"the placement registry {tuple(PLACEMENTS)} is not placement_names.NAMES "
+                      f"{placement_names.NAMES}: every name there has one placement here, in that order")
+CHOICES = placement_names.CHOICES
 # The native graph's placement per precision: float32 graphs get the op that also projects Q, K and V
 # (float32 kernel only); int8 keeps separate projection MatMuls for ONNX Runtime's quantizer, and fp16
 # the attention op's float16 and CUDA kernels.
-NATIVE_BY_PRECISION = {"fp32": projected_attention_placement.NAME, "fp16": attention_placement.NAME,
-                       "int8": attention_placement.NAME}
-CHOICES = ("auto",) + tuple(PLACEMENTS)
+NATIVE_BY_PRECISION = {"fp32": PROJECTED_ATTENTION, "fp16": ATTENTION, "int8": ATTENTION}
 
 
 @dataclass(frozen=True)
@@ -56,7 +83,7 @@ class Plan:
     native: str | None = None  # placement of onnx/model_optimized_native.onnx (run with the native library)
 
 
-def get(name: str) -> ModuleType:
+def get(name: str) -> Placement:
     if name not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(CHOICES)}, got {name!r}")
     return PLACEMENTS[name]
@@ -64,43 +91,35 @@ def get(name: str) -> ModuleType:
 
 def plan(requested: str, rc: ResolvedCalibration, precision: str = "fp32") -> Plan:
     """Which placement each graph gets for `requested` (auto or an explicit name), config `rc` and the
-    export's `precision` (fp32, fp16 or int8)."""
+    export's `precision` (fp32, fp16 or int8).  An explicit request is refused (its placement's
+    `check_request`) where the placement cannot take the config or precision."""
     if requested not in CHOICES:
         raise ValueError(f"placement must be one of {', '.join(CHOICES)}, got {requested!r}")
     if precision not in NATIVE_BY_PRECISION:
         raise ValueError(f"precision must be one of {', '.join(NATIVE_BY_PRECISION)}, got {precision!r}")
     native_placement = NATIVE_BY_PRECISION[precision]
-    if requested != "auto":
-        if requested == "row" and rc.all_rows:
-            raise row_placement.RowPlacementError(
-                "row placement needs a single pooling row; mean pooling calibrates every row: use "
-                "--placement split (or auto)"
-            )
-        if requested == "split":
-            split_placement.check_supported(rc)
-        if requested in ("attention", "projected-attention"):  # no fused attention on the portable graph
-            if requested == "projected-attention" and precision != "fp32":
-                raise projected_attention_placement.ProjectedAttentionPlacementError(
-                    f"--placement projected-attention writes a float32 op; a {precision} export keeps separate "
-                    "Q, K and V projections: use --placement attention (or auto)")
-            portable = "fused-softmax" if rc.all_rows else "row"
+    if requested != AUTO:
+        placement = PLACEMENTS[requested]
+        refusal = placement.check_request(rc, precision)
+        if refusal is not None:
+            raise refusal.exception()
+        if PORTABLE not in placement.graphs:  # no fused attention on the portable graph
+            portable = FUSED_SOFTMAX if rc.all_rows else ROW
             return Plan(portable, requested, f"requested: --placement {requested} (the ORT-optimized graph; "
                                              f"{portable} on the portable graph)")
         return Plan(requested, requested, f"requested: --placement {requested}")
     native = ("; where the attncal native library is loaded, the calibrated attention op computes each calibrated "
-              "layer's " + ("Q/K/V projection, " if native_placement == projected_attention_placement.NAME else "")
+              "layer's " + ("Q/K/V projection, " if native_placement == PROJECTED_ATTENTION else "")
               + "softmax, calibration and product with V in one pass (onnx/model_optimized_native.onnx)")
     if not rc.all_rows:
-        return Plan("row", "row", f"auto: {rc.pooling} pooling calibrates one row; row placement recomputes it "
-                                  "beside the attention and keeps every fused attention node" + native, native_placement)
-    try:
-        split_placement.check_supported(rc)
-    except split_placement.SplitPlacementError:
-        return Plan("fused-softmax", "softmax", "auto: mean pooling with an 'original' isolated token needs the "
-                                                "probabilities of every row; the calibration is fused with the "
-                                                "Softmax on the portable graph" + native, native_placement)
-    return Plan("fused-softmax", "split", "auto: mean pooling calibrates every row; on the ORT-optimized graph "
-                                          "split placement computes it as attention over baskets, so fused attention "
-                                          "is kept and the probabilities are never materialised; on the portable "
-                                          "graph the calibration is fused with each calibrated layer's Softmax (one "
-                                          "pass over the probabilities)" + native, native_placement)
+        return Plan(ROW, ROW, f"auto: {rc.pooling} pooling calibrates one row; row placement recomputes it "
+                              "beside the attention and keeps every fused attention node" + native, native_placement)
+    if PLACEMENTS[SPLIT].check_request(rc, precision) is not None:
+        return Plan(FUSED_SOFTMAX, SOFTMAX, "auto: mean pooling with an 'original' isolated token needs the "
+                                            "probabilities of every row; the calibration is fused with the "
+                                            "Softmax on the portable graph" + native, native_placement)
+    return Plan(FUSED_SOFTMAX, SPLIT, "auto: mean pooling calibrates every row; on the ORT-optimized graph "
+                                      "split placement computes it as attention over baskets, so fused attention "
+                                      "is kept and the probabilities are never materialised; on the portable "
+                                      "graph the calibration is fused with each calibrated layer's Softmax (one "
+                                      "pass over the probabilities)" + native, native_placement)

@@ -1,7 +1,9 @@
-"""Projected attention placement: as the attention placement, each calibrated layer's fused
-`com.microsoft::Attention` becomes one calibrated attention op, but the op also computes the Q, K and
-V projection, from the fused node's own packed weight and bias (`AllRowsCalibratedProjectedAttention`
-/ `PooledRowCalibratedProjectedAttention`): one node per layer, as the fused node it replaces.
+"""Projected attention placement's one rule (fused graph): as the attention placement, each calibrated
+layer's fused `com.microsoft::Attention` becomes one calibrated attention op, but the op also computes
+the Q, K and V projection, from the fused node's own packed weight and bias
+(`AllRowsCalibratedProjectedAttention` / `PooledRowCalibratedProjectedAttention`): one node per layer,
+as the fused node it replaces.  The rule is the attention placement's `find` and `rewrite` with
+`projected=True`.
 
 Why: with the projections as three MatMul + Add in the graph, ONNX Runtime plans Q, K and V as
 tensors of its memory pattern, and the native graph needed 6-27 % more peak memory than the
@@ -17,23 +19,28 @@ picks this placement for the native graph of float32 exports.
 
 from __future__ import annotations
 
-import onnx_ir as ir
+from functools import partial
 
-from ..calibration.config import CalibrationConfig
-from .attention_placement import rewrite
-from .placement_base import PlacementResult
+from ..calibration.config import ResolvedCalibration
+from .attention_placement import find, rewrite
+from .placement_base import FUSED, Refusal, Rule
+from .softmax_pattern import SoftmaxPatternError
 
-NAME = "projected-attention"
-OPTIMIZE_FIRST = True
-FLOAT32_NODES: str | None = None  # never converted: float32 exports only (see above)
+PRECISIONS = frozenset({"fp32"})  # the op's kernel is float32; int8 and fp16 exports keep separate projections
 
 
 class ProjectedAttentionPlacementError(ValueError):
     """Projected attention placement does not apply to this graph."""
 
 
-def place(model: ir.Model, config: CalibrationConfig, num_layers: int,
-          mask_input: str = "attention_mask") -> PlacementResult:
-    """Rewrite the selected layers of an ORT-optimized graph; every refusal, for every selected layer,
-    comes before the first edit."""
-    return rewrite(model, config, num_layers, mask_input, projected=True, error=ProjectedAttentionPlacementError)
+def check_request(rc: ResolvedCalibration, precision: str) -> Refusal | None:
+    """An explicit request in a float16 or int8 export is refused (every calibration config)."""
+    if precision not in PRECISIONS:
+        return Refusal(ProjectedAttentionPlacementError,
+                       f"--placement projected-attention writes a float32 op; a {precision} export keeps separate "
+                       "Q, K and V projections: use --placement attention (or auto)")
+    return None
+
+
+RULE = Rule(FUSED, partial(find, projected=True, error=ProjectedAttentionPlacementError), rewrite,
+            (ProjectedAttentionPlacementError, SoftmaxPatternError))  # SoftmaxPatternError: no default opset

@@ -1,4 +1,6 @@
-"""Row placement: calibrate an ONNX Runtime-optimized graph without giving up fused attention.
+"""Row placement: calibrate the pooling row only, recomputed beside the attention, so that an ONNX
+Runtime-optimized graph keeps every fused attention node.  This module holds the placement's error,
+what its two rules share, and its fused rule; the plain rule is `row_plain_placement`.
 
 Placing the calibration op between Softmax and the value MatMul stops
 `onnxruntime.transformers.optimizer` from fusing that layer into an
@@ -24,9 +26,9 @@ XLM-R, all-MiniLM).  Mean pooling calibrates every row (AllRowsCalibration)
 and keeps the softmax placement; so do graphs the optimizer does not fuse
 (Qwen3, ModernBERT), where there is no fusion to lose.
 
-Two rewrites, chosen by `place` from the graph:
-* `insert_row_calibration`: beside each fused `com.microsoft::Attention` node (above);
-* `insert_row_calibration_unfused`: on a plain graph (explicit Softmax between two MatMuls), the
+The two rules, chosen by the placement from the graph (`placement_base.Placement.rule_for`):
+* `FUSED_RULE` (here): beside each fused `com.microsoft::Attention` node (above);
+* `row_plain_placement.RULE`: on a plain graph (explicit Softmax between two MatMuls), the
   pooling row recomputed beside the value MatMul, for any architecture.
 Each runs every refusal, for every calibrated layer, before its first edit.
 """
@@ -35,71 +37,88 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig, ResolvedCalibration
-from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
-from .attention_chain import PlainAttention, inferred_shapes, replay_chain, side_inputs, walk_layer
+from . import placement_names
 from .builder import Ops as _Ops
-from .builder import graph_input
-from .placement_base import PlacementResult, count_fused_attention, fused_attention_parts, fused_layers, has_fused_attention
+from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
 from .function_body import make_function
+from .placement_base import (FUSED, PlacementResult, Refusal, Rule, accepted, count_fused_attention,
+                             fused_attention_parts, fused_layers)
 from .rewrite import model_opset
-from .softmax_pattern import AttentionSoftmax, find_attention_softmaxes
+from .softmax_pattern import SoftmaxPatternError
 
-
-NAME = "row"
-OPTIMIZE_FIRST = True
-# Node-name prefix of the calibrated row's standard-op math, kept float32 in a float16 graph (attncal.export.fp16).
-FLOAT32_NODES: str | None = "attncal_row_"
+# Node-name prefix of everything both rules add (the calibrated row's standard-op math): the placement's
+# `float32_nodes`, kept float32 in a float16 graph (attncal.export.fp16).
+NODE_PREFIX = "attncal_row_"
 
 
 class RowPlacementError(ValueError):
     """Row placement does not apply to this graph or config."""
 
 
-def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> PlacementResult:
-    """Row placement on whichever graph this is: beside fused Attention nodes, or on the plain graph."""
-    if has_fused_attention(model):
-        layers = insert_row_calibration(model, config, num_layers)
-    else:
-        layers = insert_row_calibration_unfused(model, config, num_layers)
-    spec = op_spec(config.resolve(), 0)
-    attrs = {k: v for k, v in spec.attrs.items() if k != "layer"}
-    return PlacementResult(layers, spec.op_type, attrs, count_fused_attention(model))
+REFUSES = (RowPlacementError, SoftmaxPatternError)  # SoftmaxPatternError: a model without a default opset
 
 
-def _pooled_function(model: ir.Model) -> ir.Function:
+def check_request(rc: ResolvedCalibration, precision: str) -> Refusal | None:
+    """An explicit row placement needs a single pooling row (every precision)."""
+    if rc.all_rows:
+        return Refusal(RowPlacementError, "row placement needs a single pooling row; mean pooling calibrates every "
+                                          "row: use --placement split (or auto)")
+    return None
+
+
+def pooled_function(model: ir.Model) -> ir.Function:
     """The pooled op's model-local body at the model's opset (refuses a model without one)."""
     return ir.serde.deserialize_function(make_function(POOLED_OP, model_opset(model)))
 
 
-def insert_row_calibration(model: ir.Model, config: CalibrationConfig, num_layers: int,
-                           mask_input: str = "attention_mask") -> list[int]:
-    """Add row-placement calibration to the fused Attention nodes of the selected layers; returns them.
+def row_result(model: ir.Model, rc: ResolvedCalibration, layers: list[int]) -> PlacementResult:
+    """What either rule returns: the pooled op, its attributes, the fused attention left in the graph."""
+    spec = op_spec(rc, 0)
+    attrs = {k: v for k, v in spec.attrs.items() if k != "layer"}
+    return PlacementResult(layers, spec.op_type, attrs, count_fused_attention(model))
 
-    Every refusal, for every selected layer, comes before the first edit."""
+
+@dataclass(frozen=True)
+class _FusedEdits:
+    rc: ResolvedCalibration
+    selected: list[int]
+    atts: list[ir.Node]  # one fused Attention node per layer
+    mask: ir.Value
+    parts: dict[int, tuple[ir.Value, np.ndarray, np.ndarray, int, float]]  # fused_attention_parts per selected layer
+    function: ir.Function
+
+
+def _find_fused(model: ir.Model, config: CalibrationConfig, num_layers: int,
+                mask_input: str = "attention_mask") -> _FusedEdits:
+    """Every refusal of row placement beside the fused Attention nodes, for every selected layer; no edit."""
     rc = config.resolve()
     if rc.all_rows:
         raise RowPlacementError(
             "row placement needs a single pooling row; mean pooling calibrates every row "
             "(AllRowsCalibration) and keeps the softmax placement"
         )
-    graph = model.graph
     atts, mask = fused_layers(model, num_layers, mask_input, RowPlacementError, "row placement needs",
                               ". Run onnxruntime.transformers.optimizer on a TorchScript export first, or use the "
                               "softmax placement")
     selected = config.layer_indices(num_layers)
     parts = {layer: fused_attention_parts(atts[layer], RowPlacementError) for layer in selected}
-    fn = _pooled_function(model)
-    for layer in selected:
-        _calibrate_layer(graph, atts[layer], layer, rc, mask, parts[layer])
+    return _FusedEdits(rc, selected, atts, mask, parts, pooled_function(model))
+
+
+def _rewrite_fused(model: ir.Model, edits: _FusedEdits) -> PlacementResult:
+    """Row-placement calibration beside the fused Attention nodes of the selected layers."""
+    for layer in edits.selected:
+        _calibrate_layer(model.graph, edits.atts[layer], layer, edits.rc, edits.mask, edits.parts[layer])
     model.opset_imports[DOMAIN] = VERSION
-    model.functions[fn.identifier()] = fn
-    return selected
+    model.functions[edits.function.identifier()] = edits.function
+    return row_result(model, edits.rc, edits.selected)
 
 
 def _calibrate_layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, mask: ir.Value,
@@ -108,7 +127,7 @@ def _calibrate_layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCali
     x, W, bvec, heads, scale = parts
     hidden = W.shape[1] // 3
     head = hidden // heads
-    ops = _Ops(graph, f"attncal_row_layer{layer}")
+    ops = _Ops(graph, f"{NODE_PREFIX}layer{layer}")
     i64 = np.int64
     Wq, Wk, Wv = (np.ascontiguousarray(W[:, i * hidden : (i + 1) * hidden]) for i in range(3))
     bq, bk, bv = (bvec[i * hidden : (i + 1) * hidden].copy() for i in range(3))
@@ -164,6 +183,9 @@ def _calibrate_layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCali
     ops.insert_after(att)
 
 
+FUSED_RULE = Rule(FUSED, _find_fused, _rewrite_fused, REFUSES)
+
+
 def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config: CalibrationConfig) -> dict:
     """Row-placement calibration of an optimized export directory `src` into `dest` (atomic)."""
     import onnx
@@ -175,7 +197,7 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
     pooling = meta["pooling"] if config.pooling == "auto" else config.pooling
     config = config.with_pooling(pooling)
     model = ir.load(src / ONNX_SUBDIR / ONNX_FILE)
-    layers = insert_row_calibration(model, config, int(meta["num_layers"]))
+    layers = FUSED_RULE.apply(model, accepted(FUSED_RULE.check(model, config, int(meta["num_layers"])))).layers
     tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
@@ -184,117 +206,9 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
     meta.pop("graphs", None)
     onnx.checker.check_model(str(tmp / ONNX_SUBDIR / ONNX_FILE))
     meta.update(calibrated=True, config=config.to_dict(), calibrated_layers=layers, op_type=POOLED_OP,
-                placement="row", parity=None)
+                placement=placement_names.ROW, parity=None)
     write_metadata(tmp, meta)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     return meta
 
-
-# ---------------------------------------------------------------------------------------------
-# Row placement on unfused graphs (any architecture: Qwen3 with GQA and rotary, ModernBERT, ...)
-# ---------------------------------------------------------------------------------------------
-def _takes_row(v: ir.Value, node: ir.Node) -> bool:
-    """Whether the chain's side input `v` (of `node`) is cut to the pooling row: computed rank-4
-    inputs (per-row masks) are; constants and graph inputs broadcast as they are.  A computed input
-    of unknown rank is refused: gathering a row from a tensor without one would be wrong."""
-    if v.const_value is None and v.producer() is not None and v.producer().op_type != "Constant":
-        if v.shape is None:
-            raise RowPlacementError(f"unknown rank of {v.name} feeding {node.name}: a rank-4 (per-row) input must "
-                                    "be cut to the pooling row, so its rank must be known")
-        return v.shape.rank() == 4
-    return False
-
-
-def _check_plain_layer(att: AttentionSoftmax) -> PlainAttention:
-    """Every refusal for one layer of a plain graph (shapes inferred)."""
-    if att.calibration is not None:
-        raise RowPlacementError("the graph already contains attncal calibration nodes")
-    walked = walk_layer(att, RowPlacementError)
-    for v, node, _ in side_inputs(walked.chain, walked.scores_mm.outputs[0]):
-        _takes_row(v, node)
-    return walked
-
-
-def insert_row_calibration_unfused(model: ir.Model, config: CalibrationConfig, num_layers: int,
-                                   mask_input: str = "attention_mask") -> list[int]:
-    """Row placement on a graph with explicit attention (Softmax between two MatMuls).
-
-    For each selected layer: gather the pooling row of the scores MatMul's Q input (after rotary,
-    with GQA keys already repeated), replay the scale/mask chain on that row, Softmax, calibrate,
-    multiply by V, and overwrite that row of the value MatMul's output.  The layer's own Softmax
-    path stays untouched, so the other rows are computed exactly as before.  Every refusal, for
-    every selected layer, comes before the first edit (shape inference, which the checks need, is
-    undone on a refusal).
-    """
-    rc = config.resolve()
-    if rc.all_rows:
-        raise RowPlacementError("row placement needs a single pooling row; mean pooling keeps the softmax placement")
-    graph = model.graph
-    mask = graph_input(graph, mask_input, RowPlacementError)
-    selected = config.layer_indices(num_layers)
-    fn = _pooled_function(model)
-    # Side inputs of the scale/mask chain are row-gathered only when they are rank 4, so ranks must be known.
-    with inferred_shapes(model):
-        layers = [_check_plain_layer(att) for att in find_attention_softmaxes(graph, num_layers)
-                  if att.layer in selected]
-    for layer in layers:
-        _calibrate_plain_layer(graph, layer, rc, mask)
-    model.opset_imports[DOMAIN] = VERSION
-    model.functions[fn.identifier()] = fn
-    return selected
-
-
-def _calibrate_plain_layer(graph: ir.Graph, att: PlainAttention, rc: ResolvedCalibration, mask: ir.Value) -> None:
-    """The pooling row recomputed beside one checked layer of a plain graph."""
-    i64 = np.int64
-    scores_mm, chain, post, value_mm = att.scores_mm, att.chain, att.post, att.value_mm
-    ops = _Ops(graph, f"attncal_row_layer{att.layer}")
-    c = lambda name, arr: ops.const(name, np.asarray(arr))  # noqa: E731
-    valid = ops("Cast", mask, to=ir.DataType.BOOL)
-    seq = ops("Gather", ops("Shape", mask), c("one", i64(1)), axis=0)
-    pos = ops("Range", c("zero", i64(0)), seq, c("step", i64(1)))
-    if rc.pool_last:
-        row = ops("Max", ops("ReduceMax", ops("Where", valid, pos, c("neg", i64(-1))), c("ax1", np.array([1], i64)),
-                             keepdims=1), c("z", i64(0)))
-    else:
-        row = ops("Min", ops("ReduceMin", ops("Where", valid, pos, seq), c("ax1", np.array([1], i64)), keepdims=1),
-                  ops("Sub", seq, c("one_b", i64(1))))
-    row4 = ops("Unsqueeze", row, c("ax23", np.array([2, 3], i64)))  # [B,1,1,1]
-
-    def take_row(t: ir.Value, tag: str) -> ir.Value:
-        """Row `row[b]` of axis 2 of a rank-4 tensor (clamped, so broadcast rows of size 1 work)."""
-        shape = ops("Shape", t)
-        bsz = ops("Gather", ops("Shape", mask), c(f"{tag}_b0", i64(0)), axis=0)
-        full = ops("Concat", ops("Unsqueeze", bsz, c(f"{tag}_u0", np.array([0], i64))),
-                   ops("Slice", shape, c(f"{tag}_s1", np.array([1], i64)), c(f"{tag}_s4", np.array([4], i64))), axis=0)
-        t_b = ops("Expand", t, full)  # batch-broadcast side inputs get a batch dim
-        idx_shape = ops("Concat", ops("Slice", full, c(f"{tag}_a", np.array([0], i64)), c(f"{tag}_b", np.array([2], i64))),
-                        c(f"{tag}_one", np.array([1], i64)),
-                        ops("Slice", full, c(f"{tag}_c", np.array([3], i64)), c(f"{tag}_d", np.array([4], i64))), axis=0)
-        last = ops("Sub", ops("Gather", full, c(f"{tag}_two", i64(2)), axis=0), c(f"{tag}_one_s", i64(1)))
-        idx = ops("Expand", ops("Min", row4, last), idx_shape)
-        return ops("GatherElements", t_b, idx, axis=2)
-
-    q_row = take_row(scores_mm.inputs[0], "q")
-    cur = ops("MatMul", q_row, scores_mm.inputs[1])  # [B,H,1,S]
-
-    def side(v: ir.Value, node: ir.Node, k: int) -> ir.Value:
-        """Side inputs computed per row (rank-4 masks) are cut to the pooling row."""
-        return take_row(v, f"side{k}") if _takes_row(v, node) else v
-
-    cur = replay_chain(ops, chain, scores_mm.outputs[0], cur, side)
-    attrs = {a.name: a.value for a in att.softmax.attributes.values()}
-    cur = ops("Softmax", cur, **attrs)
-    spec = op_spec(rc, att.layer)
-    cur = ops(spec.op_type, cur, mask, domain=DOMAIN, **spec.attrs)
-    for node in post:
-        cur = ops(node.op_type, cur, **{a.name: a.value for a in node.attributes.values()})
-    ctx_row = ops("MatMul", cur, value_mm.inputs[1])  # [B,H,1,D]
-    out = value_mm.outputs[0]
-    uses = list(out.uses())
-    idx = ops("Expand", row4, ops("Shape", ctx_row))
-    new_out = ops("ScatterElements", out, idx, ctx_row, axis=2)
-    for user, i in uses:
-        user.replace_input_with(i, new_out)
-    ops.insert_after(value_mm)

@@ -26,48 +26,56 @@ token, which fused attention does not expose; for the pooling row it is recomput
 scores, for all rows (mean pooling with an `original` isolated token, not a default) split placement
 refuses and the softmax placement applies.
 
-Two rewrites, chosen by `place` from the graph:
-* `insert_split_calibration_fused`: the ORT-optimized graph, as above;
-* `insert_split_calibration_plain`: a plain graph, standard ONNX only (the basket terms as one
+The two rules, chosen by the placement from the graph (`placement_base.Placement.rule_for`):
+* `FUSED_RULE` (here): the ORT-optimized graph, as above;
+* `split_plain_placement.RULE`: a plain graph, standard ONNX only (the basket terms as one
   batched MatMul → Softmax → MatMul per layer).
-Each runs every refusal, for every calibrated layer, before its first edit.
+Each runs every refusal, for every calibrated layer, before its first edit.  This module also holds
+what both rules share: the placement's error, the config it refuses, the per-item geometry and the
+blend coefficients.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
 from ..calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
-from .attention_chain import PlainAttention, inferred_shapes, replay_chain, side_inputs, walk_layer
-from .builder import Ops, graph_input
-from .placement_base import (PlacementResult, count_fused_attention, fused_attention_parts, fused_layers,
-                             has_fused_attention, qkv_projections)
-from .softmax_pattern import AttentionSoftmax, find_attention_softmaxes
+from .builder import Ops
+from .placement_base import (FUSED, PlacementResult, Refusal, Rule, count_fused_attention, fused_attention_parts,
+                             fused_layers, qkv_projections)
 
 MS_DOMAIN = "com.microsoft"
 i64 = np.int64
 f32 = np.float32
-
-
-NAME = "split"
-OPTIMIZE_FIRST = True
-# Node-name prefix of what this placement adds in standard ops: the calibration math, kept float32 when an
-# optimized graph is converted to float16 (attncal.export.fp16).
-FLOAT32_NODES: str | None = "attncal_split_"
+# Node-name prefix of everything both rules add in standard ops (the calibration math): the placement's
+# `float32_nodes`, kept float32 when an optimized graph is converted to float16 (attncal.export.fp16).
+NODE_PREFIX = "attncal_split_"
 
 
 class SplitPlacementError(ValueError):
     """Split placement does not apply to this graph or config."""
 
 
-def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> PlacementResult:
-    """Split placement on whichever graph this is: fused attention (ORT-optimized) or the plain graph."""
-    if has_fused_attention(model):
-        layers = insert_split_calibration_fused(model, config, num_layers)
-    else:
-        layers = insert_split_calibration_plain(model, config, num_layers)
-    rc = config.resolve()
+def unsupported_config(rc: ResolvedCalibration) -> Refusal | None:
+    """The refusal of a config the split graph cannot express, or None."""
+    if rc.all_rows and any(e and m == MODE_ORIGINAL for e, m in ((rc.isolate_first, rc.first_mode),
+                                                                    (rc.isolate_last, rc.last_mode))):
+        return Refusal(SplitPlacementError,
+                       "split placement cannot weight an isolated token by its original attention in every row (fused "
+                       "attention does not expose the probabilities); use --placement softmax for this config")
+    return None
+
+
+def check_request(rc: ResolvedCalibration, precision: str) -> Refusal | None:
+    """An explicit split placement refuses the configs it cannot express (every precision)."""
+    return unsupported_config(rc)
+
+
+def split_result(model: ir.Model, rc: ResolvedCalibration, layers: list[int]) -> PlacementResult:
+    """What either rule returns: no custom op, the resolved config, the fused attention left in the graph."""
     attrs = {"pooling": rc.pooling, "basket_size": rc.basket_size, "strength": rc.strength,
              "isolate_first": int(rc.isolate_first), "isolate_last": int(rc.isolate_last),
              "first_mode": rc.first_mode, "last_mode": rc.last_mode, "first_weight": rc.first_weight,
@@ -75,17 +83,7 @@ def place(model: ir.Model, config: CalibrationConfig, num_layers: int) -> Placem
     return PlacementResult(layers, None, attrs, count_fused_attention(model))
 
 
-def check_supported(rc: ResolvedCalibration) -> None:
-    """Raise SplitPlacementError for configs the split graph cannot express."""
-    if rc.all_rows and any(e and m == MODE_ORIGINAL for e, m in ((rc.isolate_first, rc.first_mode),
-                                                                    (rc.isolate_last, rc.last_mode))):
-        raise SplitPlacementError(
-            "split placement cannot weight an isolated token by its original attention in every row (fused "
-            "attention does not expose the probabilities); use --placement softmax for this config"
-        )
-
-
-class _Geometry:
+class Geometry:
     """Per-item spans and blend coefficients, computed once per batch from the attention mask."""
 
     def __init__(self, ops: Ops, mask: ir.Value, rc: ResolvedCalibration) -> None:
@@ -118,13 +116,13 @@ class _Geometry:
         self.S = S
 
 
-def _item(ops: Ops, v: ir.Value, rank: int, tag: str) -> ir.Value:
+def item(ops: Ops, v: ir.Value, rank: int, tag: str) -> ir.Value:
     """A per-item [B] tensor as [B,1,...] of the given rank, for broadcasting."""
     return ops("Unsqueeze", v, ops.const(f"unsq{rank}_{tag}", np.arange(1, rank, dtype=i64)))
 
 
-def _coefficients(ops: Ops, g: _Geometry, rc: ResolvedCalibration, shares: list[ir.Value], n: ir.Value,
-                  lam: ir.Value, rank: int, tag: str):
+def coefficients(ops: Ops, g: Geometry, rc: ResolvedCalibration, shares: list[ir.Value], n: ir.Value,
+                 lam: ir.Value, rank: int, tag: str):
     """(coef_full, coef_basket, [coef_i]) from the non-empty basket count `n`, the strength `lam` (0 on
     rows that are not calibrated) and the shares, all broadcastable to `rank` dims."""
     c = ops.const
@@ -136,7 +134,7 @@ def _coefficients(ops: Ops, g: _Geometry, rc: ResolvedCalibration, shares: list[
     if rc.any_non_equal:
         content = ops("Where", has, ops("Max", ops("Sub", one, share_sum), zero), zero)
     else:
-        content = ops("Div", n, _item(ops, g.t_safe, rank, f"{tag}_t"))
+        content = ops("Div", n, item(ops, g.t_safe, rank, f"{tag}_t"))
     total = ops("Add", content, share_sum)
     nz = ops("Not", ops("Equal", total, zero))
     safe_total = ops("Where", nz, total, one)  # divide by total, never by its reciprocal (subnormal weights)
@@ -147,9 +145,9 @@ def _coefficients(ops: Ops, g: _Geometry, rc: ResolvedCalibration, shares: list[
     return coef_full, coef_b, coef_i
 
 
-def _equal_or_fixed_share(ops: Ops, g: _Geometry, mode: int, weight: float, rank: int, tag: str) -> ir.Value:
+def equal_or_fixed_share(ops: Ops, g: Geometry, mode: int, weight: float, rank: int, tag: str) -> ir.Value:
     if mode == MODE_EQUAL:
-        return _item(ops, ops("Div", ops.const(f"one_{tag}", f32(1.0)), g.t_safe), rank, f"sh_{tag}")
+        return item(ops, ops("Div", ops.const(f"one_{tag}", f32(1.0)), g.t_safe), rank, f"sh_{tag}")
     if mode == MODE_FIXED:
         return ops.const(f"w_{tag}", np.full([1] * rank, weight, dtype=f32))
     raise ValueError(f"unknown weight mode {mode}")
@@ -165,7 +163,7 @@ def _gather_rows(ops: Ops, x: ir.Value, row: ir.Value, hidden: int, tag: str) ->
     return ops("GatherElements", x, idx, axis=1), idx
 
 
-def _basket_loop(ops: Ops, g: _Geometry, q: ir.Value, k: ir.Value, v: ir.Value, heads: int, hidden: int,
+def _basket_loop(ops: Ops, g: Geometry, q: ir.Value, k: ir.Value, v: ir.Value, heads: int, hidden: int,
                  scale: float, layer: int) -> ir.Value:
     """Σ over non-empty baskets of MultiHeadAttention(q, K_b, V_b): [B,R,hidden].
 
@@ -174,7 +172,7 @@ def _basket_loop(ops: Ops, g: _Geometry, q: ir.Value, k: ir.Value, v: ir.Value, 
     optimized graph's memory against 1.05x with the Loop, since every unrolled basket keeps an
     output buffer.)"""
     c = ops.const
-    p = f"attncal_split_layer{layer}/loop"
+    p = f"{NODE_PREFIX}layer{layer}/loop"
     body = Ops(ops.graph, p)
     it = ir.Value(name=f"{p}/it", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
     cond = ir.Value(name=f"{p}/cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
@@ -215,13 +213,13 @@ def _check_fused_layer(graph: ir.Graph, att: ir.Node) -> tuple[ir.Value, np.ndar
     return parts
 
 
-def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g: _Geometry, mask: ir.Value,
+def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g: Geometry, mask: ir.Value,
            parts: tuple[ir.Value, np.ndarray, np.ndarray, int, float]) -> None:
     """One checked fused layer rebuilt as split attention (`parts`: `fused_attention_parts` of `att`)."""
     x, W, bvec, heads, scale = parts
     hidden = W.shape[1] // 3
     head = hidden // heads
-    ops = Ops(graph, f"attncal_split_layer{layer}")
+    ops = Ops(graph, f"{NODE_PREFIX}layer{layer}")
     c = ops.const
     q, k, v = qkv_projections(ops, x, W, bvec)
     kpm = ops("Cast", ops("ReduceSum", mask, c("ax1_len", np.array([1], i64)), keepdims=0), to=ir.DataType.INT32)
@@ -234,10 +232,10 @@ def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g
         for enabled, mode, weight, pos, tag in ((rc.isolate_first, rc.first_mode, rc.first_weight, g.start, "first"),
                                                 (rc.isolate_last, rc.last_mode, rc.last_weight, g.end, "last")):
             if enabled:
-                shares.append(_equal_or_fixed_share(ops, g, mode, weight, 3, tag))
+                shares.append(equal_or_fixed_share(ops, g, mode, weight, 3, tag))
                 vis.append(_gather_rows(ops, v, pos, hidden, f"v_{tag}")[0])  # [B,1,hidden]
-        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, _item(ops, g.nf, 3, "nf"),
-                                                  _item(ops, g.lam, 3, "lam"), 3, "item")
+        coef_full, coef_b, coef_i = coefficients(ops, g, rc, shares, item(ops, g.nf, 3, "nf"),
+                                                  item(ops, g.lam, 3, "lam"), 3, "item")
         rows = ops("Unsqueeze", ops("Cast", mask, to=ir.DataType.FLOAT), c("u2r", np.array([2], i64)))  # [B,S,1]
         one = c("one_r", f32(1.0))
         out = ops("Mul", full, ops("Add", one, ops("Mul", ops("Sub", coef_full, one), rows)))  # pad rows: plain
@@ -265,9 +263,9 @@ def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g
                                c(f"p_tail_{tag}", np.array([1, heads, 1], i64)), axis=0))
                 shares.append(ops("GatherElements", probs, pidx, axis=3))  # [B,1,H,1]
             else:
-                shares.append(_equal_or_fixed_share(ops, g, mode, weight, 4, tag))
-        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, _item(ops, g.nf, 4, "nf"),
-                                                  _item(ops, g.lam, 4, "lam"), 4, "item")
+                shares.append(equal_or_fixed_share(ops, g, mode, weight, 4, tag))
+        coef_full, coef_b, coef_i = coefficients(ops, g, rc, shares, item(ops, g.nf, 4, "nf"),
+                                                  item(ops, g.lam, 4, "lam"), 4, "item")
         out_row = ops("Add", ops("Mul", ops("Reshape", full_row, to_heads), coef_full),
                       ops("Mul", ops("Reshape", acc, to_heads), coef_b))
         for ci, vi in zip(coef_i, vis):
@@ -281,7 +279,7 @@ def _layer(graph: ir.Graph, att: ir.Node, layer: int, rc: ResolvedCalibration, g
     graph.remove(att, safe=True)
 
 
-def _row_probs(ops: Ops, q_row: ir.Value, k: ir.Value, g: _Geometry, heads: int, head: int, scale: float) -> ir.Value:
+def _row_probs(ops: Ops, q_row: ir.Value, k: ir.Value, g: Geometry, heads: int, head: int, scale: float) -> ir.Value:
     """Softmax of the pooling row's scores over the valid keys, [B,1,H,S] (one row: cheap)."""
     c = ops.const
     qh = ops("Transpose", ops("Reshape", q_row, c("qh_shape", np.array([0, 1, heads, head], i64))), perm=[0, 2, 1, 3])
@@ -293,22 +291,42 @@ def _row_probs(ops: Ops, q_row: ir.Value, k: ir.Value, g: _Geometry, heads: int,
     return ops("Transpose", p, perm=[0, 2, 1, 3])
 
 
-def insert_split_calibration_fused(model: ir.Model, config: CalibrationConfig, num_layers: int,
-                                   mask_input: str = "attention_mask") -> list[int]:
-    """Split placement on an ORT-optimized graph: one fused Attention node per layer; returns the calibrated layers.
+@dataclass(frozen=True)
+class _FusedEdits:
+    rc: ResolvedCalibration
+    selected: list[int]
+    atts: list[ir.Node]  # one fused Attention node per layer
+    mask: ir.Value
+    # fused_attention_parts per selected layer; None when nothing is calibrated (no layer, or strength 0)
+    parts: dict[int, tuple[ir.Value, np.ndarray, np.ndarray, int, float]] | None
 
-    Every refusal, for every selected layer, comes before the first edit."""
+
+def _find_fused(model: ir.Model, config: CalibrationConfig, num_layers: int,
+                mask_input: str = "attention_mask") -> _FusedEdits:
+    """Every refusal of split placement on an ORT-optimized graph (one fused Attention node per layer),
+    for every selected layer; no edit."""
     rc = config.resolve()
-    check_supported(rc)
+    refusal = unsupported_config(rc)
+    if refusal is not None:
+        raise refusal.exception()
     graph = model.graph
     atts, mask = fused_layers(model, num_layers, mask_input, SplitPlacementError,
                               "split placement on an optimized graph needs")
     selected = config.layer_indices(num_layers)
     if not selected or rc.strength == 0.0:
-        return selected
+        return _FusedEdits(rc, selected, atts, mask, None)
     parts = {layer: _check_fused_layer(graph, atts[layer]) for layer in selected}
-    gops = Ops(graph, "attncal_split_geometry")
-    geometry = _Geometry(gops, mask, rc)
+    return _FusedEdits(rc, selected, atts, mask, parts)
+
+
+def _rewrite_fused(model: ir.Model, edits: _FusedEdits) -> PlacementResult:
+    """Each selected layer's fused Attention rebuilt as split attention."""
+    rc, selected, atts, mask, parts = edits.rc, edits.selected, edits.atts, edits.mask, edits.parts
+    if parts is None:
+        return split_result(model, rc, selected)
+    graph = model.graph
+    gops = Ops(graph, f"{NODE_PREFIX}geometry")
+    geometry = Geometry(gops, mask, rc)
     gops.insert_before(atts[selected[0]])
     for layer in selected:
         _layer(graph, atts[layer], layer, rc, geometry, mask, parts[layer])
@@ -317,178 +335,7 @@ def insert_split_calibration_fused(model: ir.Model, config: CalibrationConfig, n
             del graph.initializers[name]
     if MS_DOMAIN not in model.opset_imports:
         model.opset_imports[MS_DOMAIN] = 1
-    return selected
+    return split_result(model, rc, selected)
 
 
-# ---------------------------------------------------------------------------------------------
-# The plain graph: standard ONNX only, for every architecture and exporter (TensorRT and others)
-# ---------------------------------------------------------------------------------------------
-def _basket_side(val: ir.Value, node: ir.Node) -> str:
-    """How the chain's side input `val` (of `node`) reaches the basket scores [B,H,n,Q,S]: "baskets"
-    (a rank-4 per-key mask, gathered into basket layout), "unsqueeze" (rank 4 with one key column)
-    or "as-is" (a scalar, a vector or a constant, which broadcast).  Any other computed input is
-    refused: its key axis is unknown, so it cannot be cut into baskets."""
-    if val.shape is not None and val.shape.rank() == 4:
-        last = val.shape[3]
-        return "unsqueeze" if isinstance(last, int) and last == 1 else "baskets"
-    if val.shape is not None and val.shape.rank() not in (0, 1) and val.const_value is None:
-        raise SplitPlacementError(f"unsupported rank-{val.shape.rank()} input {val.name} of {node.name}: only "
-                                  "rank-4 masks, scalars, vectors and constants can follow the scores into baskets")
-    return "as-is"
-
-
-def _check_plain_layer(graph: ir.Graph, att: AttentionSoftmax) -> PlainAttention:
-    """Every refusal for one layer of a plain graph (shapes inferred)."""
-    walked = walk_layer(att, SplitPlacementError)
-    if att.softmax.inputs[0].dtype not in (ir.DataType.FLOAT, None):
-        raise SplitPlacementError(f"split placement on the plain graph is float32 only ({att.softmax.name} works on "
-                                  f"{att.softmax.inputs[0].dtype.name}: the blend coefficients are float32); "
-                                  "drop --fp16")
-    for val, node, _ in side_inputs(walked.chain, walked.scores_mm.outputs[0]):
-        _basket_side(val, node)
-    ctx = walked.value_mm.outputs[0]
-    if any(o is ctx for o in graph.outputs):
-        raise SplitPlacementError(f"the attention context {ctx.name} is a graph output; cannot rewire it (the output "
-                                  "would keep the uncalibrated context)")
-    return walked
-
-
-def insert_split_calibration_plain(model: ir.Model, config: CalibrationConfig, num_layers: int,
-                                   mask_input: str = "attention_mask") -> list[int]:
-    """Split placement on a graph with explicit attention (Softmax between two MatMuls), standard ops only.
-
-    The basket terms are one batched attention per layer: the queries against the keys and values
-    gathered into [B,H,n,S,·] basket layout (per item, so left padding works), the layer's own
-    scale/mask chain replayed on the basket scores (causal and sliding-window masks included),
-    Softmax over each basket, MatMul with the basket values.  That is the MatMul → Softmax → MatMul
-    shape other runtimes fuse into their attention kernels; no custom op and no function body.
-    Every refusal, for every selected layer, comes before the first edit (shape inference, which
-    the checks need, is undone on a refusal).
-    """
-    rc = config.resolve()
-    graph = model.graph
-    if any(n.domain == "ai.attncal" for n in graph):
-        raise SplitPlacementError("the graph already contains attncal calibration nodes")
-    mask = graph_input(graph, mask_input, SplitPlacementError)
-    with inferred_shapes(model):
-        selected = config.layer_indices(num_layers)
-        if rc.strength == 0.0:
-            return selected
-        layers = [_check_plain_layer(graph, att) for att in find_attention_softmaxes(graph, num_layers)
-                  if att.layer in selected]
-    gops = Ops(graph, "attncal_split_geometry")
-    g = _Geometry(gops, mask, rc)
-    c = gops.const
-    L = gops("Mul", g.n_max, c("S_L", i64(g.S)))
-    j = gops("Range", c("zero_j", i64(0)), L, c("one_j", i64(1)))  # [L] content offsets
-    pos = gops("Add", gops("Unsqueeze", g.c0, c("u1_p", np.array([1], i64))),
-               gops("Unsqueeze", j, c("u0_p", np.array([0], i64))))
-    pos = gops("Min", pos, g.seq_m1)  # [B,L] key position of each basket slot
-    inside = gops("Less", gops("Unsqueeze", j, c("u0_i", np.array([0], i64))),
-                  gops("Unsqueeze", g.C, c("u1_i", np.array([1], i64))))  # [B,L] slot within the content
-    inside5 = gops("Reshape", inside, c("in_shape", np.array([0, 1, 1, -1, g.S], i64)))  # [B,1,1,n,S]
-    inside5 = gops("Transpose", inside5, perm=[0, 1, 3, 2, 4])  # [B,1,n,1,S]
-    if rc.all_rows:
-        rows = gops("Unsqueeze", gops("Cast", mask, to=ir.DataType.FLOAT), c("u13", np.array([1, 3], i64)))
-    else:
-        row = g.end if rc.pool_last else g.start
-        kpos = gops("Range", c("zero_k", i64(0)), g.seq, c("one_k", i64(1)))
-        sel = gops("Equal", gops("Unsqueeze", kpos, c("u0_k", np.array([0], i64))),
-                   gops("Unsqueeze", row, c("u1_k", np.array([1], i64))))  # [B,Q]
-        rows = gops("Unsqueeze", gops("Cast", sel, to=ir.DataType.FLOAT), c("u13", np.array([1, 3], i64)))
-    gops.insert_before(next(iter(graph)))
-    neg = f32(np.finfo(np.float32).min)
-    for att in layers:
-        scores_mm, chain, post, value_mm = att.scores_mm, att.chain, att.post, att.value_mm
-        ops = Ops(graph, f"attncal_split_layer{att.layer}")
-        c = ops.const
-        qx, kt, v = scores_mm.inputs[0], scores_mm.inputs[1], value_mm.inputs[1]
-
-        def align(t: ir.Value, axis: int, tag: str) -> ir.Value:
-            """Gather basket slots along `axis` (rank-4 tensor, batch-broadcast side inputs expanded)."""
-            shape = ops("Shape", t)
-            full = ops("Concat", ops("Unsqueeze", g.bsz, c(f"{tag}_u", np.array([0], i64))),
-                       ops("Slice", shape, c(f"{tag}_s1", np.array([1], i64)), c(f"{tag}_s4", np.array([4], i64))),
-                       axis=0)
-            t_b = ops("Expand", t, full)
-            idx_shape_parts = []
-            for a in range(4):
-                if a == 0:
-                    idx_shape_parts.append(ops("Slice", full, c(f"{tag}_a0", np.array([0], i64)),
-                                               c(f"{tag}_a1", np.array([1], i64))))
-                elif a == axis:
-                    idx_shape_parts.append(ops("Unsqueeze", L, c(f"{tag}_uL", np.array([0], i64))))
-                else:
-                    idx_shape_parts.append(ops("Slice", full, c(f"{tag}_b{a}", np.array([a], i64)),
-                                               c(f"{tag}_e{a}", np.array([a + 1], i64))))
-            idx_shape = ops("Concat", *idx_shape_parts, axis=0)
-            perm_axes = [1, 2, 3]
-            perm_axes.remove(axis)
-            p4 = ops("Unsqueeze", pos, c(f"{tag}_pu", np.array(perm_axes, i64)))  # pos along `axis`
-            return ops("GatherElements", t_b, ops("Expand", p4, idx_shape), axis=axis)
-
-        def to_baskets(t: ir.Value, axis: int, tag: str) -> ir.Value:
-            """[B,X,Y,L] (axis 3) -> [B,X,n,Y,S]; [B,X,L,Y] (axis 2) -> [B,X,n,S,Y]."""
-            if axis == 3:
-                r = ops("Reshape", t, c(f"{tag}_r", np.array([0, 0, 0, -1, g.S], i64)))
-                return ops("Transpose", r, perm=[0, 1, 3, 2, 4])
-            shp = ops("Shape", t)
-            target = ops("Concat", ops("Slice", shp, c(f"{tag}_a", np.array([0], i64)), c(f"{tag}_b", np.array([2], i64))),
-                         c(f"{tag}_nS", np.array([-1, g.S], i64)),
-                         ops("Slice", shp, c(f"{tag}_c", np.array([3], i64)), c(f"{tag}_d", np.array([4], i64))), axis=0)
-            return ops("Reshape", t, target)
-
-        k5 = to_baskets(align(kt, 3, "k"), 3, "k5")  # [B,H,n,d,S]
-        v5 = to_baskets(align(v, 2, "v"), 2, "v5")  # [B,H,n,S,d]
-        cur = ops("MatMul", ops("Unsqueeze", qx, c("u2q", np.array([2], i64))), k5)  # [B,H,n,Q,S]
-        def side(val: ir.Value, node: ir.Node, kk: int) -> ir.Value:
-            """Rank-4 side inputs (masks) go to the basket layout; scalars and vectors broadcast as they are."""
-            kind = _basket_side(val, node)
-            if kind == "unsqueeze":
-                return ops("Unsqueeze", val, c(f"side{kk}_u", np.array([2], i64)))
-            if kind == "baskets":
-                return to_baskets(align(val, 3, f"side{kk}"), 3, f"side{kk}_5")
-            return val
-
-        cur = replay_chain(ops, chain, scores_mm.outputs[0], cur, side)
-        negc = c("neg", neg)
-        cur = ops("Where", inside5, ops("Max", cur, negc), negc)  # -inf masks clamped; non-content slots out
-        ne = ops("Cast", ops("Greater", ops("ReduceMax", cur, c("axm1", np.array([-1], i64)), keepdims=1),
-                             c("half_neg", f32(neg / 2))), to=ir.DataType.FLOAT)  # [B,H,n,Q,1]
-        pb = ops("Softmax", cur, axis=-1)
-        for node in post:
-            pb = ops(node.op_type, pb, **{a.name: a.value for a in node.attributes.values()})
-        ob = ops("MatMul", pb, v5)  # [B,H,n,Q,d]
-        ax2 = c("ax2", np.array([2], i64))
-        acc = ops("ReduceSum", ops("Mul", ob, ne), ax2, keepdims=0)  # [B,H,Q,d]
-        n_ne = ops("ReduceSum", ne, ax2, keepdims=0)  # [B,H,Q,1]
-        probs = att.softmax.outputs[0]
-        shares, vis = [], []
-        for enabled, mode, weight, p_item, tag in ((rc.isolate_first, rc.first_mode, rc.first_weight, g.start, "first"),
-                                                   (rc.isolate_last, rc.last_mode, rc.last_weight, g.end, "last")):
-            if not enabled:
-                continue
-            p4 = ops("Unsqueeze", p_item, c(f"u123_{tag}", np.array([1, 2, 3], i64)))  # [B,1,1,1]
-            vis.append(ops("GatherElements", v, ops("Expand", p4, ops("Concat", ops("Slice", ops("Shape", v),
-                       c(f"{tag}_v0", np.array([0], i64)), c(f"{tag}_v2", np.array([2], i64))),
-                       c(f"{tag}_v1", np.array([1], i64)), ops("Slice", ops("Shape", v), c(f"{tag}_v3", np.array([3], i64)),
-                       c(f"{tag}_v4", np.array([4], i64))), axis=0)), axis=2))  # [B,H,1,d]
-            if mode == MODE_ORIGINAL:
-                pshape = ops("Concat", ops("Slice", ops("Shape", probs), c(f"{tag}_p0", np.array([0], i64)),
-                                           c(f"{tag}_p3", np.array([3], i64))), c(f"{tag}_p1", np.array([1], i64)), axis=0)
-                shares.append(ops("Cast", ops("GatherElements", probs, ops("Expand", p4, pshape), axis=3),
-                                  to=ir.DataType.FLOAT))  # [B,H,Q,1]
-            else:
-                shares.append(_equal_or_fixed_share(ops, g, mode, weight, 4, tag))
-        lam_rows = ops("Mul", _item(ops, g.lam, 4, "lam_r"), rows)  # [B,1,Q,1]: calibrated rows only
-        coef_full, coef_b, coef_i = _coefficients(ops, g, rc, shares, n_ne, lam_rows, 4, "row")
-        ctx = value_mm.outputs[0]
-        uses = list(ctx.uses())
-        out = ops("Add", ops("Mul", ctx, coef_full), ops("Mul", acc, coef_b))
-        for ci, vi in zip(coef_i, vis):
-            out = ops("Add", out, ops("Mul", vi, ci))
-        out.name = f"{ops.prefix}/context"
-        for user, i in uses:
-            user.replace_input_with(i, out)
-        ops.insert_after(value_mm)
-    return selected
+FUSED_RULE = Rule(FUSED, _find_fused, _rewrite_fused, (SplitPlacementError,))

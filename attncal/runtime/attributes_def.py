@@ -1,7 +1,7 @@
-"""The native definition of the ai.attncal attributes (plugins/kernels/attncal_attributes.def), read
-from Python: the table itself, and the ctypes mirror of the C struct generated from it
-(AttncalParams, plugins/kernels/attncal_params.h), for callers of the CUDA launchers through ctypes
-(benchmarks/gpu_check.py).
+"""The native definition of the ai.attncal attributes (plugins/kernels/common/attncal_attributes.def),
+read from Python: the table itself, and the ctypes mirror of the C struct generated from it
+(AttncalParams, plugins/kernels/common/attncal_params.h), for callers of the CUDA launchers through
+ctypes (benchmarks/gpu_check.py).
 
 Why it reads the .def instead of restating it: the struct's layout follows the table (all_rows,
 then every INT attribute, then every FLOAT attribute, in the table's order), so a mirror written out
@@ -20,7 +20,7 @@ from typing import Mapping
 
 from ..native import CHECKOUT
 
-DEF_PATH = CHECKOUT / "plugins" / "kernels" / "attncal_attributes.def"
+DEF_PATH = CHECKOUT / "plugins" / "kernels" / "common" / "attncal_attributes.def"
 TYPES = ("INT", "FLOAT")
 OPS = ("ALL", "POOLED", "ATTENTION")
 PRESENCE = ("REQUIRED", "OPTIONAL")
@@ -74,7 +74,7 @@ def parse(text: str) -> list[Attribute]:
 
 @lru_cache(maxsize=None)
 def attributes(path: Path = DEF_PATH) -> tuple[Attribute, ...]:
-    """The table read from `path` (default: this checkout's plugins/kernels/attncal_attributes.def)."""
+    """The table read from `path` (default: this checkout's plugins/kernels/common/attncal_attributes.def)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: the attribute table is read from a source checkout (plugins/ is not "
                                 "part of the installed package)")
@@ -91,7 +91,8 @@ def params_fields(rows: tuple[Attribute, ...] | list[Attribute]) -> list[tuple[s
 def params_structure(path: Path = DEF_PATH) -> type[ctypes.Structure]:
     """The ctypes mirror of AttncalParams, built from the table at `path`."""
     return type("AttncalParams", (ctypes.Structure,), {
-        "__doc__": "Mirror of AttncalParams (plugins/kernels/attncal_params.h), built from attncal_attributes.def.",
+        "__doc__": "Mirror of AttncalParams (plugins/kernels/common/attncal_params.h), built from "
+                   "attncal_attributes.def.",
         "_fields_": params_fields(attributes(path)),
     })
 

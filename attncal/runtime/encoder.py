@@ -40,10 +40,10 @@ def default_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821 (im
     warnings shown only with --verbose."""
     import onnxruntime as ort
 
-    from .. import console
+    from .. import library_output
 
     so = ort.SessionOptions()
-    so.log_severity_level = console.ort_log_severity()
+    so.log_severity_level = library_output.ort_log_severity()
     return so
 
 
@@ -137,6 +137,10 @@ class Encoder:
         import threading
 
         import onnxruntime as ort
+
+        from ..library_output import without_torch_advice
+
+        without_torch_advice()
         from transformers import AutoTokenizer
 
         self.path = Path(out_dir)

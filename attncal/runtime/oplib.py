@@ -45,8 +45,8 @@ TENSORRT_HEADERS_HELP = (
 
 
 GEMM_CHOICES = ("auto", "openblas", "eigen", "builtin")
-"""The calibrated-attention kernel's GEMM (plugins/cmake/Gemm.cmake): auto = OpenBLAS where the
-scipy-openblas32 wheel is installed, else the built-in loops."""
+"""The calibrated-attention kernel's GEMM (plugins/kernels/cpu/gemm.h, chosen by plugins/cmake/Gemm.cmake):
+auto = OpenBLAS where the scipy-openblas32 wheel is installed, else the built-in loops."""
 
 
 class BuildError(RuntimeError):
@@ -252,17 +252,18 @@ def compile_cuda_kernel(
     nvcc: str | None = None,
     sources: Sequence[str] = ("calibration_cuda.cu",),
 ) -> Path:
-    """Compile CUDA files of plugins/kernels (`sources`, names in that folder; default
-    calibration_cuda.cu) into one shared library with nvcc (no CMake, no ONNX Runtime headers):
-    what benchmarks/gpu_check.py loads through ctypes on a GPU machine.  For the calibrated
-    attention launchers pass ("calibration_cuda.cu", "calibrated_attention_cuda.cu"): the second
-    reports its errors through the first's attncal_cuda_last_error, so it never builds alone.
+    """Compile CUDA translation units of plugins/kernels/cuda (`sources`, names in that folder;
+    default calibration_cuda.cu, the calibration ops' launchers) into one shared library with nvcc
+    (no CMake, no ONNX Runtime headers), for ctypes on a GPU machine.  Every other file of the folder
+    is a header the two translation units include (plugins/kernels on the include path).  For the
+    calibrated attention launchers pass ("calibration_cuda.cu", "calibrated_attention_cuda.cu"): the
+    second reports its errors through the first's attncal_cuda_last_error, so it never builds alone.
     Written to a temp name, then renamed."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc was not found (PATH, $CUDA_HOME, /usr/local/cuda)")
     if not sources:
-        raise ValueError("sources must name at least one .cu file of plugins/kernels")
+        raise ValueError("sources must name at least one .cu file of plugins/kernels/cuda")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -270,7 +271,7 @@ def compile_cuda_kernel(
            "-I", str(PLUGINS_DIR / "kernels")]
     for a in archs:
         cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-    cmd += [str(PLUGINS_DIR / "kernels" / name) for name in sources]
+    cmd += [str(PLUGINS_DIR / "kernels" / "cuda" / name) for name in sources]
     cmd += ["-o", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

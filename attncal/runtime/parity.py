@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import console
+from .. import library_output
 from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, read_metadata
 from ..calibration.config import CalibrationConfig
 from .encoder import Encoder
@@ -235,7 +235,7 @@ def check_parity(
     if reference_cache is not None and key in reference_cache:
         expected, ref_pooling = reference_cache[key]
     else:
-        with console.third_party_output():  # transformers' weight-loading bar and load-time messages
+        with library_output.third_party_output():  # transformers' weight-loading bar and load-time messages
             ref_enc = TorchEncoder(source, max_length=check_len, attn_implementation="sdpa")
         ref_pooling = ref_enc.info.pooling
         ref_config = config
@@ -284,6 +284,9 @@ def check_parity(
         batch_sizes=[len(b) for b in batches],
         activation_budget_mib=round(budget / 1024**2, 1),
     )
+
+
+check = check_parity  # the short public name, `attncal.check`
 
 
 def _unpooled_session_options():

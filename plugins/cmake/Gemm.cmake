@@ -1,4 +1,4 @@
-# The GEMM of the CPU calibrated-attention kernel (plugins/kernels/gemm_cpu.h).
+# The GEMM of the CPU calibrated-attention kernel (plugins/kernels/cpu/gemm.h).
 #   ATTNCAL_GEMM=AUTO (default): OpenBLAS from the scipy-openblas32 wheel when the build's Python
 #     has it, else the built-in loops, with a notice saying what is missing and what it costs.
 #   ATTNCAL_GEMM=openblas | eigen | builtin: that one (openblas and eigen fail when not found).

@@ -1,6 +1,6 @@
 // TensorRT IPluginV3 plugin for the calibrated attention ops, PooledRowCalibratedAttention and
 // AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention"): a
-// thin adapter over attncal_cuda_calibrated_attention (kernels/calibrated_attention_cuda.h).
+// thin adapter over attncal_cuda_calibrated_attention (kernels/cuda/calibrated_attention_cuda.h).
 //
 //   inputs:  0 query T[B,S_q,N*D], 1 key T[B,S_k,N*D], 2 value T[B,S_k,N*D_v],
 //            3 attention_mask int64[B,S_k];  T = float, half or bfloat16 (one T for all)
@@ -33,7 +33,7 @@
 
 #include "attncal_trt_fields.h"
 #include "attncal_trt_plugin_base.h"
-#include "calibrated_attention_cuda.h"
+#include "cuda/calibrated_attention_cuda.h"
 
 using namespace nvinfer1;
 
@@ -44,7 +44,7 @@ using attncal_trt::kDomain;
 constexpr char const* kPooled = "PooledRowCalibratedAttention";
 constexpr char const* kAllRows = "AllRowsCalibratedAttention";
 
-// The launcher's grid limit on the number of heads (calibrated_attention_cuda.cu: one grid dimension).
+// The launcher's grid limit on the number of heads (cuda/calibrated_attention_cuda.cu: one grid dimension).
 constexpr int32_t kMaxHeads = 65535;
 
 bool is_float_type(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16; }

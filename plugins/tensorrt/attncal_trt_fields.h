@@ -1,8 +1,8 @@
 // The ai.attncal attributes as TensorRT plugin fields, shared by the calibration plugin
 // (attncal_trt_plugin.cpp) and the calibrated-attention plugin (attncal_trt_attention_plugin.cpp):
-// TensorRT's adapter to the shared parser (kernels/attncal_attribute_parser.h), which refuses a
+// TensorRT's adapter to the shared parser (kernels/common/attncal_attribute_parser.h), which refuses a
 // missing, duplicated, ill-typed or foreign field, and the creators' field names and the plugins'
-// fields to serialise, both generated from the attribute table (kernels/attncal_attributes.def).
+// fields to serialise, both generated from the attribute table (kernels/common/attncal_attributes.def).
 //
 // Numbers are read in whatever width the ONNX parser used (int8/16/32/64, float32/64), an integer
 // field also from an integral float (the parser is lenient, see AttributeParser).  A refusal is
@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "attncal_attribute_parser.h"
-#include "attncal_params.h"
+#include "common/attncal_attribute_parser.h"
+#include "common/attncal_params.h"
 
 namespace attncal_trt {
 

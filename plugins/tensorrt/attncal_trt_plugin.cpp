@@ -1,5 +1,5 @@
 // TensorRT IPluginV3 plugin for the calibration ops: a thin adapter over the
-// CUDA launchers (kernels/calibration_cuda.h).  Four op types:
+// CUDA launchers (kernels/cuda/calibration_cuda.h).  Four op types:
 // PooledRowCalibration and AllRowsCalibration (input 0: the attention
 // probabilities; attncal_cuda_calibrate) and SoftmaxPooledRowCalibration and
 // SoftmaxAllRowsCalibration (input 0: the softmax's input scores; the softmax
@@ -33,7 +33,7 @@
 
 #include "attncal_trt_fields.h"
 #include "attncal_trt_plugin_base.h"
-#include "calibration_cuda.h"
+#include "cuda/calibration_cuda.h"
 
 using namespace nvinfer1;
 

@@ -1,4 +1,4 @@
-// Host test of the softmax's exp in plugins/kernels/calibration_cpu.h: exp_shifted_row (the version for this
+// Host test of the softmax's exp in plugins/kernels/cpu/exp.h: exp_shifted_row (the version for this
 // CPU: 8 lanes at a time then a scalar tail, or GCC's own vectorised loop with AVX-512) against exp in double over the whole range it serves, x - max in
 // [-110, 0], and the special values: exactly 1 at 0 (the row maximum: the softmax sum is >= 1), exactly 0 below
 // -104 and at -inf, NaN for NaN, subnormal results kept.  Every value is placed both in a vector lane and in
@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "calibration_cpu.h"
+#include "cpu/exp.h"
 
 int main() {
   std::mt19937 gen(5);

@@ -1,4 +1,4 @@
-// Host test of plugins/kernels/packed_gemm_cpu.h: both micro-kernels (AVX-512, panels of 32; AVX2, panels of
+// Host test of plugins/kernels/cpu/packed_gemm.h: both micro-kernels (AVX-512, panels of 32; AVX2, panels of
 // 16; each where this CPU runs it) against a float64 reference, on shapes that cut the 8- or 6-row blocks,
 // the 256-row and 192-k blocks and the last panel short, and on panel ranges (the ORT kernel's column tiles).
 // Also: every element is the same whichever panel range computes it (results independent of the tiling).
@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "packed_gemm_cpu.h"
+#include "cpu/packed_gemm.h"
 
 int main() {
   std::mt19937 gen(11);

@@ -1,11 +1,12 @@
-// Test-binary-only stand-in for the CUDA launchers (kernels/calibration_cuda.cu)
+// Test-binary-only stand-in for the CUDA launchers (kernels/cuda/calibration_cuda.cu)
 // when nvcc is absent: validates like the real launchers, returns success where
 // they have nothing to do without touching the GPU (empty tensor; in place with
 // strength 0 for attncal_cuda_calibrate), then reports that there is no CUDA,
 // which is what the real ones report on a machine without a GPU.
 #include <cstdio>
 
-#include "calibration_cuda.h"
+#include "common/span_geometry.h"
+#include "cuda/calibration_cuda.h"
 
 namespace {
 char g_error[256] = "";
@@ -34,7 +35,7 @@ int no_cuda() {
 }
 }  // namespace
 
-extern "C" size_t attncal_cuda_workspace_bytes(int64_t B) { return static_cast<size_t>(B > 0 ? B : 1) * 3 * sizeof(int); }
+extern "C" size_t attncal_cuda_workspace_bytes(int64_t B) { return attncal::span_workspace_bytes(B); }
 extern "C" const char* attncal_cuda_last_error(void) { return g_error; }
 
 extern "C" int attncal_cuda_calibrate(int dtype, const void* probs, void* out, const int64_t*, int64_t B, int64_t H,

@@ -1,0 +1,94 @@
+// The softmax's exp on the host: exp(x) for x <= 0 (x - the row max) as a branch-free Cephes-style
+// polynomial (about 1 ulp), one formula for a scalar and for the 8-lane vector of cpu/lanes.h, and
+// exp_shifted_row, exp(x - m) over a row, one body per instruction set picked at load time.  Why not
+// expf: a branch-free exp lets the row loop vectorise (tests/cpp/exp_row_test.cpp checks it against exp
+// in double, special values included).
+#ifndef ATTNCAL_CPU_EXP_H_
+#define ATTNCAL_CPU_EXP_H_
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu/lanes.h"
+
+namespace attncal {
+
+typedef int32_t Ints8 __attribute__((vector_size(32)));
+
+// exp(x) for x <= 0 (x - row max), subnormal results included (like expf and ONNX Runtime's
+// Softmax); exactly 0 below -104 (under half the smallest subnormal) and for -inf; NaN for NaN
+// (x - max is NaN for a NaN score and for a row of -inf or with +inf scores: ONNX Softmax gives
+// NaN there).  n = round(x log2 e) by the 1.5 * 2^23 trick, r = x - n ln 2 in two parts, a
+// degree-6 polynomial for e^r on [-ln2/2, ln2/2] (Cephes expf), times 2^n as two normal powers of
+// two (n >= -150).  The clamp maps NaN to -104, so the integer conversion sees a finite value.
+// F is float (I = int32_t) or Lanes8 (I = Ints8): one formula for the scalar and the 8-lane form, its
+// branches written as selects.
+template <typename F, typename I>
+inline void exp_nonpos(const F& x, F& out) {
+  const F zero = {};
+  const F lo = zero - 104.0f;
+  const F xc = x > lo ? x : lo;
+  const F n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const F r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  F q = zero + 1.9875691500e-4f;
+  q = q * r + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  const F e = (q * r * r + r) + 1.0f;
+  I ni;
+  if constexpr (std::is_same<F, float>::value) {
+    ni = static_cast<int32_t>(n);
+  } else {
+    ni = __builtin_convertvector(n, I);
+  }
+  const I n1 = ni >> 1, n2 = ni - n1;
+  const I b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  const F v = (e * __builtin_bit_cast(F, b1)) * __builtin_bit_cast(F, b2);
+  out = x < lo ? zero : (x == x ? v : x);
+}
+
+inline float exp_nonpos(float x) {
+  float y;
+  exp_nonpos<float, int32_t>(x, y);
+  return y;
+}
+
+// exp(x - m) over a row of n floats, 8 lanes at a time and the tail one by one.
+__attribute__((always_inline)) inline void exp_shifted_row_lanes8(const float* x, float* y, int64_t n, float m) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    ATTNCAL_LANES8_LOAD(v, x + i);
+    Lanes8 e;
+    exp_nonpos<Lanes8, Ints8>(v - m, e);
+    std::memcpy(y + i, &e, sizeof e);
+  }
+  for (; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
+}
+
+// exp(x - m) over a row, one body per instruction set, picked at load time.  GCC 12 vectorises the scalar
+// loop for AVX-512 (16 lanes, masks for the tail), but not for AVX2 or baseline x86-64 ("control flow in
+// loop": it does not if-convert the exp's selects without masks), so those run the 8-lane form, one ymm
+// register a step (a 16-lane form, two registers a step, was slower on an AVX2-only core).  The AVX2 version
+// also asks for FMA, which AVX2 does not imply (a target_clones "avx2" clone has none): fused multiply-adds
+// shorten the polynomial's dependency chain.  A CPU with AVX2 and no FMA runs the baseline version.  The
+// measurements behind these choices: see docs/native-kernels.md.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
+__attribute__((target("avx512f"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
+}
+__attribute__((target("avx2,fma"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+  exp_shifted_row_lanes8(x, y, n, m);
+}
+__attribute__((target("default"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+  exp_shifted_row_lanes8(x, y, n, m);
+}
+#else
+static void exp_shifted_row(const float* x, float* y, int64_t n, float m) { exp_shifted_row_lanes8(x, y, n, m); }
+#endif
+
+}  // namespace attncal
+
+#endif  // ATTNCAL_CPU_EXP_H_

@@ -1,0 +1,222 @@
+// Y[M, c0:c0+n] = X[M,K] * W[K, c0:c0+n] + bias[c0:c0+n] with W packed once: the Q/K/V projection of the
+// projected calibrated-attention op (plugins/ort/cpu/projected_attention.cc), whose weight is a constant
+// initializer.
+//
+// Why not the GEMM library of cpu/gemm.h: cblas_sgemm repacks its B operand (here the whole [K, 3*hidden]
+// weight) on every call, and OpenBLAS has no pack-once API (its cblas.h declares no sgemm_pack).  At a
+// one-text request the repacking is a large share of the GEMM's time, while ONNX Runtime's own Attention
+// prepacks its weight (MLAS).  Packed once, the weight is read in panels laid out for the micro-kernel
+// below.  The op uses it below 256 rows only, where it wins at the model level (see docs/native-kernels.md
+// for the comparison).
+//
+// Layout: panels of kNr columns (32 with AVX-512, 16 with AVX2), each [K][kNr], zero-padded past N.
+// The micro-kernel keeps an MR x kNr block of Y in registers (8 x 2 zmm or 6 x 2 ymm accumulators) and
+// runs over K in blocks, so every element of Y is one fixed sequence of fused multiply-adds over k = 0..K-1:
+// results do not depend on how rows or panels are split over threads.
+//
+// x86-64 with GCC/Clang only (function multiversioning by target attribute); elsewhere, or on a CPU
+// without AVX2+FMA, PackedWeight::Pack declines and the caller keeps cpu/gemm.h's GEMM.
+#ifndef ATTNCAL_CPU_PACKED_GEMM_H_
+#define ATTNCAL_CPU_PACKED_GEMM_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
+#define ATTNCAL_PACKED_GEMM 1
+#else
+#define ATTNCAL_PACKED_GEMM 0
+#endif
+
+namespace attncal {
+
+// A weight packed for packed_gemm_bias; empty (packed() false) where this machine has no kernel for it.
+class PackedWeight {
+ public:
+  // Packs w [k, n] (row-major, leading dimension ldw) for the widest kernel this CPU runs, or for the one of
+  // panel_width 16 (AVX2) or 32 (AVX-512) when given (tests run both).  False, leaving it empty, when there is
+  // no such kernel.
+  bool Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width = 0);
+  bool packed() const { return nr_ != 0; }
+  bool Matches(int64_t k, int64_t n) const { return packed() && k == k_ && n == n_; }
+  int64_t panel_width() const { return nr_; }
+  int64_t k() const { return k_; }
+  int64_t n() const { return n_; }
+  const float* panel(int64_t p) const { return data_.data() + p * k_ * nr_; }
+  bool avx512() const { return nr_ == 32; }
+
+ private:
+  int64_t k_ = 0, n_ = 0, nr_ = 0;
+  std::vector<float> data_;
+};
+
+#if ATTNCAL_PACKED_GEMM
+namespace packed {
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+
+// One MR x (NV vectors) block of Y over one block of k: rows x[0..MR), the panel's columns, K fused
+// multiply-adds each, starting from 0 (first block of k) or from the partial sums stored in y, and adding the
+// bias after the last block.  A float32 partial sum stored and reloaded is exact, so the blocks of k change
+// nothing in the result.
+template <typename V, int MR, int NV>
+inline __attribute__((always_inline)) void Micro(int64_t K, const float* x, int64_t ldx, const float* panel,
+                                                 const float* bias, float* y, int64_t ldy, int64_t ncols,
+                                                 bool first, bool last) {
+  constexpr int L = sizeof(V) / sizeof(float), NR = L * NV;
+  V acc[MR][NV];
+  if (first) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) acc[i][j] = V{};
+  } else if (ncols == NR) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) __builtin_memcpy(&acc[i][j], y + i * ldy + j * L, sizeof(V));
+  } else {
+    for (int i = 0; i < MR; ++i) {
+      float row[NR] = {};
+      for (int64_t n = 0; n < ncols; ++n) row[n] = y[i * ldy + n];
+      for (int j = 0; j < NV; ++j) __builtin_memcpy(&acc[i][j], row + j * L, sizeof(V));
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    V b[NV];
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) __builtin_memcpy(&b[j], panel + k * NR + j * L, sizeof(V));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const float a = x[i * ldx + k];
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) acc[i][j] += b[j] * a;
+    }
+  }
+  if (ncols == NR) {
+    V bv[NV];
+    for (int j = 0; j < NV; ++j) {
+      bv[j] = V{};
+      if (last) __builtin_memcpy(&bv[j], bias + j * L, sizeof(V));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) {
+        const V out = acc[i][j] + bv[j];
+        __builtin_memcpy(y + i * ldy + j * L, &out, sizeof(V));
+      }
+    return;
+  }
+  for (int i = 0; i < MR; ++i) {  // the last panel, cut short by N
+    float row[NR];
+    for (int j = 0; j < NV; ++j) __builtin_memcpy(row + j * L, &acc[i][j], sizeof(V));
+    for (int64_t n = 0; n < ncols; ++n) y[i * ldy + n] = last ? row[n] + bias[n] : row[n];
+  }
+}
+
+// The last M % MR rows: the micro-kernel with exactly that many rows (no reads past X's end).
+template <typename V, int MR, int NV>
+inline __attribute__((always_inline)) void Tail(int64_t r, int64_t K, const float* x, int64_t ldx,
+                                                const float* panel, const float* bias, float* y, int64_t ldy,
+                                                int64_t ncols, bool first, bool last) {
+  if constexpr (MR >= 1) {
+    if (r == MR) {
+      Micro<V, MR, NV>(K, x, ldx, panel, bias, y, ldy, ncols, first, last);
+    } else {
+      Tail<V, MR - 1, NV>(r, K, x, ldx, panel, bias, y, ldy, ncols, first, last);
+    }
+  }
+}
+
+// Rows in blocks of kRowBlock, k in blocks of kKBlock: a panel's block of k (192 x 32 floats, 24 KiB) stays in
+// the 48 KiB L1 while every row group of the row block passes over it, so each panel block is loaded from L2
+// once per row block rather than once per row group (the measurements, and the choice of 256-row blocks:
+// see docs/native-kernels.md).
+template <typename V, int MR, int NV>
+inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M, const float* x, int64_t ldx,
+                                               const float* bias, int64_t p0, int64_t p1, float* y, int64_t ldy) {
+  constexpr int64_t kRowBlock = 256, kKBlock = 192;
+  constexpr int64_t NR = static_cast<int64_t>(sizeof(V) / sizeof(float)) * NV;
+  const int64_t K = w.k();
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t m1 = std::min(M, m0 + kRowBlock);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NR, nc = std::min(NR, w.n() - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+        const int64_t kc = std::min(kKBlock, K - k0);
+        const bool first = k0 == 0, last = k0 + kc >= K;
+        const float* panel = w.panel(p) + k0 * NR;
+        int64_t m = m0;
+        for (; m + MR <= m1; m += MR)
+          Micro<V, MR, NV>(kc, x + m * ldx + k0, ldx, panel, bias + n0, y + m * ldy + n0, ldy, nc, first, last);
+        if (m < m1)
+          Tail<V, MR - 1, NV>(m1 - m, kc, x + m * ldx + k0, ldx, panel, bias + n0, y + m * ldy + n0, ldy, nc, first,
+                              last);
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) inline void RunAvx512(const PackedWeight& w, int64_t M, const float* x,
+                                                         int64_t ldx, const float* bias, int64_t p0, int64_t p1,
+                                                         float* y, int64_t ldy) {
+  Run<V16, 8, 2>(w, M, x, ldx, bias, p0, p1, y, ldy);
+}
+
+__attribute__((target("avx2,fma"))) inline void RunAvx2(const PackedWeight& w, int64_t M, const float* x,
+                                                        int64_t ldx, const float* bias, int64_t p0, int64_t p1,
+                                                        float* y, int64_t ldy) {
+  Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy);
+}
+
+}  // namespace packed
+
+inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width) {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  int64_t nr = 0;
+  if ((panel_width == 0 || panel_width == 32) && avx512) {
+    nr = 32;
+  } else if ((panel_width == 0 || panel_width == 16) && avx2) {
+    nr = 16;
+  }
+  *this = PackedWeight{};
+  if (nr == 0 || k <= 0 || n <= 0) return false;
+  const int64_t panels = (n + nr - 1) / nr;
+  data_.assign(static_cast<size_t>(panels * k * nr), 0.f);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * nr, nc = std::min(nr, n - n0);
+    float* dst = data_.data() + p * k * nr;
+    for (int64_t kk = 0; kk < k; ++kk) std::copy(w + kk * ldw + n0, w + kk * ldw + n0 + nc, dst + kk * nr);
+  }
+  k_ = k;
+  n_ = n;
+  nr_ = nr;
+  return true;
+}
+
+// y[:, p0*nr : p1*nr] (clipped to N) = x * W + bias for panels [p0, p1): columns split only at panel edges.
+inline void packed_gemm_bias(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, const float* bias,
+                             int64_t p0, int64_t p1, float* y, int64_t ldy) {
+  if (w.avx512()) {
+    packed::RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy);
+  } else {
+    packed::RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy);
+  }
+}
+
+#else  // no packed kernel on this target: Pack declines, callers keep cpu/gemm.h
+
+inline bool PackedWeight::Pack(const float*, int64_t, int64_t, int64_t, int64_t) { return false; }
+inline void packed_gemm_bias(const PackedWeight&, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
+                             float*, int64_t) {}
+
+#endif
+
+}  // namespace attncal
+
+#endif  // ATTNCAL_CPU_PACKED_GEMM_H_

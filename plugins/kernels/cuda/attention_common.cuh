@@ -1,0 +1,145 @@
+// What the calibrated attention kernels share (the tiled kernel, cuda/attention_tiled.cuh, and the
+// per-row kernel, cuda/attention_rows.cuh): the launch arguments, an item's plan read from the span
+// workspace, and which query rows the calibration launch of the tiled kernel computes; and what the
+// tiled kernel's pieces (main loop, segment merge, epilogue) share: a thread's row state, a block's
+// view of its shared memory, and the tiles.
+//
+// Layout per thread (mma.m16n8k16's accumulator, which the float32 path reuses so that all row
+// bookkeeping is one piece of code): each warp owns 16 rows, each thread two rows (g and g+8 of its
+// warp, g = lane/4) and, per 8-column group, two columns (2*(lane%4) and +1).
+#ifndef ATTNCAL_CUDA_ATTENTION_COMMON_CUH_
+#define ATTNCAL_CUDA_ATTENTION_COMMON_CUH_
+
+#include <cstdint>
+
+#include "common/attncal_params.h"
+#include "common/span_geometry.h"
+#include "cuda/cuda_common.cuh"
+#include "cuda/launch_config.h"
+
+namespace attncal {
+namespace {
+
+constexpr float kLowest = -3.40282347e38f;  // float32's lowest finite value: the contract's mask bias
+
+struct Args {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int64_t* mask;
+  void* out;
+  const int* spans;       // the span records (common/span_geometry.h); NULL when strength == 0
+  uint32_t* queue_count;  // rows queued for the per-row kernel
+  uint32_t* queue;        // (b*N + h)*S_q + row
+  int64_t B, S_q, S_k, N, D, D_v;
+  float scale;  // resolved (never 0 unless D == 0)
+  int vec16;    // 16-byte cp.async loads allowed (aligned pointers, D and D_v rows of 16-byte multiples)
+  AttncalParams p;
+};
+
+// Item b's plan (common/span_geometry.h): which query rows are calibrated, its span and baskets.
+__device__ __forceinline__ ItemPlan item_plan(const Args& a, int64_t b) {
+  if (a.spans == nullptr) return ItemPlan{};
+  return plan_item(span_at(a.spans, b), a.p, a.S_q);
+}
+
+// The query rows [lo, hi) that the calibration launch computes for an item: the blocks of block_rows
+// rows that hold a calibrated row (block_rows == 1: the per-row kernel computes the calibrated rows
+// themselves); empty for an item without calibrated rows.
+struct RowRange {
+  int64_t lo, hi;
+};
+
+__device__ __forceinline__ RowRange calibration_rows(const ItemPlan& it, int block_rows, int64_t S_q) {
+  if (!it.active) return RowRange{0, 0};
+  const int64_t lo = it.q_lo / block_rows * block_rows, hi = (it.q_hi / block_rows + 1) * block_rows;
+  return RowRange{lo, imin(hi, S_q)};
+}
+
+// One launch of the tiled kernel (its configuration is the kernel's template arguments): which block
+// class it computes (calibration: the blocks holding an item's calibrated rows; else every other
+// block), and the calibration class's block height, so that the other launch leaves those rows to it.
+struct TiledLaunch {
+  int calibration;
+  int calibration_block_rows;  // 16 * the calibration launch's warps; 1 when the per-row kernel computes them
+};
+
+// ------------------------------------------------------------------ the tiled kernel's pieces
+// This thread's two rows (all four threads of a quad hold the same values once reduced).
+template <int HD>
+struct RowState {
+  // The open segment: its max, this thread's part of its sum, and its P*V (the mma accumulator).
+  float m_s[2], l_s[2];
+  float O[HD / 8][4];
+  // Calibration blocks: the full term's max and sum (its P*V is in the Of slots), the smallest max of
+  // a basket counted as non-empty, and the count.
+  float m_r[2], l_r[2], min_mb[2];
+  int n_ne[2];
+};
+
+// The tiled kernel's dynamic shared memory (laid out by cuda/launch_config.h's tile_layout).
+__device__ __forceinline__ unsigned char* tile_smem() {
+  extern __shared__ __align__(16) unsigned char attention_smem[];
+  return attention_smem;
+}
+
+// The shared-memory regions of a block of configuration (NW warps, STAGES stages), at compile-time
+// offsets.
+template <typename T, int HD, int NW, int STAGES>
+struct TileRegions {
+  static constexpr TileLayout L = tile_layout(static_cast<int>(sizeof(T)), HD, TileConfig{NW, STAGES});
+  static constexpr int BR = 16 * NW, NTHREADS = 32 * NW, LD = HD + 16 / static_cast<int>(sizeof(T));
+  static __device__ __forceinline__ T* Qs() { return reinterpret_cast<T*>(tile_smem()); }
+  static __device__ __forceinline__ T* Ks() { return reinterpret_cast<T*>(tile_smem() + L.off_k); }
+  static __device__ __forceinline__ T* Vs() { return reinterpret_cast<T*>(tile_smem() + L.off_v); }
+  static __device__ __forceinline__ float* Ps() { return reinterpret_cast<float*>(tile_smem() + L.off_p); }
+  static __device__ __forceinline__ unsigned char* Ms() { return tile_smem() + L.off_mask; }
+  static __device__ __forceinline__ float4* Of() { return reinterpret_cast<float4*>(tile_smem() + L.off_of); }
+  static __device__ __forceinline__ float4* Acc() { return reinterpret_cast<float4*>(tile_smem() + L.off_acc); }
+};
+
+// One block's rows and item (set up by the kernel).
+template <typename T>
+struct TiledBlock {
+  int tid, warp, lane, g, tq, rloc[2];  // rloc: this thread's two rows in the block
+  const T* qg;        // the block's first query row of head h
+  const T* kg;        // key 0 of head h of item b
+  const T* vg;
+  const int64_t* mg;  // item b's mask row
+  int64_t q0;         // the block's first query row
+  bool calib;         // a calibration block
+  ItemPlan it;
+};
+
+// The tile starting at key `pos`: its length and whether it closes its segment (and the segment is a
+// content basket).  Outside calibration blocks the whole key range is one segment.
+struct Tile {
+  int64_t pos;
+  int len;
+  bool closes, basket;
+};
+
+__device__ __forceinline__ Tile tile_at(int64_t pos, bool calib, const ItemPlan& it, int64_t S_k, int64_t S) {
+  Tile t;
+  t.pos = pos;
+  t.basket = false;
+  int64_t seg_end = S_k;
+  if (calib) {
+    const int64_t c0 = it.rp.c0, c_end = it.rp.c0 + it.rp.C;
+    if (pos < c0) {
+      seg_end = c0;
+    } else if (pos < c_end) {
+      const int64_t k = (pos - c0) / S;
+      seg_end = imin(c0 + (k + 1) * S, c_end);
+      t.basket = true;
+    }
+  }
+  t.len = static_cast<int>(imin(kKeyTile, seg_end - pos));
+  t.closes = pos + t.len == seg_end;
+  return t;
+}
+
+}  // namespace
+}  // namespace attncal
+
+#endif  // ATTNCAL_CUDA_ATTENTION_COMMON_CUH_
