@@ -156,10 +156,19 @@ class TreeSampler:
         return max(self.peaks.values(), default=0)
 
 
-def release_freed_memory() -> None:
+RELEASE_FROM_BYTES = 64 * 1024**2
+"""Float32 weight bytes from which `release_freed_memory` collects.  Below it, what a step frees is small
+against the interpreter's own heap, and a full collection with torch loaded costs more time than the
+memory it returns is worth (an export collects after each of its steps)."""
+
+
+def release_freed_memory(weight_bytes: int) -> None:
     """Return freed heap memory to the operating system (glibc `malloc_trim`) after a step that built and
     dropped large objects (a torch model, a parsed graph), so the next step, or a child process, has it.
-    Python's collector runs first (reference cycles keep torch modules alive); a no-op off glibc."""
+    Python's collector runs first (reference cycles keep torch modules alive); a no-op off glibc, and for a
+    model of fewer than `RELEASE_FROM_BYTES` float32 weight bytes (`weight_bytes`)."""
+    if weight_bytes < RELEASE_FROM_BYTES:
+        return
     import ctypes
     import gc
 

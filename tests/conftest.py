@@ -14,7 +14,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401  (loaded before any test module and the native libraries it loads)
+
+# OpenMP's threads (torch's) sleep when idle instead of spinning: the xdist workers share the cores, and a
+# worker's spinning threads take the CPU the other worker's test is waiting for.  Set before torch loads
+# libgomp, and inherited by every subprocess the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402, F401  (loaded before any test module and the native libraries it loads)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -11,9 +11,9 @@ its memory peak are measured as well, and a worker node is killed mid-run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +28,7 @@ import pytest
 from attncal.cli import main
 from attncal.corpus import encode_corpus, load_manifest, read_embeddings
 from attncal.synthetic import synthetic_text
+from support.s3 import MotoServerError, moto_server, upload_tree
 from test_encode_corpus import sigkill_after_shards
 
 TOL = 1e-5
@@ -35,12 +36,6 @@ BUCKET = "attncal-it"
 OPTS = dict(batch_size=8, window=64, shard_size=100, show_progress=False, on_error="skip")
 ROWS_JSONL, ROWS_PARQUET = 1000, 400
 PAD = 8000  # bytes of an unused column per row: corpus bytes the driver must not read, at no encoding cost
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _policy(*statements: dict) -> str:
@@ -54,48 +49,36 @@ def s3(tmp_path_factory):
     `driver` may not read objects under corpus/ nor the shards of the cluster run."""
     pytest.importorskip("moto.server")
     boto3 = pytest.importorskip("boto3")
-    port = _free_port()
-    env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="6")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
+    with contextlib.ExitStack() as stack:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("moto server did not start")
-            time.sleep(0.05)
-    iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="setup",
-                       aws_secret_access_key="setup")
+            endpoint = stack.enter_context(moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "6"}))
+        except MotoServerError as exc:
+            pytest.fail(str(exc))
+        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="setup",
+                           aws_secret_access_key="setup")
 
-    def user(name: str, policy: str) -> tuple[str, str]:
-        iam.create_user(UserName=name)
-        iam.put_user_policy(UserName=name, PolicyName="encode", PolicyDocument=policy)
-        key = iam.create_access_key(UserName=name)["AccessKey"]
-        return key["AccessKeyId"], key["SecretAccessKey"]
+        def user(name: str, policy: str) -> tuple[str, str]:
+            iam.create_user(UserName=name)
+            iam.put_user_policy(UserName=name, PolicyName="encode", PolicyDocument=policy)
+            key = iam.create_access_key(UserName=name)["AccessKey"]
+            return key["AccessKeyId"], key["SecretAccessKey"]
 
-    allow = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
-    worker = user("worker", _policy(allow))
-    driver = user("driver", _policy(allow, {"Effect": "Deny", "Action": "s3:GetObject", "Resource": [
-        f"arn:aws:s3:::{BUCKET}/corpus/*", f"arn:aws:s3:::{BUCKET}/cluster*/part-*"]}))
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=worker[0],
-                          aws_secret_access_key=worker[1])
-    client.create_bucket(Bucket=BUCKET)
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-            mp.delenv(name, raising=False)
-        mp.setenv("AWS_ACCESS_KEY_ID", worker[0])
-        mp.setenv("AWS_SECRET_ACCESS_KEY", worker[1])
-        mp.setenv("AWS_REGION", "us-east-1")
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        mp.setenv("ATTNCAL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield SimpleNamespace(endpoint=endpoint, worker=worker, driver=driver, client=client)
-    proc.terminate()
-    proc.wait(timeout=30)
+        allow = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
+        worker = user("worker", _policy(allow))
+        driver = user("driver", _policy(allow, {"Effect": "Deny", "Action": "s3:GetObject", "Resource": [
+            f"arn:aws:s3:::{BUCKET}/corpus/*", f"arn:aws:s3:::{BUCKET}/cluster*/part-*"]}))
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=worker[0],
+                              aws_secret_access_key=worker[1])
+        client.create_bucket(Bucket=BUCKET)
+        with pytest.MonkeyPatch.context() as mp:
+            for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+                mp.delenv(name, raising=False)
+            mp.setenv("AWS_ACCESS_KEY_ID", worker[0])
+            mp.setenv("AWS_SECRET_ACCESS_KEY", worker[1])
+            mp.setenv("AWS_REGION", "us-east-1")
+            mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+            mp.setenv("ATTNCAL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+            yield SimpleNamespace(endpoint=endpoint, worker=worker, driver=driver, client=client)
 
 
 def keys(s3, prefix: str) -> list[str]:
@@ -109,9 +92,7 @@ def s3_table(s3, key: str) -> pa.Table:
 
 
 def upload_dir(s3, local: Path, prefix: str) -> None:
-    for p in sorted(local.rglob("*")):
-        if p.is_file():
-            s3.client.upload_file(str(p), BUCKET, f"{prefix}/{p.relative_to(local).as_posix()}")
+    upload_tree(s3.client, BUCKET, local, prefix)
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +240,10 @@ def test_s3_resume_after_kill_mid_shard(s3, export, corpus, local_run):
 # The driver of the cluster runs, in a process of its own so that its counters are its own.  Its first
 # run, under --on-error fail, stops at a bad row and must leave nothing; it also pays what a process pays
 # once whatever the corpus (module files read, Ray's and the S3 client's first allocations), so the
-# counters of the second run, under skip, measure what the run itself reads and holds.
+# counters of the second run, under skip, measure what the run itself reads and holds.  Its read counter
+# (rchar) counts read() and pread() on files, not the socket receives of pyarrow's S3 client: what keeps
+# the driver from reading the corpus over S3 is its credentials' deny, and benchmarks/ray_cluster.py
+# counts the driver's S3 bytes through a relay.
 DRIVER = """
 import json, sys
 from pathlib import Path

@@ -222,14 +222,14 @@ def sigkill_after_shards(cmd: list[str], env: dict, out, shards: int, endpoint: 
 def test_resume_after_sigkill_gives_identical_output(tiny_export, tmp_path):
     """Kill a run with SIGKILL after some shards are complete; --resume completes it; the result is
     byte-for-byte the shards of an uninterrupted run (ids, order, embeddings) with no row lost or doubled."""
-    rows = make_rows(6000, seed=1)
+    rows = make_rows(2000, seed=1)
     src = write_jsonl(tmp_path / "big.jsonl", rows)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     full = tmp_path / "full"
     subprocess.run(_encode_cmd(tiny_export, src, full), check=True, env=env, timeout=300)
     killed = tmp_path / "killed"
     m = sigkill_after_shards(_encode_cmd(tiny_export, src, killed), env, killed, 3)
-    assert m is not None and not m["complete"] and 3 <= len(m["shards"]) < 60, "the kill must land mid-run"
+    assert m is not None and not m["complete"] and 3 <= len(m["shards"]) < 20, "the kill must land mid-run"
     subprocess.run(_encode_cmd(tiny_export, src, killed, "--resume"), check=True, env=env, timeout=300)
     a, b = load_manifest(full), load_manifest(killed)
     assert b["complete"] and b["runs"] == 2 and [s["rows"] for s in a["shards"]] == [s["rows"] for s in b["shards"]]

@@ -219,6 +219,9 @@ def test_real_minilm_parity(minilm_exports):
     graphs = metas["cal"]["graphs"]
     assert [g["placement"] for g in graphs.values()] == ["fused-softmax", "split", "projected-attention"]
     assert all(g["parity"]["ok"] and g["parity"]["max_abs"] <= 1e-5 for g in graphs.values())
+    # Split placement keeps every fused attention of the uncalibrated optimized graph (six layers).
+    assert graphs["onnx/model_optimized.onnx"]["fused_attention"] == 6
+    assert metas["uncal"]["graphs"]["onnx/model_optimized.onnx"]["fused_attention"] == 6
     long_text = [" ".join(["Calibration spreads the pooling attention over the whole passage."] * 30)]
     a = Encoder(root / "uncal").encode(long_text)
     b = Encoder(root / "cal").encode(long_text)

@@ -53,11 +53,12 @@ def _peaky_model(path, pooling: str):
     return src
 
 
-@pytest.mark.parametrize("pooling,optimized", [("mean", "split"), ("cls", "row")])
-def test_fp16_export_writes_optimized_graphs_with_fp32_calibration(tmp_path, capsys, pooling, optimized):
+# The default exporter (dynamo, whose portable graph is exported in fp16) on one case, TorchScript on the other.
+@pytest.mark.parametrize("pooling,optimized,exporter", [("mean", "split", "dynamo"), ("cls", "row", "torchscript")])
+def test_fp16_export_writes_optimized_graphs_with_fp32_calibration(tmp_path, capsys, pooling, optimized, exporter):
     src = _peaky_model(tmp_path / "src", pooling)
     cfg = CalibrationConfig(basket_size=16, strength=1.0, layers="last-half")
-    meta = export(src, tmp_path / "fp16", ExportOptions(config=cfg, fp16=True), quiet=True)
+    meta = export(src, tmp_path / "fp16", ExportOptions(config=cfg, fp16=True, exporter=exporter), quiet=True)
     graphs = meta["graphs"]
     assert set(graphs) == {"onnx/model.onnx", "onnx/model_optimized.onnx", "onnx/model_optimized_native.onnx"}
     assert graphs["onnx/model.onnx"]["placement"] == "softmax"

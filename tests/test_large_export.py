@@ -139,6 +139,25 @@ def test_a_killed_optimizer_child_is_reported_by_its_signal(tmp_path, monkeypatc
         ort_optimize.run(tmp_path / "in.onnx", tmp_path / "out" / "model.onnx", num_heads=4, hidden_size=32)
 
 
+def test_basic_optimizations_are_onnxruntimes_byte_for_byte(tiny_models, tmp_path):
+    """The optimizer child's level-1 step builds its own session (ONNX Runtime's helper imports torch): the
+    graph and data file it writes are the bytes `optimize_by_onnxruntime` writes with the same options."""
+    from onnxruntime.transformers.optimizer import optimize_by_onnxruntime
+
+    from attncal.export import ort_optimize
+
+    src = _small_graph(tiny_models, tmp_path)
+    theirs, ours = tmp_path / "theirs" / "m.onnx", tmp_path / "ours" / "m.onnx"
+    theirs.parent.mkdir()
+    ours.parent.mkdir()
+    optimize_by_onnxruntime(str(src), use_gpu=False, optimized_model_path=str(theirs), opt_level=1,
+                            disabled_optimizers=list(ort_optimize._DISABLED), save_as_external_data=True)
+    ort_optimize._basic_optimizations(src, ours)
+    for name in ("m.onnx", "m.onnx.data"):
+        assert (ours.parent / name).read_bytes() == (theirs.parent / name).read_bytes(), name
+    assert sorted(p.name for p in ours.parent.iterdir()) == sorted(p.name for p in theirs.parent.iterdir())
+
+
 def _small_graph(tiny_models, tmp_path) -> Path:
     from attncal.export.exporter import ExportOptions, export
 

@@ -19,7 +19,6 @@ from attncal.export.exporter import ExportOptions, export
 from attncal.graphs.contract import op_spec
 from attncal.graphs.row_placement import RowPlacementError, calibrate_optimized
 from attncal.graphs.single_op import single_op_model
-from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.synthetic import synthetic_text
 from conftest import quick_exporter
@@ -66,27 +65,25 @@ def fused(path: Path) -> collections.Counter:
     return collections.Counter(n.op_type for n in m.graph.node if n.domain == "com.microsoft" and n.op_type == "Attention")
 
 
-@pytest.mark.parametrize("source", ["bert", "xlm-roberta", "minilm"])
+@pytest.mark.parametrize("source", ["bert", "xlm-roberta"])
 def test_row_placement_keeps_fusion_and_matches_softmax_placement_and_torch(source, tiny_models, tmp_path):
-    path = default_model_path() if source == "minilm" else tiny_models[source]
-    basket = 128 if source == "minilm" else 16
-    cfg = CalibrationConfig(pooling="cls", basket_size=basket, strength=0.8)
-    texts = TEXTS if source != "minilm" else [" ".join(["Row placement keeps fused attention."] * n) for n in (1, 10, 40)]
+    path = tiny_models[source]
+    cfg = CalibrationConfig(pooling="cls", basket_size=16, strength=0.8)
     opts = dict(exporter="torchscript", check=False)
     export(path, tmp_path / "uncal", ExportOptions(config=cfg, calibrate=False, **opts), quiet=True)
     export(path, tmp_path / "softmax", ExportOptions(config=cfg, **opts), quiet=True)
     optimize_export(tmp_path / "uncal", tmp_path / "opt")
     calibrate_optimized(tmp_path / "opt", tmp_path / "row", cfg)
-    n_layers = 6 if source == "minilm" else 4
+    n_layers = 4
     assert fused(tmp_path / "opt")["Attention"] == n_layers
     assert fused(tmp_path / "row")["Attention"] == n_layers, "row placement must keep every fused attention"
     # The softmax placement is what loses fusion: the optimizer skips calibrated layers.
     optimize_export(tmp_path / "softmax", tmp_path / "softmax-opt")
     assert fused(tmp_path / "softmax-opt")["Attention"] == n_layers - len(cfg.layer_indices(n_layers))
-    row = Encoder(tmp_path / "row").encode(texts)
-    soft = Encoder(tmp_path / "softmax").encode(texts)
-    ref = TorchEncoder(path).encode(texts, cfg)
-    uncal = Encoder(tmp_path / "opt").encode(texts)
+    row = Encoder(tmp_path / "row").encode(TEXTS)
+    soft = Encoder(tmp_path / "softmax").encode(TEXTS)
+    ref = TorchEncoder(path).encode(TEXTS, cfg)
+    uncal = Encoder(tmp_path / "opt").encode(TEXTS)
     assert np.abs(row - soft).max() <= 1e-5
     assert np.abs(row - ref).max() <= 1e-5
     assert np.abs(row - uncal).max() > 1e-5, "calibration must move long texts"

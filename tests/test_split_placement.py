@@ -20,7 +20,6 @@ from attncal.cli import main
 from attncal.export.exporter import ExportOptions, export
 from attncal.graphs.placements import plan
 from attncal.graphs.split_placement import SplitPlacementError
-from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.synthetic import save_synthetic_model, synthetic_text
 from conftest import quick_exporter
@@ -101,24 +100,6 @@ def test_split_export_matches_softmax_placement_and_torch(arch, pooling, exporte
         assert np.abs(opt.encode(TEXTS) - ref).max() <= 1e-5
         assert graphs["onnx/model_optimized.onnx"]["fused_attention"] == 4
         assert fused_count(tmp_path / "split" / "onnx" / "model_optimized.onnx") == 4
-
-
-def test_optimized_split_keeps_every_fused_attention_on_minilm(tmp_path):
-    """Real weights, mean and cls pooling: the calibrated optimized graph has the uncalibrated one's fusions."""
-    path = default_model_path()
-    texts = [" ".join(["Split placement keeps fused attention on every layer."] * n) for n in (1, 12, 40, 70)]
-    export(path, tmp_path / "uncal", ExportOptions(config=CalibrationConfig(), calibrate=False, exporter="torchscript",
-                                                   check=False), quiet=True)
-    n_uncal = fused_count(tmp_path / "uncal" / "onnx" / "model_optimized.onnx")
-    assert n_uncal == 6
-    for pooling in ("mean", "cls"):
-        cfg = CalibrationConfig(pooling=pooling, strength=0.8)
-        out = tmp_path / f"split-{pooling}"
-        export(path, out, ExportOptions(config=cfg, placement="split", exporter="torchscript", check=False), quiet=True)
-        assert fused_count(out / "onnx" / "model_optimized.onnx") == n_uncal
-        ref = TorchEncoder(path, attn_implementation="eager").encode(texts, cfg)
-        for graph in ("portable", "optimized"):
-            assert np.abs(Encoder(out, graph=graph).encode(texts) - ref).max() <= 1e-5, (pooling, graph)
 
 
 def test_auto_placement_is_recorded_and_shown(pooled_models, tmp_path, capsys):

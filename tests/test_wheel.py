@@ -69,8 +69,9 @@ print(json.dumps(out))
 
 
 def _runtime_without_torch(vpy: str, root: Path, env: dict[str, str], tiny_models: dict[str, str]) -> None:
-    """What `pip install attncal` alone gives: the Encoder, `attncal encode`, `inspect` and `doctor` on an export
-    made by the checkout, with the tokenizer the model was exported with; `attncal export` names the extra."""
+    """What `pip install attncal` alone gives: the Encoder, `attncal encode`, `inspect`, `triton-repo` and `doctor`
+    on an export made by the checkout, with the tokenizer the model was exported with; `attncal export` names the
+    extra."""
     import numpy as np
     from transformers import AutoTokenizer
 
@@ -102,6 +103,8 @@ def _runtime_without_torch(vpy: str, root: Path, env: dict[str, str], tiny_model
     corpus.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts) if t.strip()))
     _run([cli, "encode", str(out), "-i", str(corpus), "-o", str(root / "emb"), "--quiet"], root, env)
     assert "PooledRowCalibrated" in _run([cli, "inspect", str(out)], root, env)  # its calibrated layers
+    _run([cli, "triton-repo", str(out), "-o", str(root / "repo"), "--name", "tiny"], root, env)
+    assert (root / "repo" / "tiny" / "config.pbtxt").is_file()
     doctor = json.loads(_run([cli, "doctor", str(out), "--json"], root, env))
     assert doctor["accelerators"]["torch_cuda"] is False, doctor.get("accelerators")
     proc = subprocess.run([cli, "export", str(tiny_models["bert"]), "-o", str(root / "refused")], cwd=root, env=env,
@@ -184,7 +187,8 @@ def test_sdist_wheel_repair_install_export_check(tmp_path, tiny_models):
     # 5. export + check on a tiny model, with the packaged library (the portable graph's ops run natively).
     model = save_synthetic_model("bert", root / "tiny", seed=3, max_positions=128)
     attncal_cli = str(root / "venv" / "bin" / "attncal")
-    _run([attncal_cli, "export", str(model), "-o", str(root / "out"), "--basket-size", "16"], root, env)
+    _run([attncal_cli, "export", str(model), "-o", str(root / "out"), "--basket-size", "16",
+          "--exporter", "torchscript"], root, env)  # packaging is the subject; dynamo runs in test_export.py
     _run([attncal_cli, "check", str(root / "out")], root, env)
     doctor = json.loads(_run([attncal_cli, "doctor", str(root / "out"), "--json"], root, env))
     assert doctor["native"]["library"] == str(lib), doctor["native"]

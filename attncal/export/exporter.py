@@ -50,7 +50,7 @@ from ..artifact import (  # noqa: F401  (the layout names are re-exported here f
     write_metadata,
 )
 from ..calibration.config import CalibrationConfig
-from ..memory import release_freed_memory
+from ..memory import RELEASE_FROM_BYTES, release_freed_memory
 from ..modelinfo import ModelInfo
 from .fp16 import METHOD as FP16_METHOD, convert_model_to_fp16
 from .plan import DEFAULT_OPSET, EXPORTERS, PLACEMENTS, ExportOptions, ExportPlan  # noqa: F401  (public here)
@@ -218,9 +218,6 @@ def torch_export(
     return names
 
 
-_RELEASE_MATCHERS_FROM = 64 * 1024**2  # float32 weight bytes
-
-
 def release_onnxscript_matchers() -> int:
     """Drop the graph that onnxscript's pattern matchers keep after torch.onnx's dynamo exporter optimized it.
 
@@ -259,7 +256,7 @@ def _weights_on_disk(path: Path) -> Path:
     return staged
 
 
-def _write_graph(model, path: Path, work: Path, *, full_check: bool = False) -> None:
+def _write_graph(model, path: Path, work: Path, weight_bytes: int, *, full_check: bool = False) -> None:
     """Write a graph of the export once: staged with its weights on disk, annotated for in-place (the
     calibration op's input shapes), checked, then streamed into `path` with its digest (`write_graph_file`).
 
@@ -278,7 +275,7 @@ def _write_graph(model, path: Path, work: Path, *, full_check: bool = False) -> 
     for f in (staged, staged.with_name(staged.name + "_data")):
         f.unlink(missing_ok=True)
     del model, proto
-    release_freed_memory()
+    release_freed_memory(weight_bytes)
 
 
 def _to_fp16(model, placement: str | None, quiet: bool):
@@ -512,9 +509,9 @@ def _torch_export(run: _Run, torch_model) -> None:
             run.input_names = torch_export(info, plan.pooling, raw_path, plan.opts.opset, plan.opts.exporter,
                                            fp16=plan.opts.fp16, model=torch_model)
         del torch_model
-        if plan.opts.exporter == "dynamo" and plan.estimate.weights >= _RELEASE_MATCHERS_FROM:
+        if plan.opts.exporter == "dynamo" and plan.estimate.weights >= RELEASE_FROM_BYTES:
             release_onnxscript_matchers()  # a scan of every Python object: worth it where the weights are large
-        release_freed_memory()
+        release_freed_memory(plan.estimate.weights)
     except Exception as exc:  # torch.onnx failures are long; report the cause in one line
         raise ExportError(f"torch.onnx ({plan.opts.exporter}) failed to export {info.model_type}: "
                           f"{type(exc).__name__}: {_first_line(exc)[:300]}") from exc
@@ -539,7 +536,8 @@ def _portable_graph(run: _Run) -> None:
         run.log("[2/4] portable graph, uncalibrated")
     reorder_erf_gelu(ir_model)
     drop_intermediate_shapes(ir_model)
-    _write_graph(ir_model, run.tmp / ONNX_SUBDIR / ONNX_FILE, run.tmp / ".raw" / "stage", full_check=True)
+    _write_graph(ir_model, run.tmp / ONNX_SUBDIR / ONNX_FILE, run.tmp / ".raw" / "stage", run.plan.estimate.weights,
+                 full_check=True)
     del ir_model
     result = run.result
     run.graphs[f"{ONNX_SUBDIR}/{ONNX_FILE}"] = {
@@ -576,7 +574,7 @@ def _optimize(run: _Run) -> Path | None:
             step = "the TorchScript export ONNX Runtime's optimizer needs"
             with library_output.third_party_output():
                 torch_export(info, plan.pooling, ts_raw, plan.opts.opset, "torchscript")
-            release_freed_memory()
+            release_freed_memory(plan.estimate.weights)
             ts_raw = _weights_on_disk(ts_raw)
             step = "ONNX Runtime's transformer optimizer"
         with library_output.third_party_output():
@@ -620,7 +618,7 @@ def _optimized_graph_step(run: _Run, ts_raw: Path) -> None:
                                            "fused_attention": n_fused}
     if plan.opts.fp16:
         opt_model, entry["float32_nodes"] = _to_fp16(opt_model, placement, run.quiet)
-    _write_graph(opt_model, run.tmp / OPTIMIZED_GRAPH, run.ts_root / "stage")
+    _write_graph(opt_model, run.tmp / OPTIMIZED_GRAPH, run.ts_root / "stage", run.plan.estimate.weights)
 
 
 def _native_graph(run: _Run, ts_raw: Path) -> None:
@@ -642,7 +640,7 @@ def _native_graph(run: _Run, ts_raw: Path) -> None:
                        f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
         if plan.opts.fp16:
             native_model, entry["float32_nodes"] = _to_fp16(native_model, plan.placement.native, run.quiet)
-        _write_graph(native_model, run.tmp / NATIVE_GRAPH, run.ts_root / "stage")
+        _write_graph(native_model, run.tmp / NATIVE_GRAPH, run.ts_root / "stage", run.plan.estimate.weights)
         del native_model
     run.cache.clear()
     shutil.rmtree(run.ts_root, ignore_errors=True)
@@ -715,7 +713,7 @@ def _parity(run: _Run, meta: ExportMetadata, check_fn: Callable | None) -> None:
 
     run.meter.step("parity check")
     run.log("[3/4] checking parity against the PyTorch reference")
-    release_freed_memory()
+    release_freed_memory(run.plan.estimate.weights)
     references: dict = {}
     for graph_file in run.graphs:
         report = (check_fn(run.tmp, quiet=run.quiet, graph=graph_file) if check_fn is not None

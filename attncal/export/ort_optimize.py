@@ -30,13 +30,27 @@ class OptimizerError(RuntimeError):
     """The optimizer's child process failed or was killed; the message says how, in one line."""
 
 
+def _basic_optimizations(src: Path, basic: Path) -> None:
+    """ONNX Runtime's level-1 graph optimizations on the CPU provider, saved with external data: the session
+    `optimize_by_onnxruntime(use_gpu=False, opt_level=1, save_as_external_data=True)` builds, with its
+    options.  Built here because that function imports torch (for `torch.version.hip`, read only on its GPU
+    path), and importing torch would be most of this child's start-up."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.optimized_model_filepath = str(basic)
+    opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", basic.name + ".data")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"], disabled_optimizers=list(_DISABLED))
+
+
 def _optimize(src: Path, dst: Path, num_heads: int, hidden_size: int) -> None:
     import onnx
-    from onnxruntime.transformers.optimizer import optimize_by_fusion, optimize_by_onnxruntime
+    from onnxruntime.transformers.optimizer import optimize_by_fusion
 
     basic = dst.with_name(dst.stem + ".level1.onnx")
-    optimize_by_onnxruntime(str(src), use_gpu=False, optimized_model_path=str(basic), opt_level=1,
-                            disabled_optimizers=list(_DISABLED), save_as_external_data=True)
+    _basic_optimizations(src, basic)
     model = onnx.load(str(basic), load_external_data=False)
     os.chdir(basic.parent)  # the fusions read external tensors relative to the working directory
     fused = optimize_by_fusion(model, "bert", num_heads, hidden_size).model

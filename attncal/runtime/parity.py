@@ -244,7 +244,7 @@ def check_parity(
         expected = _by_batches(lambda part: ref_enc.encode(part, ref_config, batch_size=len(part)), texts, batches,
                                "encode (torch)", quiet)
         del ref_enc
-        release_freed_memory()
+        release_freed_memory(weights)
         if reference_cache is not None:
             reference_cache[key] = (expected, ref_pooling)
     enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native,
@@ -254,7 +254,7 @@ def check_parity(
     got = _by_batches(lambda part: enc.encode(part, batch_size=len(part), sort_by_length=False), texts, batches,
                       "encode (onnx)", quiet)
     del enc
-    release_freed_memory()
+    release_freed_memory(weights)
     diff = np.abs(got.astype(np.float64) - expected.astype(np.float64)).max(axis=1)
     cos = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1) + 1e-30)
     checked = [min(n, check_len) if check_len is not None else n for n in lengths]

@@ -8,7 +8,9 @@
 * `support.oracle_loop`: the driver of the randomized comparisons against the float64 oracle;
 * `support.cuda`: the CUDA launchers through ctypes (compiled with
   `attncal.runtime.oplib.compile_cuda_kernel`), their AttncalParams and dtype codes, and why CUDA is
-  not usable here when it is not.
+  not usable here when it is not;
+* `support.s3`: a moto S3 server on 127.0.0.1 in its own process, and a directory upload, for the cluster
+  tests and the Ray benchmark.
 
 The tests import it as `support`: pytest puts tests/ on sys.path (tests/ is no package, so its test
 modules and tests/conftest.py are imported from there).  A benchmark puts tests/ on sys.path itself.
