@@ -20,7 +20,24 @@ import pytest
 # libgomp, and inherited by every subprocess the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import onnxruntime as _ort  # noqa: E402
 import torch  # noqa: E402, F401  (loaded before any test module and the native libraries it loads)
+
+
+class _NonSpinningSessionOptions(_ort.SessionOptions):
+    """ONNX Runtime's worker threads, likewise, wait without spinning in the suite's own processes.  The
+    results are the same; a spinning session on one xdist worker (an oracle loop runs thousands of small
+    sessions' runs) took the cores the other worker was computing on.  attncal builds its options with
+    `ort.SessionOptions()` at call time, so every session made in a test process gets them; the
+    subprocesses a test starts (the CLI, Ray actors, Triton) keep ONNX Runtime's default."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.add_session_config_entry("session.inter_op.allow_spinning", "0")
+
+
+_ort.SessionOptions = _NonSpinningSessionOptions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

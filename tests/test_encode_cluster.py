@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -272,6 +273,39 @@ print("COUNTERS", json.dumps({"read": read1 - read0, "peak_growth": hwm - rss0, 
 """
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (a node's worker processes are its raylet's children)."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_node(cluster, node) -> None:
+    """The node vanishes at once, as a machine does: its Ray processes and its workers are SIGKILLed together.
+    (`remove_node` kills the node's own processes; its orphaned workers would notice the raylet's death
+    only later, and an actor in the middle of a piece could still finish it and report.)"""
+    from ray._private import ray_constants
+
+    workers = _descendants(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    cluster.remove_node(node, allow_graceful=False)
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_multi_node_cluster_driver_reads_nothing_and_survives_a_node(s3, export, corpus, local_run, tmp_path):
     """A head node (no CPU: the driver only) and two worker nodes, each with its own export cache and
     the worker credentials; input, export and output on S3.  Under --on-error fail the run stops at a
@@ -306,7 +340,7 @@ def test_multi_node_cluster_driver_reads_nothing_and_survives_a_node(s3, export,
             m = load_manifest(out, endpoint=s3.endpoint)
             if m and m.get("pieces") and not m["complete"]:
                 killed_after = len(m["pieces"])
-                cluster.remove_node(nodes[0], allow_graceful=False)  # its actor is encoding a piece
+                _kill_node(cluster, nodes[0])  # its actor is encoding a piece
                 break
             time.sleep(0.05)
         stdout, stderr = driver.communicate(timeout=240)
