@@ -60,6 +60,9 @@ TWO_GIB = 2 * 1024**3
 # margin is for the graph structure itself).
 INLINE_LIMIT = TWO_GIB - 64 * 1024**2
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+# attncal.json's "tokenizer": what runs the export's tokenizer.  "tokenizers": its tokenizer.json alone, which the
+# exporter found to give transformers' ids (attncal.runtime.tokenizer); "transformers" (or no key): AutoTokenizer.
+TOKENIZERS = ("tokenizers", "transformers")
 REQUIRED_INPUTS = ("input_ids", "attention_mask")
 OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
 # Root files a loader (tokenizer, transformers, sentence-transformers) needs; format 2 lists
@@ -232,6 +235,7 @@ class ExportMetadata:
     versions: dict
     parity: dict | None
     memory_estimate: dict
+    tokenizer: str | None = None  # one of TOKENIZERS
     export_steps: list | None = None  # written once the export's steps have run
     format: int = FORMAT_VERSION
 
@@ -296,6 +300,8 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
                              any(n not in meta["inputs"] for n in REQUIRED_INPUTS)):
         raise ArtifactError(path, f"key 'inputs' must hold {', '.join(REQUIRED_INPUTS)} (and optionally "
                                   f"token_type_ids), got {meta['inputs']}")
+    if meta.get("tokenizer") not in (None,) + TOKENIZERS:
+        raise ArtifactError(path, f"key 'tokenizer' must be one of {', '.join(TOKENIZERS)}, got {meta['tokenizer']!r:.40}")
     if meta.get("padding_side", "right") not in ("left", "right"):
         raise ArtifactError(path, f"key 'padding_side' must be 'left' or 'right', got {meta['padding_side']!r}")
     if meta["calibrated"]:

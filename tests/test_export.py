@@ -67,7 +67,7 @@ def calibrated_copy(base: Path, dest: Path, cfg: CalibrationConfig, num_layers: 
 
 def encode_both(out: Path, source: Path, cfg: CalibrationConfig | None, padding_side: str):
     enc = Encoder(out, providers=["CPUExecutionProvider"])
-    enc.tokenizer.padding_side = padding_side
+    enc.padding_side = padding_side
     ref = TorchEncoder(source)
     ref.tokenizer.padding_side = padding_side
     return enc.encode(TEXTS, batch_size=6), ref.encode(TEXTS, cfg, batch_size=6)

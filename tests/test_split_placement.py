@@ -132,7 +132,7 @@ def test_split_refusals_and_right_padding_guard(pooled_models, tmp_path):
     export(pooled_models["bert", "mean"], out, ExportOptions(config=CalibrationConfig(basket_size=BASKET),
                                                              exporter="torchscript", check=False), quiet=True)
     enc = Encoder(out)
-    enc.tokenizer.padding_side = "left"
+    enc.padding_side = "left"
     with pytest.raises(ValueError, match="needs right padding"):
         enc.encode(TEXTS[:3])
     assert Encoder(out, graph="portable").graph_file == "onnx/model.onnx"

@@ -70,8 +70,7 @@ def load_encoder(export_dir: str, threads: int | None, max_length: int | None, p
 
 def encode_window(encoder, texts: list[str], batch_size: int) -> tuple[np.ndarray, int]:
     """(embeddings [n, D] in input order, number of tokens) of one window, batches sorted by length."""
-    tokenized = encoder.tokenizer(texts, truncation=True, max_length=encoder.max_length)["input_ids"]
-    lengths = [len(ids) for ids in tokenized]
+    lengths = encoder.token_lengths(texts)
     order = np.argsort(lengths, kind="stable")[::-1]
     out = np.empty((len(texts), encoder.dimension), dtype=np.float32)
     for i in range(0, len(texts), batch_size):
@@ -84,8 +83,16 @@ def encode_window(encoder, texts: list[str], batch_size: int) -> tuple[np.ndarra
 _WORKER_ENCODER = None
 
 
+def tokenizer_threads(threads: int) -> None:
+    """A worker's tokenizer (Rust threads, Rayon's pool) gets the worker's own share of the cores, as its
+    ONNX Runtime session does; set before the tokenizer's first call.  Tokenizing is a large part of a
+    small model's time, so a worker of several cores that tokenized on one was held back by it."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, threads)))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
+
+
 def _init_worker(export_dir: str, threads: int, max_length: int | None, providers) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core share per worker
+    tokenizer_threads(threads)
     global _WORKER_ENCODER
     _WORKER_ENCODER = load_encoder(export_dir, threads, max_length, providers)
 

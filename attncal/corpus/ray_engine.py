@@ -59,10 +59,10 @@ class _PieceWorker:
     def __init__(self, spec: dict) -> None:
         self.spec, self.error = spec, None
         try:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            from .local import load_encoder
+            from .local import load_encoder, tokenizer_threads
             from .storage import fetch_tree
 
+            tokenizer_threads(spec["threads"])
             export: Location = spec["export"]
             local = export.url if export.is_local else str(fetch_tree(export, spec["digest"]))
             self.encoder = load_encoder(local, spec["threads"], spec["max_length"])

@@ -664,10 +664,26 @@ def _quantize(run: _Run) -> None:
         stamp_onnx(run.tmp / graph_file)
 
 
+def _tokenizer_runtime(run: _Run, max_length: int | None) -> str:
+    """"tokenizers" where the export's tokenizer.json alone gives what transformers gives (the runtime then
+    tokenizes without importing transformers), else "transformers", with the reason in the log."""
+    from ..modelinfo import read_prompts
+    from ..runtime.tokenizer import FAST, TRANSFORMERS, verify_fast_tokenizer
+
+    prompts = (read_prompts(run.tmp)[0] or {}).values()
+    why = verify_fast_tokenizer(run.tmp, max_length, run.plan.info.padding_side, list(prompts))
+    if why is None:
+        return FAST
+    run.log(f"note: the runtime tokenizes with transformers: {why}")
+    return TRANSFORMERS
+
+
 def _metadata(run: _Run) -> ExportMetadata:
     """attncal.json as the graphs left it (parity and the steps' figures are added when known)."""
     plan, info, result = run.plan, run.plan.info, run.result
     est = plan.estimate
+    max_length = plan.opts.max_length or info.max_seq_length
+    tokenizer = _tokenizer_runtime(run, max_length)
     meta = ExportMetadata(
         calibrated=plan.config is not None,
         config=plan.config.to_dict() if plan.config is not None else None,
@@ -681,7 +697,7 @@ def _metadata(run: _Run) -> ExportMetadata:
         num_layers=info.num_layers,
         pooling=plan.pooling,
         normalize=info.normalize,
-        max_seq_length=plan.opts.max_length or info.max_seq_length,
+        max_seq_length=max_length,
         padding_side=info.padding_side,
         inputs=run.input_names,
         outputs=["last_hidden_state", "sentence_embedding"],
@@ -699,6 +715,7 @@ def _metadata(run: _Run) -> ExportMetadata:
         parity=None,
         memory_estimate={"float32_weights_mib": round(est.weights / 1024**2, 1),
                          "steps_mib": {k: round(v / 1024**2, 1) for k, v in est.steps.items()}},
+        tokenizer=tokenizer,
     )
     write_metadata(run.tmp, meta)
     return meta

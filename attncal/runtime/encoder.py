@@ -141,7 +141,7 @@ class Encoder:
         from ..library_output import without_torch_advice
 
         without_torch_advice()
-        from transformers import AutoTokenizer
+        from .tokenizer import load_tokenizer
 
         self.path = Path(out_dir)
         self.meta = read_metadata(self.path)
@@ -167,13 +167,14 @@ class Encoder:
             lib = None  # the graph has no attncal op: nothing to register
         model_file = self.path / self.graph_file
         ExportDir(self.path, self.meta).check_graph(self.graph_file)  # damaged graph -> ArtifactError
+        self._max_length = self.meta.get("max_seq_length")
+        self._hf_tokenizer = None
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            self._tokenizer = load_tokenizer(self.path, self.meta.get("tokenizer"), self._max_length,
+                                             self.meta.get("padding_side", "right"))
         except Exception as exc:  # a damaged tokenizer file fails deep inside tokenizers/transformers
             raise ArtifactError(self.path / "tokenizer.json", "the tokenizer cannot be loaded "
                                 f"({type(exc).__name__}: {_first_line(exc)})") from None
-        self.tokenizer.padding_side = self.meta.get("padding_side", "right")
-        self.max_length = self.meta.get("max_seq_length")
         from ..modelinfo import UnsupportedModelError, read_prompts
 
         try:
@@ -196,6 +197,49 @@ class Encoder:
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     @property
+    def max_length(self) -> int | None:
+        """Texts are truncated to this many tokens (the export's max_seq_length unless set)."""
+        return self._max_length
+
+    @max_length.setter
+    def max_length(self, value: int | None) -> None:
+        with self._tokenizer_lock:
+            self._max_length = value
+            self._tokenizer.set_max_length(value)
+
+    @property
+    def padding_side(self) -> str:
+        """Which side `tokenize` pads ("right", or "left"; the export's padding_side unless set)."""
+        return self._tokenizer.padding_side
+
+    @padding_side.setter
+    def padding_side(self, side: str) -> None:
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
+        with self._tokenizer_lock:
+            self._tokenizer.padding_side = side
+            if self._hf_tokenizer is not None:
+                self._hf_tokenizer.padding_side = side
+
+    @property
+    def tokenizer(self):
+        """transformers' tokenizer of the export, loaded on first use, for its API (chunkers and evaluations
+        need it; `tokenize` and `encode` do not, see attncal.runtime.tokenizer).  Set `max_length` and
+        `padding_side` on the Encoder: they are what `tokenize` and `encode` use."""
+        if self._hf_tokenizer is None:
+            from .tokenizer import TransformersTokenizer
+
+            tok = self._tokenizer
+            self._hf_tokenizer = (tok if isinstance(tok, TransformersTokenizer) else TransformersTokenizer(
+                self.path, self._max_length, self.padding_side)).hf
+        return self._hf_tokenizer
+
+    def token_lengths(self, texts: Sequence[str]) -> list[int]:
+        """Each text's number of tokens after truncation, special tokens included."""
+        with self._tokenizer_lock:
+            return self._tokenizer.token_lengths(texts)
+
+    @property
     def dimension(self) -> int:
         dim = self.session.get_outputs()[1].shape[-1]
         if isinstance(dim, int):
@@ -204,9 +248,8 @@ class Encoder:
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
         with self._tokenizer_lock:
-            batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
-                                   return_tensors="np")
-        return {n: batch[n].astype(np.int64) for n in self.input_names}
+            batch = self._tokenizer(texts)
+        return {n: batch[n] for n in self.input_names}
 
     def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Raw session call: (last_hidden_state, sentence_embedding)."""
@@ -247,9 +290,7 @@ class Encoder:
 
         order = np.arange(len(texts))
         if sort_by_length and texts:
-            with self._tokenizer_lock:
-                ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]
-            lengths = [len(x) for x in ids]
+            lengths = self.token_lengths(texts)
             order = np.argsort(lengths, kind="stable")[::-1]
         out = np.zeros((len(texts), self.dimension), dtype=np.float32)
         for i in tqdm(range(0, len(texts), batch_size), desc="encode (onnx)", disable=not show_progress, unit="batch"):
