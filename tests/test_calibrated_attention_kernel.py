@@ -158,3 +158,36 @@ def test_pooled_op_accepts_one_query_row(library):
     (out,) = session(single_op_model(spec), library).run(None, feeds(q, k, v, mask))
     ref = attention_reference(q, k, v, mask, rc, 2, 0.0).numpy()
     assert out.shape == (3, 1, 8) and np.abs(out - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("pooling", ["cls", "last"])
+def test_long_rows_over_key_tiles_match_the_oracle(library, pooling):
+    """Rows long enough for key tiles (the online softmax of the rows the calibration does not select, many
+    tiles per row): right and left padding (whole tiles of masked keys before the first valid one), holes,
+    an item with no valid key (uniform over its keys), and the NaN, +inf and -inf rules, against the float64
+    oracle, at 1 and 2 threads bit for bit."""
+    rc = CalibrationConfig(pooling=pooling, basket_size=128).resolve()
+    spec = attention_op_spec(rc, 0, num_heads=2)
+    gen = torch.Generator().manual_seed(21)
+    B, K = 6, 2100
+    q, k, v = random_qkv(gen, B, K, K, 2, 8, 8, torch.float32, temp=2.0)
+    mask = torch.ones(B, K, dtype=torch.int64)
+    mask[1, 1500:] = 0  # right padding
+    mask[2, :1700] = 0  # left padding: the first tiles hold masked keys only
+    mask[3, 300:900] = 0  # a hole
+    mask[4] = 0  # no valid key
+    q[0, 700, 3] = float("nan")  # item 0, one row of head 0
+    k[5, 2000, 12] = float("inf")  # item 5, head 1: +inf or NaN scores in a late tile
+    k[3, 5, 4] = float("-inf")  # item 3, head 0: +inf or -inf scores early on
+    ref = attention_reference(q, k, v, mask, rc, 2, 0.0).numpy()
+    outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask))[0] for t in (1, 2)]
+    assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
+    out = outs[0]
+    assert np.array_equal(np.isnan(out), np.isnan(ref)), np.argwhere(np.isnan(out) != np.isnan(ref))[:5]
+    assert np.isnan(out[0, 700, :8]).all() and not np.isnan(out[0, :700]).any() and not np.isnan(out[0, 700, 8:]).any()
+    for b, h in ((5, 1), (3, 0)):  # ±inf times a query's component: +inf (a NaN row) or -inf (the key drops out)
+        rows = np.isnan(out[b, :, 8 * h:8 * h + 8]).all(-1)
+        assert rows.any() and (~rows).any() and not np.isnan(out[b, :, 8 * (1 - h):8 * (2 - h)]).any(), b
+    finite = ~np.isnan(ref)
+    assert np.abs(out[finite] - ref[finite]).max() <= 1e-5
+    np.testing.assert_allclose(out[4], np.broadcast_to(v[4].numpy().mean(0), out[4].shape), atol=1e-5)

@@ -18,6 +18,11 @@
 //   only on the shapes, so results are bit-identical at any thread count.
 // * float16 is computed in float32: the block of Q and the head's K and V are widened per unit
 //   (K and V once per unit: O(S_k*D) against the unit's O(R*S_k*D) work), the context rounded once.
+// * Long rows (float32): where a whole-row block would hold fewer than kMaxRows rows, the GEMMs get thin
+//   (few rows against all of K and V, which the GEMM library packs anew for each block).  Units then take
+//   kTiledRows rows, and the rows the calibration does not select run over key tiles with the online
+//   softmax (FlashAttention's running max, sum and rescaled context), kTileBytes of scores per tile; the
+//   calibrated rows, which need their whole row, run in whole-row blocks inside the unit as before.
 #ifndef ATTNCAL_CPU_CALIBRATED_ATTENTION_H_
 #define ATTNCAL_CPU_CALIBRATED_ATTENTION_H_
 
@@ -43,7 +48,7 @@ struct AttentionUnit {
 
 // Per-thread scratch of the attention kernel (separate from Scratch: the row routines use that).
 struct AttentionScratch {
-  std::vector<float> scores, q, k, v, ctx;
+  std::vector<float> scores, q, k, v, ctx, run_max, run_sum;
 };
 
 inline AttentionScratch& thread_attention_scratch() {
@@ -67,6 +72,9 @@ class AttentionPlan {
   // (the measurements: see docs/native-kernels.md).
   static constexpr int64_t kBlockBytes = 1024 * 1024;
   static constexpr int64_t kMaxRows = 256;
+  // Long rows: the rows of a unit, and the scores of one key tile (see the header comment).
+  static constexpr int64_t kTiledRows = 512;
+  static constexpr int64_t kTileBytes = 256 * 1024;
 
   AttentionPlan(const int64_t* mask, const AttentionShape& shape, const AttncalParams& p) : sh_(shape) {
     const int64_t B = sh_.B, Q = sh_.S_q, K = sh_.S_k;
@@ -81,28 +89,53 @@ class AttentionPlan {
         masked_[i / K] = 1;
       }
     rows_ = std::max<int64_t>(1, std::min<int64_t>({Q, kMaxRows, kBlockBytes / (4 * K)}));
+    // Long rows: units of whole-row blocks, about kTiledRows rows (bit-identical chunks at any thread count).
+    tiled_ = rows_ < kMaxRows && Q > rows_;
+    unit_rows_ = tiled_ ? rows_ * std::max<int64_t>(1, kTiledRows / rows_) : rows_;
+    key_tile_ = std::max<int64_t>(16, std::min(K, kTileBytes / (4 * unit_rows_)));
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < sh_.N; ++h)
-        for (int64_t q = 0; q < Q; q += rows_) units_.push_back({b, h, q, std::min(q + rows_, Q)});
+        for (int64_t q = 0; q < Q; q += unit_rows_) units_.push_back({b, h, q, std::min(q + unit_rows_, Q)});
   }
 
   size_t size() const { return units_.size(); }
-  int64_t rows_per_unit() const { return rows_; }
+  int64_t rows_per_unit() const { return unit_rows_; }
 
   // Unit i: T is float or uint16_t (float16 bits).
   template <typename T>
   void run(size_t i, const T* query, const T* key, const T* value, T* context, const AttncalParams& p) const {
     const AttentionUnit& u = units_[i];
     const ItemPlan& it = items_[u.b];
+    // The rows the calibration selects, [c0, c1) within the unit: whole-row blocks; the others key tiles.
+    const int64_t c0 = it.active ? std::min(std::max(u.q0, it.q_lo), u.q1) : u.q1;
+    const int64_t c1 = it.active ? std::max(std::min(u.q1, it.q_hi + 1), c0) : u.q1;
+    if (!tiled_ || !std::is_same<T, float>::value) {
+      for (int64_t r = u.q0; r < u.q1; r += rows_) block(u, r, std::min(r + rows_, u.q1), query, key, value, context, p);
+      return;
+    }
+    if constexpr (std::is_same<T, float>::value) {
+      if (u.q0 < c0) tiles(u, u.q0, c0, query, key, value, context);
+      for (int64_t r = c0; r < c1; r += rows_) block(u, r, std::min(r + rows_, c1), query, key, value, context, p);
+      if (c1 < u.q1) tiles(u, c1, u.q1, query, key, value, context);
+    }
+  }
+
+ private:
+  // Rows [r0, r1) of unit u against all keys in one block of scores: softmax, the calibration of the rows it
+  // selects, then one GEMM with V.
+  template <typename T>
+  void block(const AttentionUnit& u, int64_t r0, int64_t r1, const T* query, const T* key, const T* value,
+             T* context, const AttncalParams& p) const {
+    const ItemPlan& it = items_[u.b];
     const float* keep = keep_of_[u.b];
-    const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = u.q1 - u.q0;
+    const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0;
     const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.N * D;
     const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.N * Dv, ldo = sh_.N * Dv;
     AttentionScratch& as = thread_attention_scratch();
     Scratch& sc = thread_scratch();
     ensure(as.scores, R * K);
     float* s = as.scores.data();
-    const T* q_src = query + (u.b * sh_.S_q + u.q0) * ldq + u.h * D;
+    const T* q_src = query + (u.b * sh_.S_q + r0) * ldq + u.h * D;
     const T* k_src = key + u.b * K * ldk + u.h * D;
     const T* v_src = value + u.b * K * ldv + u.h * Dv;
     const float *qf, *kf, *vf;
@@ -126,21 +159,21 @@ class AttentionPlan {
     }
     gemm_nt(R, K, D, sh_.scale, qf, lq, kf, lk, s, K);
     const float* bias = bias_.data() + u.b * K;
-    const int64_t c0 = it.active ? std::max(u.q0, it.q_lo) : u.q1;
-    const int64_t c1 = it.active ? std::min(u.q1, it.q_hi + 1) : u.q1;
+    const int64_t c0 = it.active ? std::max(r0, it.q_lo) : r1;
+    const int64_t c1 = it.active ? std::min(r1, it.q_hi + 1) : r1;
     // An item without masked keys has a zero bias row: skipping the pass is exact (s + 0 == s).
     const bool add_bias = masked_[u.b] != 0;
     for (int64_t r = 0; r < R; ++r) {
       float* row = s + r * K;
       if (add_bias) add_row(row, bias, K);
-      const int64_t q = u.q0 + r;
+      const int64_t q = r0 + r;
       if (q >= c0 && q < c1) {
         softmax_calibrate_row(row, row, K, it, keep, p, sc);
       } else {
         softmax_row(row, row, K, sc);
       }
     }
-    T* out = context + (u.b * sh_.S_q + u.q0) * ldo + u.h * Dv;
+    T* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
     if constexpr (std::is_same<T, float>::value) {
       gemm_nn(R, Dv, K, s, K, vf, lv, out, ldo);
     } else {
@@ -150,13 +183,69 @@ class AttentionPlan {
     }
   }
 
- private:
+  // Rows [r0, r1) of unit u, none of them calibrated, over key tiles with the online softmax: per tile the
+  // scores, the running maximum m and sum l, the context so far rescaled by exp(m_old - m), and P*V added
+  // onto it; the context divided by l at the end.  The float32 results equal softmax * V up to rounding; the
+  // contract's special rows keep their outcome: a fully masked item (every score the lowest value plus a
+  // negligible term) is uniform over its keys, and a NaN or +inf score, or a row of -inf, gives NaN.
+  void tiles(const AttentionUnit& u, int64_t r0, int64_t r1, const float* query, const float* key,
+             const float* value, float* context) const {
+    const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0, T = key_tile_;
+    const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.N * D;
+    const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.N * Dv, ldo = sh_.N * Dv;
+    AttentionScratch& as = thread_attention_scratch();
+    ensure(as.scores, R * T);
+    ensure(as.ctx, R * Dv);
+    ensure(as.run_max, R);
+    ensure(as.run_sum, R);
+    float *s = as.scores.data(), *o = as.ctx.data(), *m = as.run_max.data(), *l = as.run_sum.data();
+    std::fill(o, o + R * Dv, 0.f);
+    std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + R, 0.f);
+    const float* q = query + (u.b * sh_.S_q + r0) * ldq + u.h * D;
+    const float* k = key + u.b * K * ldk + u.h * D;
+    const float* v = value + u.b * K * ldv + u.h * Dv;
+    const float* bias = bias_.data() + u.b * K;
+    const bool add_bias = masked_[u.b] != 0;
+    for (int64_t k0 = 0; k0 < K; k0 += T) {
+      const int64_t n = std::min(T, K - k0);
+      gemm_nt(R, n, D, sh_.scale, q, ldq, k + k0 * ldk, ldk, s, n);
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = s + r * n;
+        if (add_bias) add_row(row, bias + k0, n);
+        const float mt = row_max(row, n);
+        const float mn = (mt > m[r] || mt != mt) ? mt : m[r];  // a NaN maximum stays: exp(x - NaN) is NaN
+        if (mn == -std::numeric_limits<float>::infinity()) {  // nothing but -inf so far: adds nothing
+          std::fill(row, row + n, 0.f);
+          continue;
+        }
+        exp_shifted_row(row, row, n, mn);  // NaN scores stay NaN and reach l
+        const float corr = std::exp(m[r] - mn);  // 0 on the first finite tile, 1 while the maximum holds
+        m[r] = mn;
+        l[r] = l[r] * corr + sum_lanes(row, n);
+        if (corr != 1.f) scale_row(o + r * Dv, Dv, corr);
+      }
+      gemm_nn(R, Dv, n, s, n, v + k0 * ldv, ldv, o, Dv, /*accumulate=*/true);
+    }
+    float* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
+    for (int64_t r = 0; r < R; ++r) {
+      const float inv = 1.0f / l[r];
+      for (int64_t d = 0; d < Dv; ++d) out[r * ldo + d] = o[r * Dv + d] * inv;
+    }
+  }
+
+  ATTNCAL_CLONES static void scale_row(float* x, int64_t n, float a) {
+    for (int64_t k = 0; k < n; ++k) x[k] *= a;
+  }
+
   ATTNCAL_CLONES static void add_row(float* x, const float* b, int64_t n) {
     for (int64_t k = 0; k < n; ++k) x[k] += b[k];
   }
 
   AttentionShape sh_;
-  int64_t rows_ = 1;
+  int64_t rows_ = 1;  // rows of a whole-row block
+  int64_t unit_rows_ = 1, key_tile_ = 1;
+  bool tiled_ = false;
   std::vector<ItemPlan> items_;
   std::vector<const float*> keep_of_;
   std::vector<float> keep_, bias_;
