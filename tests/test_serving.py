@@ -453,7 +453,10 @@ def test_faults_get_errors_and_server_keeps_serving(server, encoders):
 # -- `attncal serve`, kill and restart ------------------------------------------------------------------
 
 def _serve_cmd(repo, ports):
-    code = ("import sys, argparse\nfrom attncal.cli import CLIError, serve\np = argparse.ArgumentParser()\n"
+    """`attncal serve` where neither torch nor transformers can be imported, as in the runtime install (a None
+    entry in sys.modules makes their import fail): serving needs neither; Triton runs in its own environment."""
+    code = ("import sys, argparse\nsys.modules['torch'] = sys.modules['transformers'] = None\n"
+            "from attncal.cli import CLIError, serve\np = argparse.ArgumentParser()\n"
             "serve.add_arguments(p)\ntry:\n    sys.exit(serve.run(p.parse_args(sys.argv[1:])))\n"
             "except CLIError as e:\n    print(f'error: {e}', flush=True)\n    sys.exit(e.code)\n")
     return [sys.executable, "-c", code, str(repo), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
