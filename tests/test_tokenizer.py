@@ -117,6 +117,8 @@ def test_export_records_the_fast_tokenizer_and_the_encoder_runs_without_transfor
                                                   check=False, optimized=False), quiet=True)
     meta = json.loads((out / "attncal.json").read_text())
     assert meta["tokenizer"] == FAST
+    shown = subprocess.run([sys.executable, "-m", "attncal", "inspect", str(out)], capture_output=True, text=True)
+    assert "tokenizer  tokenizer.json on tokenizers alone" in shown.stdout, shown.stdout + shown.stderr
     texts = ["calibration", "a much longer passage about position bias " * 3, "é"]
     proc = subprocess.run([sys.executable, "-c", _NO_TRANSFORMERS, str(out), json.dumps(texts)],
                           capture_output=True, text=True, timeout=300)

@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
               f"{label}")
     if meta.get("optimizer"):
         print(f"optimizer  {meta['optimizer']}")
+    print("tokenizer  " + ("tokenizer.json on tokenizers alone (the exporter found it gives transformers' ids)"
+                           if meta.get("tokenizer") == "tokenizers" else "transformers' AutoTokenizer"))
     quant = meta.get("quantization")
     if isinstance(quant, dict):
         print(f"precision  {quant.get('precision')} ({quant.get('method')})")
