@@ -191,3 +191,20 @@ def test_long_rows_over_key_tiles_match_the_oracle(library, pooling):
     finite = ~np.isnan(ref)
     assert np.abs(out[finite] - ref[finite]).max() <= 1e-5
     np.testing.assert_allclose(out[4], np.broadcast_to(v[4].numpy().mean(0), out[4].shape), atol=1e-5)
+
+
+def test_long_rows_calibrated_in_blocks_past_l2_match_the_oracle(library):
+    """Past 2,048 keys a whole-row block keeps 128 rows (it outgrows L2): mean pooling, whose rows are all
+    calibrated, with right and left padding, against the float64 oracle, at 1 and 2 threads bit for bit."""
+    rc = CalibrationConfig(pooling="mean", basket_size=128).resolve()
+    spec = attention_op_spec(rc, 0, num_heads=1)
+    gen = torch.Generator().manual_seed(23)
+    B, K = 2, 2600
+    q, k, v = random_qkv(gen, B, K, K, 1, 8, 8, torch.float32, temp=2.0)
+    mask = torch.ones(B, K, dtype=torch.int64)
+    mask[0, 2300:] = 0
+    mask[1, :700] = 0
+    ref = attention_reference(q, k, v, mask, rc, 1, 0.0).numpy()
+    outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask))[0] for t in (1, 2)]
+    assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
+    assert np.abs(outs[0] - ref).max() <= 1e-5

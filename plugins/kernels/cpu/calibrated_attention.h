@@ -11,7 +11,7 @@
 //   4. context[R,D_v] = P * V_h                          one GEMM, written into the output
 // Why this shape:
 // * No [B,H,S,S] tensor exists: scratch is R x S_k floats per thread (plus the widened Q, K, V
-//   blocks for float16).  R is chosen so that the block stays in L2 (1 MiB), which is what
+//   blocks for float16).  R is chosen so that the block stays in L2 (1 MiB) up to 2,048 keys, which is what
 //   ONNX Runtime's fused CPU Attention does not do: it computes every head's probabilities into
 //   one B*N*S*S buffer first (see ../shared/notes/one-pass-attention.md).
 // * The units are independent and each row is computed by exactly one unit whose size depends
@@ -72,6 +72,10 @@ class AttentionPlan {
   // (the measurements: see docs/native-kernels.md).
   static constexpr int64_t kBlockBytes = 1024 * 1024;
   static constexpr int64_t kMaxRows = 256;
+  // Past 2,048 keys a whole-row block still takes kMinRows rows, and outgrows L2 (kMinRows * S_k floats of
+  // scratch per thread: 4 MiB at 8,192 keys, 16 MiB at 32,768): below it the GEMMs get so thin that they
+  // cost more than the cache misses (docs/native-kernels.md).
+  static constexpr int64_t kMinRows = 128;
   // Long rows: the rows of a unit, and the scores of one key tile (see the header comment).
   static constexpr int64_t kTiledRows = 512;
   static constexpr int64_t kTileBytes = 256 * 1024;
@@ -88,7 +92,7 @@ class AttentionPlan {
         bias_[i] = std::numeric_limits<float>::lowest();
         masked_[i / K] = 1;
       }
-    rows_ = std::max<int64_t>(1, std::min<int64_t>({Q, kMaxRows, kBlockBytes / (4 * K)}));
+    rows_ = std::max<int64_t>(1, std::min<int64_t>({Q, kMaxRows, std::max(kMinRows, kBlockBytes / (4 * K))}));
     // Long rows: units of whole-row blocks, about kTiledRows rows (bit-identical chunks at any thread count).
     tiled_ = rows_ < kMaxRows && Q > rows_;
     unit_rows_ = tiled_ ? rows_ * std::max<int64_t>(1, kTiledRows / rows_) : rows_;
