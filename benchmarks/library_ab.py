@@ -34,9 +34,24 @@ def _session(graph: Path, threads: int, library: Path | None):
     return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
 
 
+def padded_feeds(batch: int, seq: int) -> dict[str, np.ndarray]:
+    """A batch of mixed lengths, as a server's dynamic batching forms it: item i holds seq * (i + 1) // batch
+    valid tokens, the rest right padding."""
+    from attncal.bench.engines import make_feeds
+
+    feeds = make_feeds(batch, seq)
+    for i in range(batch):
+        n = max(1, seq * (i + 1) // batch)
+        feeds["attention_mask"][i, n:] = 0
+        feeds["input_ids"][i, n:] = 0
+    return feeds
+
+
 def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = None, seqs=(256,), batch: int = 8,
-        repeats: int = 10, threads: int = 2, graph: str = "onnx/model_optimized_native.onnx") -> list[dict]:
-    """One row per sequence length: median ms per build (and baseline), ratios, max |Δ| between builds."""
+        repeats: int = 10, threads: int = 2, graph: str = "onnx/model_optimized_native.onnx",
+        padded: bool = False) -> list[dict]:
+    """One row per sequence length: median ms per build (and baseline), ratios, max |Δ| between builds.
+    `padded`: batches of mixed lengths (`padded_feeds`) instead of `seq` valid tokens in every item."""
     from attncal.bench.engines import make_feeds
     from attncal.bench.timing import interleaved_times, medians
 
@@ -46,7 +61,7 @@ def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = Non
     names, first = list(sessions), next(iter(libraries))
     rows = []
     for seq in seqs:
-        feeds = make_feeds(batch, seq)
+        feeds = padded_feeds(batch, seq) if padded else make_feeds(batch, seq)
         per = {k: {i.name: feeds[i.name] for i in s.get_inputs()} for k, s in sessions.items()}
         outs = {}
         for k, s in sessions.items():  # two warm-up runs each
@@ -100,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=_positive, default=10)
     ap.add_argument("--threads", type=_positive, default=2)
     ap.add_argument("--graph", default="onnx/model_optimized_native.onnx", help="graph of the export to run")
+    ap.add_argument("--padded", action="store_true",
+                    help="batches of mixed lengths: item i holds SEQ * (i + 1) / BATCH tokens, the rest padding")
     args = ap.parse_args(argv)
     libraries = dict(args.lib)
     if len(libraries) < 2:
@@ -110,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--baseline {args.baseline} does not exist")
     first = args.lib[0][0]
     for row in run(args.export, libraries, baseline=args.baseline, seqs=args.seq, batch=args.batch,
-                   repeats=args.repeats, threads=args.threads, graph=args.graph):
+                   repeats=args.repeats, threads=args.threads, graph=args.graph, padded=args.padded):
         parts = [f"{k} {ms:.1f} ms" for k, ms in row["median_ms"].items()]
         ratios = [f"{k}/{first} {v:.3f}" for k, v in row["vs_first"].items() if k != first]
         ratios += [f"{k}/baseline {v:.3f}" for k, v in row.get("vs_baseline", {}).items()]

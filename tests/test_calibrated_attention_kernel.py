@@ -208,3 +208,33 @@ def test_long_rows_calibrated_in_blocks_past_l2_match_the_oracle(library):
     outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask))[0] for t in (1, 2)]
     assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
     assert np.abs(outs[0] - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("pooling", ["cls", "last"])
+def test_skipped_padding_tiles_change_no_bit(library, pooling):
+    """Key tiles of padding (before the first valid key or after the last) are skipped where that is exact.
+    Items 0/1 (right padding) and 2/3 (left padding) have the same scores and valid values; in items 1 and 3
+    a huge query component meets a zero key component and a huge masked key component meets a zero query
+    component, so the scores are unchanged but the kernel cannot bound the masked scores and computes those
+    rows without skipping: every row must come out the same, bit for bit."""
+    rc = CalibrationConfig(pooling=pooling, basket_size=128).resolve()
+    spec = attention_op_spec(rc, 0, num_heads=1)
+    gen = torch.Generator().manual_seed(24)
+    B, K = 4, 2100
+    q, k, v = random_qkv(gen, B, K, K, 1, 8, 8, torch.float32, temp=2.0)
+    q[1::2] = q[0::2]
+    k[1::2] = k[0::2]
+    v[1::2] = v[0::2]
+    mask = torch.ones(B, K, dtype=torch.int64)
+    mask[0:2, 1400:] = 0
+    mask[2:4, :1600] = 0
+    k[:, :, 0] = 0.0
+    q[:, :, 1] = 0.0
+    q[1::2, :, 0] = 1e19  # times k[..., 0] = 0: no change to any score
+    k[1, 1400:, 1] = 1e19  # masked keys, times q[..., 1] = 0
+    k[3, :1600, 1] = 1e19
+    (out,) = session(single_op_model(spec), library, 2).run(None, feeds(q, k, v, mask))
+    assert np.isfinite(out).all()
+    assert np.array_equal(out[0], out[1]) and np.array_equal(out[2], out[3])
+    ref = attention_reference(q[0::2], k[0::2], v[0::2], mask[0::2], rc, 1, 0.0).numpy()
+    assert np.abs(out[0::2] - ref).max() <= 1e-5

@@ -92,6 +92,16 @@ class AttentionPlan {
         bias_[i] = std::numeric_limits<float>::lowest();
         masked_[i / K] = 1;
       }
+    // Per item, the keys from the first valid one to the last: key tiles wholly outside it may be skipped.
+    valid_.assign(static_cast<size_t>(2 * B), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t lo = 0, hi = K;
+      while (lo < K && mask[b * K + lo] == 0) ++lo;
+      while (hi > lo && mask[b * K + hi - 1] == 0) --hi;
+      if (lo == K) lo = 0, hi = K;  // no valid key: the row is uniform over all keys, nothing is skipped
+      valid_[2 * b] = lo;
+      valid_[2 * b + 1] = hi;
+    }
     rows_ = std::max<int64_t>(1, std::min<int64_t>({Q, kMaxRows, std::max(kMinRows, kBlockBytes / (4 * K))}));
     // Long rows: units of whole-row blocks, about kTiledRows rows (bit-identical chunks at any thread count).
     tiled_ = rows_ < kMaxRows && Q > rows_;
@@ -192,8 +202,15 @@ class AttentionPlan {
   // onto it; the context divided by l at the end.  The float32 results equal softmax * V up to rounding; the
   // contract's special rows keep their outcome: a fully masked item (every score the lowest value plus a
   // negligible term) is uniform over its keys, and a NaN or +inf score, or a row of -inf, gives NaN.
+  //
+  // Padding: a tile of keys that are all masked (before the item's first valid key or after its last) and
+  // whose K and V rows are finite is skipped.  With a finite maximum m of the row's other scores, each of its
+  // scores is at most lowest + |scale| * D * max|q| * max|k|, so exp(score - m) is exactly 0 in float32 and
+  // the tile adds exactly nothing to the sum or the context (a rescale by exp(score - m) = 0 where it came
+  // first).  A row for which that bound does not hold (no finite maximum, or scores near float32's range) is
+  // computed again without skipping, so every row equals the unskipped result.
   void tiles(const AttentionUnit& u, int64_t r0, int64_t r1, const float* query, const float* key,
-             const float* value, float* context) const {
+             const float* value, float* context, bool skip_padding = true) const {
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0, T = key_tile_;
     const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.N * D;
     const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.N * Dv, ldo = sh_.N * Dv;
@@ -211,8 +228,16 @@ class AttentionPlan {
     const float* v = value + u.b * K * ldv + u.h * Dv;
     const float* bias = bias_.data() + u.b * K;
     const bool add_bias = masked_[u.b] != 0;
+    const int64_t lo = valid_[2 * u.b], hi = valid_[2 * u.b + 1];
+    float skipped_k = -1.f;  // max |k| over the skipped keys; < 0: none skipped
     for (int64_t k0 = 0; k0 < K; k0 += T) {
       const int64_t n = std::min(T, K - k0);
+      float kmax = 0.f;
+      if (skip_padding && (k0 + n <= lo || k0 >= hi) && finite_abs_max(k + k0 * ldk, n, D, ldk, &kmax) &&
+          finite_abs_max(v + k0 * ldv, n, Dv, ldv, nullptr)) {
+        skipped_k = std::max(skipped_k, kmax);
+        continue;
+      }
       gemm_nt(R, n, D, sh_.scale, q, ldq, k + k0 * ldk, ldk, s, n);
       for (int64_t r = 0; r < R; ++r) {
         float* row = s + r * n;
@@ -232,10 +257,36 @@ class AttentionPlan {
       gemm_nn(R, Dv, n, s, n, v + k0 * ldv, ldv, o, Dv, /*accumulate=*/true);
     }
     float* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
+    std::vector<int64_t> again;
     for (int64_t r = 0; r < R; ++r) {
+      if (skipped_k >= 0.f) {
+        float qmax = 0.f;
+        const bool finite_q = finite_abs_max(q + r * ldq, 1, D, ldq, &qmax);
+        const double bound = 2.0 * std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * skipped_k;
+        const double lowest = std::numeric_limits<float>::lowest();
+        if (!finite_q || !std::isfinite(m[r]) || lowest + bound - static_cast<double>(m[r]) > -256.0) {
+          again.push_back(r0 + r);
+          continue;
+        }
+      }
       const float inv = 1.0f / l[r];
       for (int64_t d = 0; d < Dv; ++d) out[r * ldo + d] = o[r * Dv + d] * inv;
     }
+    for (int64_t r : again) tiles(u, r, r + 1, query, key, value, context, /*skip_padding=*/false);
+  }
+
+  // Whether rows x[0..n) (each of `cols` floats, leading dimension ld) are all finite; their largest |x| in
+  // *amax when it is given.
+  static bool finite_abs_max(const float* x, int64_t n, int64_t cols, int64_t ld, float* amax) {
+    float mx = 0.f;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float a = std::fabs(x[i * ld + c]);
+        if (!(a <= std::numeric_limits<float>::max())) return false;
+        mx = a > mx ? a : mx;
+      }
+    if (amax != nullptr) *amax = mx;
+    return true;
   }
 
   ATTNCAL_CLONES static void scale_row(float* x, int64_t n, float a) {
@@ -254,6 +305,7 @@ class AttentionPlan {
   std::vector<const float*> keep_of_;
   std::vector<float> keep_, bias_;
   std::vector<char> masked_;  // per item: 1 when some key is masked
+  std::vector<int64_t> valid_;  // per item: [first valid key, last valid key + 1)
   std::vector<AttentionUnit> units_;
 };
 
