@@ -48,7 +48,7 @@ struct AttentionUnit {
 
 // Per-thread scratch of the attention kernel (separate from Scratch: the row routines use that).
 struct AttentionScratch {
-  std::vector<float> scores, q, k, v, ctx, run_max, run_sum;
+  std::vector<float> scores, q, k, v, ctx, run_max, run_sum, first_max;
 };
 
 inline AttentionScratch& thread_attention_scratch() {
@@ -205,10 +205,11 @@ class AttentionPlan {
   //
   // Padding: a tile of keys that are all masked (before the item's first valid key or after its last) and
   // whose K and V rows are finite is skipped.  With a finite maximum m of the row's other scores, each of its
-  // scores is at most lowest + |scale| * D * max|q| * max|k|, so exp(score - m) is exactly 0 in float32 and
-  // the tile adds exactly nothing to the sum or the context (a rescale by exp(score - m) = 0 where it came
-  // first).  A row for which that bound does not hold (no finite maximum, or scores near float32's range) is
-  // computed again without skipping, so every row equals the unskipped result.
+  // scores is at most lowest + |scale| * D * max|q| * max|k|; where that is far below the row's running
+  // maximum from the moment it is finite, exp(score - m) is exactly 0 in float32 and the tile adds exactly
+  // nothing to the sum or the context (a rescale by exp(score - m) = 0 where it came first).  A row for which
+  // that bound does not hold (no finite maximum, or scores near float32's range) is computed again without
+  // skipping, so every row equals the unskipped result.
   void tiles(const AttentionUnit& u, int64_t r0, int64_t r1, const float* query, const float* key,
              const float* value, float* context, bool skip_padding = true) const {
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0, T = key_tile_;
@@ -219,9 +220,12 @@ class AttentionPlan {
     ensure(as.ctx, R * Dv);
     ensure(as.run_max, R);
     ensure(as.run_sum, R);
+    ensure(as.first_max, R);
     float *s = as.scores.data(), *o = as.ctx.data(), *m = as.run_max.data(), *l = as.run_sum.data();
+    float* m0 = as.first_max.data();  // the running maximum where it first became finite: its smallest finite value
     std::fill(o, o + R * Dv, 0.f);
     std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+    std::fill(m0, m0 + R, -std::numeric_limits<float>::infinity());
     std::fill(l, l + R, 0.f);
     const float* q = query + (u.b * sh_.S_q + r0) * ldq + u.h * D;
     const float* k = key + u.b * K * ldk + u.h * D;
@@ -250,6 +254,7 @@ class AttentionPlan {
         }
         exp_shifted_row(row, row, n, mn);  // NaN scores stay NaN and reach l
         const float corr = std::exp(m[r] - mn);  // 0 on the first finite tile, 1 while the maximum holds
+        if (m[r] == -std::numeric_limits<float>::infinity()) m0[r] = mn;
         m[r] = mn;
         l[r] = l[r] * corr + sum_lanes(row, n);
         if (corr != 1.f) scale_row(o + r * Dv, Dv, corr);
@@ -264,7 +269,10 @@ class AttentionPlan {
         const bool finite_q = finite_abs_max(q + r * ldq, 1, D, ldq, &qmax);
         const double bound = 2.0 * std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * skipped_k;
         const double lowest = std::numeric_limits<float>::lowest();
-        if (!finite_q || !std::isfinite(m[r]) || lowest + bound - static_cast<double>(m[r]) > -256.0) {
+        // Against the smallest finite running maximum: where padding came first, the unskipped pass rescaled
+        // it away (by exp(score - m) = 0) as soon as the maximum became finite.
+        if (!finite_q || !std::isfinite(m0[r]) || !std::isfinite(m[r]) ||
+            lowest + bound - static_cast<double>(m0[r]) > -256.0) {
           again.push_back(r0 + r);
           continue;
         }
