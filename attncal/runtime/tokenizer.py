@@ -164,13 +164,11 @@ def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side
                           prompts: Sequence[str] = ()) -> str | None:
     """None when FastTokenizer on `path` gives what AutoTokenizer gives, else why not (one line).  Needs
     transformers (the exporter's environment)."""
-    from transformers import AutoTokenizer
-
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         return "the export has no tokenizer.json"
-    hf = AutoTokenizer.from_pretrained(str(path))
-    hf.padding_side = padding_side
+    reference = TransformersTokenizer(path, max_length, padding_side)
+    hf = reference.hf
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         return f"{type(hf).__name__} is not a fast tokenizer"
@@ -181,12 +179,10 @@ def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side
     if _backend_state(backend.to_str()) != _backend_state((path / "tokenizer.json").read_text(encoding="utf-8")):
         return "transformers changes the tokenizer.json backend when it loads it"
     texts = probe_texts(hf, prompts)
-    want = hf(texts, padding=True, truncation=True, max_length=max_length, return_tensors="np")
-    got = fast(texts)
-    for name in want.keys():
-        if not np.array_equal(np.asarray(want[name], dtype=np.int64), got[name]):
+    want, got = reference(texts), fast(texts)
+    for name in want:
+        if not np.array_equal(want[name], got[name]):
             return f"{name} differ on the probe texts"
-    one = [len(x) for x in hf(texts, truncation=True, max_length=max_length)["input_ids"]]
-    if one != fast.token_lengths(texts):
+    if reference.token_lengths(texts) != fast.token_lengths(texts):
         return "token counts differ on the probe texts"
     return None
