@@ -79,6 +79,20 @@ def _is_causal_decoder(cfg) -> bool:
             and not getattr(cfg, "is_encoder_decoder", False) and not getattr(cfg, "use_bidirectional_attention", False))
 
 
+def declared_attention_window(cfg: dict) -> int | None:
+    """The widest attention window a transformers config declares (`sliding_window` unless
+    `use_sliding_window` switches it off, `local_attention`, `attention_window`), or None: what a probe of
+    the exported mask must be able to see (`attncal.graphs.mask_probe`)."""
+    values = []
+    for key in ("sliding_window", "local_attention", "attention_window"):
+        if key == "sliding_window" and cfg.get("use_sliding_window") is False:
+            continue
+        v = cfg.get(key)
+        values += [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, int) and not isinstance(x, bool)
+                   and x > 0]
+    return max(values) if values else None
+
+
 # sentence-transformers Dense activations attncal reproduces (the class name of `activation_function`).
 DENSE_ACTIVATIONS = ("Identity", "Tanh", "ReLU", "GELU", "Sigmoid")
 

@@ -81,10 +81,16 @@ def make_config(
     max_positions: int = 256,
     vocab: int | None = None,
     head_dim: int | None = None,
+    kv_heads: int | None = None,
+    window: int | None = None,
+    global_every: int = 2,
 ):
     """A transformers config for a model of `arch` with eager attention: small by default; `vocab` (the
     embedding table's rows; the synthetic tokenizer uses the first `vocab_size()`) and `head_dim` (Qwen3's and
-    Gemma3's, which need not be hidden / heads) let benchmarks build deployed models' real sizes."""
+    Gemma3's, which need not be hidden / heads) let benchmarks build deployed models' real sizes, and so do
+    `kv_heads` (Qwen3's and Gemma3's key/value heads; default heads // 2), `window` (Gemma3's sliding window,
+    default 24; ModernBERT's local attention, default 64) and `global_every` (every how many layers Gemma3 and
+    ModernBERT attend globally)."""
     from transformers import (BertConfig, DistilBertConfig, Gemma3TextConfig, ModernBertConfig, MPNetConfig,
                               Qwen3Config, RobertaConfig, T5Config, XLMRobertaConfig)
 
@@ -123,13 +129,14 @@ def make_config(
     elif arch == "gemma3_text":
         # EmbeddingGemma: bidirectional attention, alternating sliding-window and global layers, GQA.
         cfg = Gemma3TextConfig(
-            **common, num_key_value_heads=max(1, heads // 2), head_dim=head_dim or hidden // heads,
-            max_position_embeddings=max_positions, sliding_window=24, query_pre_attn_scalar=hidden // heads,
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            **common, num_key_value_heads=kv_heads or max(1, heads // 2), head_dim=head_dim or hidden // heads,
+            max_position_embeddings=max_positions, sliding_window=window or 24, query_pre_attn_scalar=hidden // heads,
+            layer_types=["full_attention" if (i + 1) % global_every == 0 else "sliding_attention"
+                         for i in range(layers)],
             use_bidirectional_attention=True, bos_token_id=v["[CLS]"], eos_token_id=v["[EOS]"], use_cache=False,
         )
     elif arch == "qwen3":
-        kv = max(1, heads // 2)
+        kv = kv_heads or max(1, heads // 2)
         cfg = Qwen3Config(
             **common,
             num_key_value_heads=kv,
@@ -144,8 +151,8 @@ def make_config(
         cfg = ModernBertConfig(
             **common,
             max_position_embeddings=max_positions,
-            local_attention=64,
-            global_attn_every_n_layers=2,
+            local_attention=window or 64,
+            global_attn_every_n_layers=global_every,
             cls_token_id=v["[CLS]"],
             sep_token_id=v["[SEP]"],
             bos_token_id=v["[CLS]"],

@@ -44,12 +44,19 @@ def test_def_matches_the_contract():
     for op in contract.ALL_OP_TYPES:
         assert [r.name for r in rows if r.taken_by(op)] == contract.attribute_names(op), op
     optional = [r for r in rows if not r.required]
-    assert [r.name for r in optional] == ["layer"] and contract.ATTRIBUTES["layer"][1] == "informational"
-    # Every exported node carries exactly the attributes the table gives its op.
+    assert [r.name for r in optional] == ["layer", *contract.GEOMETRY_DEFAULTS]
+    assert contract.ATTRIBUTES["layer"][1] == "informational"
+    # The geometry's defaults are the table's.
+    assert {r.name: r.default for r in optional[1:]} == contract.GEOMETRY_DEFAULTS
+    # Every exported node carries exactly the attributes the table gives its op, the geometry where it
+    # differs from the defaults.
+    geo = contract.AttentionGeometry(num_kv_heads=2, window_left=3, window_right=0)
     for rc in (CalibrationConfig(pooling="cls").resolve(), CalibrationConfig(pooling="mean").resolve()):
-        for spec in (op_spec(rc, 3), op_spec(rc, 3, fused_softmax=True), attention_op_spec(rc, 3, 4),
-                     attention_op_spec(rc, 3, 4, projected=True)):
-            assert list(spec.attrs) == [r.name for r in rows if r.taken_by(spec.op_type)], spec.op_type
+        for spec, full in ((op_spec(rc, 3), True), (op_spec(rc, 3, fused_softmax=True), True),
+                           (attention_op_spec(rc, 3, 4), False), (attention_op_spec(rc, 3, 4, projected=True), False),
+                           (attention_op_spec(rc, 3, 4, geometry=geo), True)):
+            taken = [r.name for r in rows if r.taken_by(spec.op_type)]
+            assert list(spec.attrs) == (taken if full else [n for n in taken if n not in contract.GEOMETRY_DEFAULTS])
             for r in rows:
                 if r.name in spec.attrs:
                     assert isinstance(spec.attrs[r.name], float if r.type == "FLOAT" else int), (spec.op_type, r.name)

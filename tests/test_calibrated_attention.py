@@ -24,11 +24,12 @@ from attncal.graphs.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTI
                                      SOFTMAX_POOLED_OP, VERSION, attention_op_spec, attribute_names, calibration_of,
                                      input_names, is_all_rows, is_attention, op_spec, resolved_from_attrs,
                                      takes_scores, with_attention)
+from attncal.graphs.contract import FULL_ATTENTION, GEOMETRY_DEFAULTS, AttentionGeometry, geometry_from_attrs
 from attncal.graphs.function_body import make_function
 from attncal.graphs.single_op import single_op_model
 from support.cases import random_config
 from support.masks import mixed_mask
-from support.oracle_loop import attention_oracle_errors, random_attention_batch
+from support.oracle_loop import attention_oracle_errors, random_attention_batch, random_geometry
 from support.tensors import plain_attention, random_qkv
 
 LOWEST = float(np.finfo(np.float32).min)
@@ -44,16 +45,18 @@ def feeds(q, k, v, mask) -> dict:
     return {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(), "attention_mask": mask.numpy()}
 
 
-def random_attention_spec(rng: random.Random, baskets: list[int], max_heads: int):
-    """(S, N, D, D_v, exact, scale, rc, spec): one random attribute set of a calibrated attention op.
-    `exact`: q and k on a grid with a power-of-two scale (or 1/sqrt(D) for D in 1, 4), so the float32
-    scores are exact (see `random_qkv`)."""
+def random_attention_spec(rng: random.Random, baskets: list[int], max_heads: int, geometry: bool = False):
+    """(S, N, D, D_v, exact, scale, rc, spec): one random attribute set of a calibrated attention op, with a
+    random GQA / window geometry (`random_geometry`; `geometry_from_attrs(spec.attrs)` reads it back) when
+    `geometry`.  `exact`: q and k on a grid with a power-of-two scale (or 1/sqrt(D) for D in 1, 4), so the
+    float32 scores are exact (see `random_qkv`)."""
     S = rng.choice(baskets)
     N, D, D_v = rng.randint(1, max_heads), rng.randint(1, 8), rng.randint(1, 6)
     exact = rng.random() < 0.5
     scale = rng.choice([0.0, 0.125, 0.5, 1.0] if not exact or D in (1, 4) else [0.125, 0.5, 1.0])
     rc = random_config(rng, S).resolve()
-    spec = attention_op_spec(rc, layer=rng.randint(0, 30), num_heads=N, scale=scale)
+    geo = random_geometry(rng, N) if geometry else FULL_ATTENTION
+    spec = attention_op_spec(rc, layer=rng.randint(0, 30), num_heads=N, scale=scale, geometry=geo)
     return S, N, D, D_v, exact, scale, resolved_from_attrs(spec.op_type, spec.attrs), spec
 
 
@@ -97,18 +100,31 @@ def test_contract_names_inputs_and_attributes():
     for op in ATTENTION_OP_TYPES:
         assert input_names(op) == ["query", "key", "value", "attention_mask"]
         names = attribute_names(op)
-        assert names == attribute_names(calibration_of(op)) + ["num_heads", "scale"]
+        assert names == attribute_names(calibration_of(op)) + ["num_heads", "scale", *GEOMETRY_DEFAULTS]
         assert set(names) <= set(ATTRIBUTES)
     for op in OP_TYPES:  # the other ops do not get the attention attributes
-        assert "num_heads" not in attribute_names(op) and "scale" not in attribute_names(op)
+        assert not {"num_heads", "scale", *GEOMETRY_DEFAULTS} & set(attribute_names(op))
     rc = CalibrationConfig(pooling="last", variant="cls-hard").resolve()
     spec = attention_op_spec(rc, 3, num_heads=4, scale=0.125)
     assert spec.op_type == ATTENTION_POOLED_OP
+    # The geometry is written only where it differs from its defaults.
     assert spec.attrs == {**op_spec(rc, 3).attrs, "num_heads": 4, "scale": 0.125}
+    assert geometry_from_attrs(spec.attrs) == FULL_ATTENTION
+    geo = AttentionGeometry(num_kv_heads=2, window_left=5, window_right=0)
+    spec = attention_op_spec(rc, 3, num_heads=4, geometry=geo)
+    assert spec.attrs == {**op_spec(rc, 3).attrs, "num_heads": 4, "scale": 0.0, "num_kv_heads": 2,
+                          "window_left": 5, "window_right": 0}
+    assert geometry_from_attrs(spec.attrs) == geo
     assert resolved_from_attrs(spec.op_type, spec.attrs) == rc
     assert attention_op_spec(CalibrationConfig(pooling="mean").resolve(), 0, 2).op_type == ATTENTION_ALL_ROWS_OP
     with pytest.raises(ValueError, match="num_heads must be >= 1"):
         attention_op_spec(rc, 0, 0)
+    with pytest.raises(ValueError, match="num_kv_heads must divide num_heads=4"):
+        attention_op_spec(rc, 0, 4, geometry=AttentionGeometry(num_kv_heads=3))
+    with pytest.raises(ValueError, match="window_left and window_right must be >= 0, or -1"):
+        attention_op_spec(rc, 0, 4, geometry=AttentionGeometry(window_left=-2))
+    with pytest.raises(ValueError, match="packed Q|K|V weight"):
+        attention_op_spec(rc, 0, 4, projected=True, geometry=AttentionGeometry(num_kv_heads=2))
     with pytest.raises(ValueError, match="unknown calibration op 'CalibratedAttention'"):
         is_attention("CalibratedAttention")
 
@@ -129,7 +145,10 @@ def test_function_body_is_standard_onnx_reads_attributes_and_reuses_the_fused_bo
     assert {o.domain: o.version for o in fn.opset_import} == {"": opset}
     assert all(n.domain == "" for n in fn.node)  # standard ONNX only
     refs = {a.ref_attr_name for n in fn.node for a in n.attribute if a.ref_attr_name}
-    assert refs == set(fn.attribute) - {"layer"} and {"num_heads", "scale"} <= refs
+    # The geometry attributes are optional: the function carries their defaults.
+    defaults = {a.name: helper.get_attribute_value(a) for a in fn.attribute_proto}
+    assert defaults == GEOMETRY_DEFAULTS
+    assert refs == (set(fn.attribute) | set(defaults)) - {"layer"} and {"num_heads", "scale"} <= refs
     # The middle of the body is the Softmax-fused op's body, node for node (minus its final Identity).
     fused = _op_types(make_function(SOFTMAX_ALL_ROWS_OP if is_all_rows(op_type) else SOFTMAX_POOLED_OP,
                                     opset).node)[:-1]
@@ -137,7 +156,7 @@ def test_function_body_is_standard_onnx_reads_attributes_and_reuses_the_fused_bo
     start = ops.index("Softmax")
     assert ops.count("Softmax") == 1 and ops[start:start + len(fused)] == fused
     tail = [o for o in ops[start + len(fused):] if o != "Constant"]
-    assert tail == ["MatMul", "Transpose", "Slice", "Concat", "Reshape", "CastLike", "Identity"]  # ·V, merge
+    assert tail == ["MatMul", "Transpose", "Mul", "Concat", "Reshape", "CastLike", "Identity"]  # ·V, merge (N·D_v)
     # The Softmax reads the float32 masked scores: Add(MatMul(Mul(q, scale), kᵀ), bias).
     producer = {o: n for n in fn.node for o in n.output}
     softmax = fn.node[start]
@@ -165,15 +184,21 @@ def test_function_body_matches_oracle(float16, n_configs, tol):
     seen = {k: 0 for k in ("cls", "last", "mean", "left", "right", "empty_item", "partial", "empty_basket", "q1",
                            "lambda0", "lambda1", "skip_short", "no_iso", "iso_first", "iso_last", "equal",
                            "original", "fixed", "scale0", "exact_scores")}
+    seen.update(gqa=0, window=0)
     for _ in range(n_configs):
-        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8], max_heads=3)
+        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8], max_heads=4,
+                                                                     geometry=rng.random() < 0.5)
+        geo = geometry_from_attrs(spec.attrs)
         sess = plain_session(single_op_model(spec, opset=rng.choice([18, 20]), float16=float16))
         for _ in range(3):
             K = rng.randint(1, 16 if rc.all_rows else 40)
             B = rng.randint(4, 12)
-            mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.0)
+            mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.0,
+                                                             geometry=geo)
             (out,) = sess.run(None, feeds(q, k, v, mask))
-            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16)
+            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16, geo)
+            seen["gqa"] += B * (geo.num_kv_heads not in (0, N))
+            seen["window"] += B * geo.windowed
             bound = tol + rounding
             assert np.all(err <= bound), (float(err.max()), spec, K, int(np.argmax(err / bound)), bound.max())
             worst, cases, runs = max(worst, float(err.max())), cases + B, runs + 1

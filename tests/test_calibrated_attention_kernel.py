@@ -18,10 +18,10 @@ import torch
 
 from attncal.calibration import CalibrationConfig
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import attention_op_spec
+from attncal.graphs.contract import AttentionGeometry, attention_op_spec, geometry_from_attrs
 from attncal.graphs.single_op import single_op_model
 from support.masks import mixed_mask
-from support.oracle_loop import attention_oracle_errors, random_attention_batch, run_oracle_loop
+from support.oracle_loop import attention_oracle_errors, kv_heads, random_attention_batch, run_oracle_loop
 from support.tensors import random_qkv
 from test_calibrated_attention import feeds, random_attention_spec, tally
 from test_native_kernel import library  # noqa: F401  (the built-library fixture)
@@ -41,43 +41,65 @@ def session(model: onnx.ModelProto, library: Path, threads: int = 1) -> ort.Infe
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+GEOMETRY_TALLIES = ("gqa", "mqa", "causal", "sliding_causal", "sliding", "one_bound")
+
+
+def tally_geometry(seen: dict, geo: AttentionGeometry, N: int, B: int) -> None:
+    n_kv = geo.num_kv_heads or N
+    kind = {(True, True): "sliding", (False, True): "one_bound", (True, False): "one_bound"}
+    seen["gqa"] += B * (1 < n_kv < N)
+    seen["mqa"] += B * (n_kv == 1 < N)
+    if geo.windowed:
+        left, right = geo.window_left >= 0, geo.window_right >= 0
+        name = ("causal" if not left else "sliding_causal") if geo.window_right == 0 else kind[(left, right)]
+        seen[name] += B
+
+
+@pytest.mark.parametrize("geometry", [False, True], ids=["mha", "geometry"])
 @pytest.mark.parametrize("float16,tol", [(False, 1e-6), (True, 2e-3)], ids=["fp32", "fp16"])
-def test_kernel_matches_oracle_on_20000_cases(library, attention_count, float16, tol):
+def test_kernel_matches_oracle_on_20000_cases(library, attention_count, float16, tol, geometry):
     """The bound is `tol` plus the float32 rounding of the scores (`score_rounding`, as for the
     function body: the contract computes the scores in float32, so their rounding is part of the op;
-    zero for the half of the attribute sets whose scores are exact in float32)."""
-    rng = random.Random(2201 + float16)
+    zero for the half of the attribute sets whose scores are exact in float32).  `geometry`: every
+    attribute set also draws grouped key/value heads and a window (`random_geometry`)."""
+    rng = random.Random(2201 + float16 + 10 * geometry)
     gen = torch.Generator().manual_seed(22)
     dtype = torch.float16 if float16 else torch.float32
     before = attention_count()
     worst_exact = 0.0
 
     def configure():
-        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8, 16], max_heads=2)
+        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8, 16],
+                                                                     max_heads=4 if geometry else 2, geometry=geometry)
         return S, N, D, D_v, exact, scale, rc, spec, session(single_op_model(spec, float16=float16), library, threads=2)
 
     def run(config, seen):
         nonlocal worst_exact
         S, N, D, D_v, exact, scale, rc, spec, sess = config
+        geo = geometry_from_attrs(spec.attrs)
         # Long rows now and then: more than one block of query rows per head (the kernel's unit; the
         # per-row float64 oracle makes them slow, and test_threads_give_identical_bits has more).
         # Mean pooling calibrates every row, cls/last one: the oracle's cost sets the lengths.
         K = rng.randint(1, 12 if rc.all_rows else 32) if rng.random() < 0.98 else rng.randint(280, 320)
         B = rng.randint(8, 24) if K < 100 else 1
-        mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.15)
+        mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.15,
+                                                         geometry=geo)
         (out,) = sess.run(None, feeds(q, k, v, mask))
-        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16)
+        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16, geo)
         assert np.all(err <= tol + rounding), (float(err.max()), spec, K, int(np.argmax(err - rounding)))
         if exact:
             worst_exact = max(worst_exact, float(err.max()))
             seen["exact_scores"] += B
         seen["multi_block"] += B * (K >= 280)
         tally(seen, rc, mask, S, dead, q1, scale)
+        if geometry:
+            tally_geometry(seen, geo, N, B)
         return B, float(err.max())
 
     loop = run_oracle_loop(20000, configure, run, runs_per_config=3, seen=(
         "cls", "last", "mean", "left", "right", "holes", "empty_item", "partial", "empty_basket", "q1", "lambda0",
-        "skip_short", "iso_first", "iso_last", "equal", "original", "fixed", "scale0", "exact_scores", "multi_block"))
+        "skip_short", "iso_first", "iso_last", "equal", "original", "fixed", "scale0", "exact_scores", "multi_block",
+        *(GEOMETRY_TALLIES if geometry else ())))
     assert attention_count() - before == loop.runs, "every run must execute the native kernel"
     print(f"\ncalibrated attention kernel {'fp16' if float16 else 'fp32'}: {loop.cases} cases in {loop.runs} runs, max "
           f"abs err {loop.worst:.3g} ({worst_exact:.3g} with exact float32 scores), {loop.seen}")
@@ -129,8 +151,11 @@ def test_nan_in_a_key_or_query_stays_in_its_item_and_rows(library):
 @pytest.mark.parametrize("shapes,attrs,message", [
     (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 4)), {}, "attention_mask must be [B,S_k]=[2,5], got [2,4]"),
     (((2, 5, 6), (2, 5, 6), (2, 5, 6, 1), (2, 5)), {}, "Invalid rank for input: value"),  # ORT's own check
-    (((2, 5, 6), (2, 5, 4), (2, 5, 6), (2, 5)), {}, "query and key must have the same last dimension"),
-    (((2, 5, 7), (2, 5, 7), (2, 5, 6), (2, 5)), {}, "divisible by num_heads=2"),
+    (((2, 5, 6), (2, 5, 4), (2, 5, 6), (2, 5)), {}, "key's 2 heads of the same D (num_kv_heads)"),
+    (((2, 5, 7), (2, 5, 7), (2, 5, 6), (2, 5)), {}, "query's last dimension must be num_heads=2 heads of D"),
+    (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {"num_kv_heads": 1}, "key's 1 heads of the same D"),
+    (((2, 5, 6), (2, 5, 3), (2, 5, 6), (2, 5)), {"num_kv_heads": 3}, "num_kv_heads must divide num_heads=2"),
+    (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {"window_left": -2}, "must be >= 0, or -1 for no limit"),
     (((2, 1, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {}, "AllRowsCalibratedAttention needs S_q == S_k"),
     (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {"num_heads": 0}, "num_heads must be >= 1"),
     (((2, 5, 6), (2, 5, 6), (2, 5, 6), (2, 5)), {"scale": -1.0}, "scale must be finite and >= 0"),
@@ -146,6 +171,15 @@ def test_bad_shapes_and_attributes_are_refused_with_the_reason(library, shapes, 
     with pytest.raises(Exception) as info:
         session(model, library).run(None, inputs)
     assert message in str(info.value), str(info.value)
+
+
+def test_a_window_needs_self_attention(library):
+    spec = attention_op_spec(CalibrationConfig(pooling="cls").resolve(), 0, num_heads=1,
+                             geometry=AttentionGeometry(window_right=0))
+    x = np.ones((1, 5, 4), np.float32)
+    with pytest.raises(Exception, match="a window .* needs S_q == S_k"):
+        session(single_op_model(spec, with_function=False), library).run(
+            None, {"query": x[:, :1], "key": x, "value": x, "attention_mask": np.ones((1, 5), np.int64)})
 
 
 def test_pooled_op_accepts_one_query_row(library):
@@ -191,6 +225,39 @@ def test_long_rows_over_key_tiles_match_the_oracle(library, pooling):
     finite = ~np.isnan(ref)
     assert np.abs(out[finite] - ref[finite]).max() <= 1e-5
     np.testing.assert_allclose(out[4], np.broadcast_to(v[4].numpy().mean(0), out[4].shape), atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling,geometry", [
+    ("last", AttentionGeometry(num_kv_heads=2, window_right=0)),  # causal GQA (Qwen3)
+    ("cls", AttentionGeometry(num_kv_heads=1, window_left=300, window_right=300)),  # sliding both sides, MQA
+    ("last", AttentionGeometry(window_left=500, window_right=0)),  # causal sliding window
+    ("cls", AttentionGeometry(window_left=-1, window_right=700)),  # one bound only
+], ids=["causal-gqa", "sliding-mqa", "causal-sliding", "right-bound"])
+def test_long_rows_with_windows_and_gqa_match_the_oracle(library, pooling, geometry):
+    """Key tiles under a window: tiles outside every row's window are skipped, the others masked key by key;
+    right and left padding (padding rows that see no valid key in their window: uniform over all keys), and
+    an item whose query carries a component large enough that no skip can be bounded (its rows are computed
+    again without skipping and must equal the skipped item's bit for bit).  Against the float64 oracle, at 1
+    and 2 threads bit for bit."""
+    rc = CalibrationConfig(pooling=pooling, basket_size=128).resolve()
+    N = 4
+    spec = attention_op_spec(rc, 0, num_heads=N, geometry=geometry)
+    gen = torch.Generator().manual_seed(25)
+    B, K = 4, 2100
+    q, k, v = random_qkv(gen, B, K, K, N, 8, 8, torch.float32, temp=2.0)
+    k, v = kv_heads(k, N, geometry), kv_heads(v, N, geometry)
+    q[3], k[3], v[3] = q[0], k[0], v[0]
+    k[:, :, 0::8] = 0.0  # component 0 of every key head: zero
+    q[3, :, 0::8] = 1e19  # so item 3's scores equal item 0's, but no bound on a skipped tile holds
+    mask = torch.ones(B, K, dtype=torch.int64)
+    mask[1, 1500:] = 0
+    mask[2, :1700] = 0
+    ref = attention_reference(q, k, v, mask, rc, N, 0.0, **vars(geometry)).numpy()
+    outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask))[0] for t in (1, 2)]
+    assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
+    out = outs[0]
+    assert np.isfinite(out).all() and np.array_equal(out[0], out[3])
+    assert np.abs(out[:3] - ref[:3]).max() <= 1e-5
 
 
 def test_long_rows_calibrated_in_blocks_past_l2_match_the_oracle(library):

@@ -123,6 +123,45 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
     assert ("in all 4 layers" if fuses else "no onnx/model_optimized.onnx is written") in meta["optimizer"]
     # Rotary embeddings, relative bias or grouped KV heads: ORT's BERT fusion cannot match, so it is not tried.
     assert ("was not tried" in meta["optimizer"]) == (arch in ("qwen3", "modernbert", "gemma3_text", "t5", "mpnet"))
+    # Without it, the native graph is the plain export with the calibrated attention op in every layer, its
+    # window read from the exported mask; T5's and MPNet's relative position bias is not in the op.
+    native = meta["graphs"].get("onnx/model_optimized_native.onnx")
+    assert (native is None) == (arch in ("t5", "mpnet"))
+    if arch in PLAIN_NATIVE_GEOMETRY:
+        assert native["any_padding"] and native["parity"]["ok"] and native["parity"]["max_abs"] <= 1e-5
+        assert native["attention_geometry"] == PLAIN_NATIVE_GEOMETRY[arch]
+        model = onnx.load(str(out / "onnx" / "model_optimized_native.onnx"), load_external_data=False)
+        ops = [n.op_type for n in model.graph.node]
+        assert "Softmax" not in ops and sum(n.domain == DOMAIN for n in model.graph.node) == 4
+        strengths = [next(a.f for a in n.attribute if a.name == "strength") for n in model.graph.node
+                     if n.domain == DOMAIN]
+        assert strengths == pytest.approx([0.0, 0.0, 0.8, 0.8])  # calibration off in the layers it does not select
+
+
+# The synthetic models' masks (attncal.synthetic): Qwen3 causal with 2 key/value heads; Gemma3 bidirectional
+# sliding windows in even layers (|q - k| < 13 from sliding_window=24, as transformers builds it), 2 key/value
+# heads; ModernBERT local attention (64: |q - k| <= 32) in odd layers.
+PLAIN_NATIVE_GEOMETRY = {
+    "qwen3": [{"num_kv_heads": 2, "window_right": 0}] * 4,
+    "gemma3_text": [{"num_kv_heads": 2, "window_left": 12, "window_right": 12}, {"num_kv_heads": 2}] * 2,
+    "modernbert": [{}, {"window_left": 32, "window_right": 32}] * 2,
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_uncalibrated_native_graph_runs_either_padding_side(arch, tiny_models, tmp_path):
+    """An uncalibrated export gets the native graph too (every layer the op with strength 0); the runtime
+    picks it where the library is loaded, and it equals the portable graph on both padding sides."""
+    out = tmp_path / "out"
+    meta = export(tiny_models[arch], out, ExportOptions(calibrate=False), quiet=True)
+    assert meta["graphs"]["onnx/model_optimized_native.onnx"]["parity"]["ok"]
+    native = Encoder(out, providers=["CPUExecutionProvider"], native=True)
+    portable = Encoder(out, providers=["CPUExecutionProvider"], graph="portable")
+    assert native.graph_file == "onnx/model_optimized_native.onnx"
+    for side in ("left", "right"):
+        native.padding_side = portable.padding_side = side
+        got, want = native.encode(TEXTS, batch_size=6), portable.encode(TEXTS, batch_size=6)
+        assert np.abs(got - want).max() <= 1e-5, side
 
 
 def test_rewrite_is_idempotent_and_reports_missing_patterns(base_exports, tmp_path):

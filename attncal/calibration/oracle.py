@@ -72,7 +72,9 @@ def _calibrate_row(
     c0 = start + int(iso_first)
     C = length - n_iso
     S = rc.basket_size
-    if C <= 0 or (rc.skip_short and C < S):
+    if C <= 0 or (rc.skip_short and C < S) or rc.strength == 0:
+        # Strength 0 leaves every row as it is (the contract): a row holding mass at masked keys (one whose
+        # window sees no valid key is uniform over all keys) keeps it.
         return None
     if not np.all(np.isfinite(a)):
         # Step 0: NaN in, NaN out.  A row with no softmax (scores all -inf, or holding a NaN or
@@ -128,20 +130,35 @@ def attention_reference(
     config: CalibrationConfig | ResolvedCalibration,
     num_heads: int,
     scale: float = 0.0,
+    num_kv_heads: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> torch.Tensor:
     """The calibrated attention ops' contract (attncal.graphs.contract) in float64: `reference` applied
-    to the softmax of scale·Q·Kᵀ plus float32's lowest finite value at masked keys, times V.
+    to the softmax of scale·Q·Kᵀ plus float32's lowest finite value at keys that are masked or outside
+    the query's window, times V.
 
-    `query` [B,S_q,N*D], `key` [B,S_k,N*D], `value` [B,S_k,N*D_v], `attention_mask` [B,S_k];
-    returns the float64 context [B,S_q,N*D_v]."""
+    `query` [B,S_q,N*D], `key` [B,S_k,N_kv*D], `value` [B,S_k,N_kv*D_v], `attention_mask` [B,S_k]
+    (N_kv = `num_kv_heads`, 0 meaning N; query head h reads key/value head h // (N / N_kv)); returns
+    the float64 context [B,S_q,N*D_v]."""
     B, S_q, _ = query.shape
+    S_k = key.shape[1]
+    n_kv = num_kv_heads or num_heads
 
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.detach().cpu().double().reshape(B, x.shape[1], num_heads, -1).transpose(1, 2)
+    def heads(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.detach().cpu().double().reshape(B, x.shape[1], n, -1).transpose(1, 2)
 
-    q, k, v = heads(query), heads(key), heads(value)
+    q = heads(query, num_heads)
+    k = heads(key, n_kv).repeat_interleave(num_heads // n_kv, dim=1)
+    v = heads(value, n_kv).repeat_interleave(num_heads // n_kv, dim=1)
     s = float(scale) if scale != 0 else 1.0 / float(np.sqrt(q.shape[-1]))
-    bias = torch.where(attention_mask.cpu() != 0, 0.0, float(np.finfo(np.float32).min)).double()
-    probs = torch.softmax(s * (q @ k.transpose(-1, -2)) + bias[:, None, None, :], -1)
+    visible = (attention_mask.cpu() != 0)[:, None, None, :].expand(B, 1, S_q, S_k)
+    offset = torch.arange(S_k)[None, :] - torch.arange(S_q)[:, None]  # k - q
+    if window_left >= 0:
+        visible = visible & (offset >= -window_left)
+    if window_right >= 0:
+        visible = visible & (offset <= window_right)
+    bias = torch.where(visible, 0.0, float(np.finfo(np.float32).min)).double()
+    probs = torch.softmax(s * (q @ k.transpose(-1, -2)) + bias, -1)
     out = reference(probs, attention_mask.cpu(), config) @ v  # [B,N,S_q,D_v]
     return out.transpose(1, 2).reshape(B, S_q, -1)

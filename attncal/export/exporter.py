@@ -449,6 +449,8 @@ def export(
             if ts_raw is not None:
                 _optimized_graph_step(run, ts_raw)
                 _native_graph(run, ts_raw)
+            elif plan.opts.optimized:
+                _native_plain_graph(run)
             shutil.rmtree(tmp / ".raw", ignore_errors=True)
             _quantize(run)
             meta = _metadata(run)
@@ -644,6 +646,42 @@ def _native_graph(run: _Run, ts_raw: Path) -> None:
         del native_model
     run.cache.clear()
     shutil.rmtree(run.ts_root, ignore_errors=True)
+
+
+def _native_plain_graph(run: _Run) -> None:
+    """onnx/model_optimized_native.onnx for a model without an ORT-optimized graph: torch's export with the
+    calibrated attention op in every layer (`attncal.graphs.plain_attention_placement`), calibrated or not,
+    for the native library.  Where the rewrite does not apply, the log says why and the export goes on
+    without it (the portable graph is complete)."""
+    import onnx_ir as ir
+
+    from ..artifact import CONFIG_FILE, config_int, read_json
+    from ..graphs import plain_attention_placement as pap
+    from ..graphs.placement_names import ATTENTION
+    from ..modelinfo import declared_attention_window
+
+    plan, info = run.plan, run.plan.info
+    cfg = read_json(info.path / CONFIG_FILE, "model config")
+    heads = config_int(info.path, "num_attention_heads")
+    shape = pap.ModelShape(heads, int(cfg.get("num_key_value_heads") or heads),
+                           plan.opts.max_length or info.max_seq_length or int(cfg.get("max_position_embeddings") or 512),
+                           declared_attention_window(cfg))
+    run.meter.step("native graph")
+    model = ir.load(run.raw_path)
+    try:
+        placed = pap.place(model, plan.config, plan.pooling, info.num_layers, shape)
+    except pap.REFUSALS as exc:
+        run.log(f"note: no {NATIVE_GRAPH}: the calibrated attention op does not replace this model's attention "
+                f"({_first_line(exc)})")
+        return
+    run.log(f"[2/4] native graph: the calibrated attention op in every layer ({NATIVE_GRAPH})")
+    run.graphs[NATIVE_GRAPH] = {
+        "placement": ATTENTION, "fused_attention": placed.result.fused_attention, "any_padding": True,
+        "attention_geometry": [g.attrs() for g in placed.geometries],
+        "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library is loaded "
+                   f"on the CPU, else {ONNX_SUBDIR}/{ONNX_FILE})"}
+    _write_graph(model, run.tmp / NATIVE_GRAPH, run.tmp / ".raw" / "stage-native", run.plan.estimate.weights)
+    del model
 
 
 def _quantize(run: _Run) -> None:

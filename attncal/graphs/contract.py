@@ -69,22 +69,37 @@ never run on a GPU yet).
   `PooledRowCalibratedAttention` S_q == S_k or S_q == 1 (the single query is
   the pooling token's, as row placement computes it).
 * Attributes: every attribute of the calibration op (`pool_last` on the pooled
-  op only), plus `num_heads` (N >= 1; the last dimension of `query` and `key`
-  is N·D, of `value` N·D_v) and `scale` (0 means 1/sqrt(D)).
+  op only), plus `num_heads` (N >= 1; the last dimension of `query` is N·D),
+  `scale` (0 means 1/sqrt(D)), and the optional geometry (`AttentionGeometry`;
+  written only where it differs from its default):
+  - `num_kv_heads` (N_kv, dividing N; 0 means N): `key` is [B,S_k,N_kv*D] and
+    `value` [B,S_k,N_kv*D_v]; query head h reads key/value head
+    h // (N / N_kv) (grouped-query attention, as transformers' repeat_kv).
+  - `window_left`, `window_right` (-1 = no limit): query row q sees key k only
+    when q - window_left <= k <= q + window_right (window_right 0 is causal
+    attention; both are sliding windows).  Needs S_q == S_k.
 * Output: `context` T[B,S_q,N*D_v], heads merged in the same layout.
 * Semantics, per batch item b and head h (q, k, v: that head's D or D_v
   columns), computed in float32 for both T (float16 inputs are cast to float32
   exactly, only the context is rounded to float16; the calibration math is in
   float32 for float16 inputs as in every body):
       scores[b,h] = scale·q·kᵀ + mask_bias[b]            float32 [S_q,S_k]
-      mask_bias[b,k] = 0 for a valid key, float32's lowest finite value
-                       (-3.4028235e38) for a masked key, added (as
-                       transformers masks, in its compute dtype)
+      mask_bias[b,q,k] = 0 for a valid key inside q's window, float32's
+                       lowest finite value (-3.4028235e38) for a masked key
+                       or one outside the window (once, not twice), added
+                       (as transformers masks, in its compute dtype)
       probs = <Softmax-fused op>(scores, attention_mask)   (same attributes)
       context[b,:,h] = probs[b,h]·v
   The middle step is exactly `SoftmaxPooledRowCalibration` /
   `SoftmaxAllRowsCalibration` on the [B,N,S_q,S_k] scores: the same rows are
-  calibrated, with the same rules for fully masked and non-finite rows.
+  calibrated, with the same rules for fully masked and non-finite rows.  The
+  calibration's baskets come from `attention_mask` alone, as in the graphs the
+  op replaces (their calibration op reads the windowed probabilities and the
+  padding mask): a key outside a calibrated row's window has probability 0 and
+  takes its basket's share like any valid key of probability 0.
+  A row that sees no valid key (a fully masked item, or a window holding only
+  padding) has every score at the lowest value: it is uniform over all S_k
+  keys, as transformers' masked softmax gives.
 * Fully masked rows.  With the lowest-finite additive mask, a row whose keys are
   all masked (an item with no valid key: every row of it) has all scores equal
   to the lowest value (s + lowest rounds to lowest for any |s| < 1e31), so its
@@ -161,8 +176,16 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     "layer": ("int", "informational"),
     "num_heads": ("int", ">= 1; calibrated attention ops only"),
     "scale": ("float", "score scale; 0 = 1/sqrt(head_size); calibrated attention ops only"),
+    "num_kv_heads": ("int", "key/value heads (GQA / MQA), divides num_heads; 0 = num_heads; attention ops only"),
+    "window_left": ("int", "keys at most this many positions before the query; -1 = no limit; attention ops only"),
+    "window_right": ("int", "keys at most this many positions after the query; -1 = no limit, 0 = causal; "
+                            "attention ops only"),
 }
-_ATTENTION_ONLY = ("num_heads", "scale")
+# The attention geometry: optional, with these defaults (plain multi-head attention over every key), and
+# written only where a node differs from them, so that graphs without a window or GQA stay what they were
+# and run on libraries built before these attributes.
+GEOMETRY_DEFAULTS: dict[str, int] = {"num_kv_heads": 0, "window_left": -1, "window_right": -1}
+_ATTENTION_ONLY = ("num_heads", "scale", *GEOMETRY_DEFAULTS)
 
 
 def _check(op_type: str) -> str:
@@ -261,15 +284,55 @@ def op_spec(rc: ResolvedCalibration, layer: int, *, fused_softmax: bool = False)
     return OpSpec(with_softmax(spec.op_type), spec.attrs) if fused_softmax else spec
 
 
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Which keys a query row sees, and how many key/value heads there are: the attention ops' optional
+    attributes.  A key k is visible to the query at position q when q - window_left <= k <= q +
+    window_right (a bound of -1 is no bound; window_right 0 is causal attention).  Windows need
+    self-attention (S_q == S_k)."""
+
+    num_kv_heads: int = 0  # 0 = num_heads (multi-head attention)
+    window_left: int = -1
+    window_right: int = -1
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    def attrs(self) -> dict[str, int]:
+        """The attributes that differ from the defaults (`GEOMETRY_DEFAULTS`)."""
+        return {k: int(v) for k, v in vars(self).items() if int(v) != GEOMETRY_DEFAULTS[k]}
+
+    def check(self, num_heads: int) -> None:
+        if self.num_kv_heads < 0 or (self.num_kv_heads and num_heads % self.num_kv_heads):
+            raise ValueError(f"num_kv_heads must divide num_heads={num_heads} (0 = num_heads), got {self.num_kv_heads}")
+        if self.window_left < -1 or self.window_right < -1:
+            raise ValueError(f"window_left and window_right must be >= 0, or -1 for no limit; got "
+                             f"{self.window_left} and {self.window_right}")
+
+
+FULL_ATTENTION = AttentionGeometry()
+
+
 def attention_op_spec(rc: ResolvedCalibration, layer: int, num_heads: int, scale: float = 0.0,
-                      projected: bool = False) -> OpSpec:
+                      projected: bool = False, geometry: AttentionGeometry = FULL_ATTENTION) -> OpSpec:
     """The calibrated attention node for `rc` in layer `layer` (with the Q, K and V projection inside
-    when `projected`): `op_spec`'s attributes plus `num_heads` and `scale` (0 = 1/sqrt(head_size))."""
+    when `projected`): `op_spec`'s attributes plus `num_heads`, `scale` (0 = 1/sqrt(head_size)) and
+    the geometry's attributes where they differ from the defaults."""
     if int(num_heads) < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    geometry.check(int(num_heads))
+    if projected and geometry.num_kv_heads not in (0, int(num_heads)):
+        raise ValueError("the projected attention ops take ONNX Runtime's packed Q|K|V weight, which has as many "
+                         f"key/value heads as query heads; got num_kv_heads={geometry.num_kv_heads}")
     spec = op_spec(rc, layer)
     return OpSpec(with_attention(spec.op_type, projected),
-                  {**spec.attrs, "num_heads": int(num_heads), "scale": float(scale)})
+                  {**spec.attrs, "num_heads": int(num_heads), "scale": float(scale), **geometry.attrs()})
+
+
+def geometry_from_attrs(attrs: dict[str, int | float]) -> AttentionGeometry:
+    """The geometry a calibrated attention node's attributes give (absent ones: the defaults)."""
+    return AttentionGeometry(**{k: int(attrs.get(k, v)) for k, v in GEOMETRY_DEFAULTS.items()})
 
 
 def resolved_from_attrs(op_type: str, attrs: dict[str, int | float]) -> ResolvedCalibration:

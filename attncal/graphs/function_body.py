@@ -20,10 +20,11 @@ every key; rows that are not calibrated keep multiplier 1, NaN included.  The
 Softmax-fused bodies start with ONNX Softmax, which gives NaN for a row of
 -inf scores: their output is exactly Softmax followed by the separate op.
 
-The calibrated attention bodies (`_attention_body`) split the heads, compute the
-float32 scores scale·Q·Kᵀ + mask bias, run the Softmax-fused body on them
-(`_softmax_body`, the same nodes as the Softmax-fused ops'), multiply by V and
-merge the heads.
+The calibrated attention bodies (`_attention_body`) split the heads (repeating
+each key/value head for its query heads under GQA), compute the float32 scores
+scale·Q·Kᵀ + mask bias (padding and the window, one [B,1,S_q,S_k] bias), run the
+Softmax-fused body on them (`_softmax_body`, the same nodes as the Softmax-fused
+ops'), multiply by V and merge the heads.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import itertools
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from .contract import (ALL_OP_TYPES, DOMAIN, attribute_names, input_names, is_all_rows, is_attention, is_projected,
-                       takes_scores)
+from .contract import (ALL_OP_TYPES, DOMAIN, GEOMETRY_DEFAULTS, attribute_names, input_names, is_all_rows,
+                       is_attention, is_projected, takes_scores)
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
 
@@ -249,33 +250,56 @@ def _attention_body(b: _Builder, all_rows: bool) -> str:
     product with V, and the heads merged; only the context is cast back to the inputs' type."""
     f32 = TensorProto.FLOAT
     N = b.op("Unsqueeze", b.attr("num_heads", "int"), b.axes(0))  # [1]
+    zero_i = b.const_i(0)
+    kv_attr = b.op("Unsqueeze", b.attr("num_kv_heads", "int"), b.axes(0))
+    N_kv = b.op("Where", b.op("Equal", kv_attr, zero_i), N, kv_attr)  # [1]; 0 means N
+    G = b.op("Div", N, N_kv)  # query heads per key/value head
     scale_attr = b.attr("scale", "float")
     q_shape = b.op("Shape", "query")  # [B, S_q, N*D]
     bs_q = b.op("Slice", q_shape, b.axes(0), b.axes(2))
     D = b.op("Div", b.op("Slice", q_shape, b.axes(2), b.axes(3)), N)  # [1]
     bs_k = b.op("Slice", b.op("Shape", "key"), b.axes(0), b.axes(2))
     v_shape = b.op("Shape", "value")
-    D_v = b.op("Div", b.op("Slice", v_shape, b.axes(2), b.axes(3)), N)
+    D_v = b.op("Div", b.op("Slice", v_shape, b.axes(2), b.axes(3)), N_kv)
 
-    def heads(x: str, bs: str, d: str, perm: list[int]) -> str:
-        """[B,S,N*d] -> float32, split into heads and transposed by `perm` from [B,S,N,d]."""
-        split = b.op("Reshape", b.op("Cast", x, to=f32), b.op("Concat", bs, N, d, axis=0))
+    def heads(x: str, bs: str, n: str, d: str, perm: list[int]) -> str:
+        """[B,S,n*d] -> float32, split into n heads and transposed by `perm` from [B,S,n,d]."""
+        split = b.op("Reshape", b.op("Cast", x, to=f32), b.op("Concat", bs, n, d, axis=0))
         return b.op("Transpose", split, perm=perm)
 
-    q = heads("query", bs_q, D, [0, 2, 1, 3])  # [B,N,S_q,D]
-    k_t = heads("key", bs_k, D, [0, 2, 3, 1])  # [B,N,D,S_k]
-    v = heads("value", bs_k, D_v, [0, 2, 1, 3])  # [B,N,S_k,D_v]
+    def grouped(x: str) -> str:
+        """[B,N_kv,a,c] -> [B,N,a,c]: each key/value head repeated for its G query heads (repeat_kv)."""
+        shape = b.op("Shape", x)
+        five = b.op("Concat", b.op("Slice", shape, b.axes(0), b.axes(2)), G, b.op("Slice", shape, b.axes(2), b.axes(4)),
+                    axis=0)
+        wide = b.op("Expand", b.op("Unsqueeze", x, b.axes(2)), five)  # [B,N_kv,G,a,c]
+        return b.op("Reshape", wide, b.op("Concat", b.op("Slice", shape, b.axes(0), b.axes(1)), N,
+                                           b.op("Slice", shape, b.axes(2), b.axes(4)), axis=0))
+
+    q = heads("query", bs_q, N, D, [0, 2, 1, 3])  # [B,N,S_q,D]
+    k_t = grouped(heads("key", bs_k, N_kv, D, [0, 2, 3, 1]))  # [B,N,D,S_k]
+    v = grouped(heads("value", bs_k, N_kv, D_v, [0, 2, 1, 3]))  # [B,N,S_k,D_v]
     zero_f = b.const_f(0.0)
     default_scale = b.op("Div", b.const_f(1.0), b.op("Sqrt", b.op("Cast", b.op("Squeeze", D), to=f32)))
     scale = b.op("Where", b.op("Equal", scale_attr, zero_f), default_scale, scale_attr)
-    # Masked keys: float32's lowest finite value added (transformers' additive mask), [B,1,1,S_k].
-    valid = b.op("Not", b.op("Equal", "attention_mask", b.const_i(0)))
+    # Visible keys: valid, and inside the query's window, [B,1,S_q,S_k]; the others get float32's lowest
+    # finite value added once (transformers' additive mask).
+    valid = b.op("Unsqueeze", b.op("Not", b.op("Equal", "attention_mask", zero_i)), b.axes(1, 2))
+    one_i = b.const_i(1)
+    S_q = b.op("Squeeze", b.op("Slice", q_shape, b.axes(1), b.axes(2)))
+    S_k = b.op("Squeeze", b.op("Slice", bs_k, b.axes(1), b.axes(2)))
+    offset = b.op("Sub", b.op("Unsqueeze", b.op("Range", zero_i, S_k, one_i), b.axes(0)),
+                  b.op("Unsqueeze", b.op("Range", zero_i, S_q, one_i), b.axes(1)))  # [S_q,S_k]: k - q
+    for name, bound in (("window_left", lambda w: b.op("Neg", w)), ("window_right", lambda w: w)):
+        w = b.attr(name, "int")
+        inside = (b.op("GreaterOrEqual", offset, bound(w)) if name == "window_left"
+                  else b.op("LessOrEqual", offset, bound(w)))
+        valid = b.op("And", valid, b.op("Or", b.op("Less", w, zero_i), inside))
     bias = b.op("Where", valid, zero_f, b.const_f(float(-3.4028234663852886e38)))
-    bias = b.op("Unsqueeze", bias, b.axes(1, 2))
     scores = b.op("Add", b.op("MatMul", b.op("Mul", q, scale), k_t), bias)  # [B,N,S_q,S_k]
     probs = _softmax_body(b, scores, all_rows)  # the Softmax-fused ops' body, float32
     context = b.op("Transpose", b.op("MatMul", probs, v), perm=[0, 2, 1, 3])  # [B,S_q,N,D_v]
-    out_shape = b.op("Concat", bs_q, b.op("Slice", v_shape, b.axes(2), b.axes(3)), axis=0)
+    out_shape = b.op("Concat", bs_q, b.op("Mul", D_v, N), axis=0)
     return b.op("CastLike", b.op("Reshape", context, out_shape), "query")
 
 
@@ -308,6 +332,9 @@ def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
         out = _body(b, all_rows=is_all_rows(op_type))
     output = "context" if is_attention(op_type) else "calibrated"
     b.nodes.append(helper.make_node("Identity", [out], [output]))
+    # The optional geometry attributes carry their defaults in the function (a node may lack them).
+    names = attribute_names(op_type)
+    defaults = [helper.make_attribute(n, v) for n, v in GEOMETRY_DEFAULTS.items() if n in names]
     return helper.make_function(
         DOMAIN,
         op_type,
@@ -315,6 +342,7 @@ def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
         outputs=[output],
         nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)],
-        attributes=attribute_names(op_type),
+        attributes=[n for n in names if n not in GEOMETRY_DEFAULTS],
+        attribute_protos=defaults,
         doc_string=f"attncal calibration op {op_type} (contract v1); see attncal.graphs.contract",
     )

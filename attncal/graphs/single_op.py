@@ -12,8 +12,8 @@ from .function_body import make_function
 def single_op_model(spec: OpSpec, opset: int = 18, float16: bool = False, with_function: bool = True) -> onnx.ModelProto:
     """`calibrated = <op>(probs, attention_mask)` with dynamic [B,H,Q,K] / [B,K] inputs (the first
     input is named `scores` for the Softmax-fused ops).  For the calibrated attention ops:
-    `context = <op>(query, key, value, attention_mask)` with dynamic [B,S_q,N*D], [B,S_k,N*D],
-    [B,S_k,N*D_v], [B,S_k] inputs and a [B,S_q,N*D_v] output; for the projected ones
+    `context = <op>(query, key, value, attention_mask)` with dynamic [B,S_q,N*D], [B,S_k,N_kv*D],
+    [B,S_k,N_kv*D_v], [B,S_k] inputs and a [B,S_q,N*D_v] output; for the projected ones
     `context = <op>(input, weight, bias, attention_mask)` with [B,S,H_in], [H_in,3*N*D], [3*N*D],
     [B,S] inputs (weight and bias as graph inputs here) and a [B,S,N*D] output."""
     dtype = TensorProto.FLOAT16 if float16 else TensorProto.FLOAT
@@ -27,9 +27,10 @@ def single_op_model(spec: OpSpec, opset: int = 18, float16: bool = False, with_f
         outputs = [helper.make_tensor_value_info(output, dtype, ["B", "S", "ND"])]
     elif is_attention(spec.op_type):
         output = "context"
+        # key and value hold N_kv heads (GQA), the context N.
         inputs = [helper.make_tensor_value_info("query", dtype, ["B", "S_q", "ND"]),
-                  helper.make_tensor_value_info("key", dtype, ["B", "S_k", "ND"]),
-                  helper.make_tensor_value_info("value", dtype, ["B", "S_k", "ND_v"]),
+                  helper.make_tensor_value_info("key", dtype, ["B", "S_k", "NkvD"]),
+                  helper.make_tensor_value_info("value", dtype, ["B", "S_k", "NkvD_v"]),
                   helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S_k"])]
         outputs = [helper.make_tensor_value_info(output, dtype, ["B", "S_q", "ND_v"])]
     else:

@@ -72,8 +72,9 @@ def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]
     has_opt, has_native = (out_dir / OPTIMIZED_GRAPH).exists(), (out_dir / NATIVE_GRAPH).exists()
     if graph == "native":
         if not has_native:
-            raise MissingArtifactError(out_dir / NATIVE_GRAPH, "missing (a calibrated export of a BERT-family model "
-                                                               "without --no-optimized writes it)")
+            raise MissingArtifactError(out_dir / NATIVE_GRAPH, "missing (an export without --no-optimized writes "
+                                                               "it: for the BERT family when calibrated, for other "
+                                                               "models where the attention op replaces theirs)")
         return NATIVE_GRAPH
     if graph == "optimized":
         if not has_opt:
@@ -100,6 +101,15 @@ def planned_graph(out_dir: str | os.PathLike, providers: Sequence[str] | None = 
 
         lib = oplib.resolve_library(native, notice=False)
     return select_graph(out, meta, graph, providers, lib)
+
+
+def needs_right_padding(meta: dict, graph_file: str) -> bool:
+    """Whether a graph keeps ONNX Runtime's fused attention, which takes key lengths (so a token after
+    padding would be dropped): the optimized graph, and the native graph made from it.  The native graph
+    of a plain export (`any_padding` in its entry) masks every key and takes either padding side."""
+    if graph_file not in (OPTIMIZED_GRAPH, NATIVE_GRAPH):
+        return False
+    return not ((meta.get("graphs") or {}).get(graph_file) or {}).get("any_padding", False)
 
 
 def graph_has_custom_op(meta: dict, graph_file: str) -> bool:
@@ -253,7 +263,7 @@ class Encoder:
 
     def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Raw session call: (last_hidden_state, sentence_embedding)."""
-        if self.graph_file in (OPTIMIZED_GRAPH, NATIVE_GRAPH) and "attention_mask" in feeds:
+        if needs_right_padding(self.meta, self.graph_file) and "attention_mask" in feeds:
             m = feeds["attention_mask"] != 0
             # ORT's fused attention takes key lengths: a token after a pad would be silently dropped.
             if m.shape[1] > 1 and bool((~m[:, :-1] & m[:, 1:]).any()):

@@ -67,14 +67,15 @@ Ort::Status AttributeError(const Attributes& a, const char* op);
 // `input`: the name of input 0 in messages ("probs", or "scores" for the Softmax-fused ops).
 Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int64_t>& mask,
                         const char* input = "probs");
-// Checks query/key/value/mask shapes against the contract; fills `shape` (scale left to the caller).
+// Checks query/key/value/mask shapes against the contract (num_heads, num_kv_heads and the window from `p`);
+// fills `shape` (scale left to the caller).
 Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
                                  const std::vector<int64_t>& v, const std::vector<int64_t>& mask, bool all_rows,
-                                 int64_t num_heads, attncal::AttentionShape* shape);
+                                 const AttncalParams& p, attncal::AttentionShape* shape);
 // The projected ops' input [B,S,H_in], weight [H_in,3*N*D], bias [3*N*D] and mask [B,S]; fills `shape`
 // (the packed Q|K|V layout: row strides 3*N*D) and the input's hidden size.
 Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
-                                 const std::vector<int64_t>& b, const std::vector<int64_t>& mask, int64_t num_heads,
+                                 const std::vector<int64_t>& b, const std::vector<int64_t>& mask, const AttncalParams& p,
                                  attncal::AttentionShape* shape, int64_t* hidden_in);
 
 // What every kernel checks before it computes, in this order: the node's attributes (the error

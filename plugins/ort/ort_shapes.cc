@@ -108,13 +108,26 @@ OrtStatusPtr SetContextShape(OrtShapeInferContext* ctx, const OrtTensorTypeAndSh
 
 // context: query's [B,S_q] and value's last dimension, symbolic dims included; as InferSameAsProbs,
 // nothing is written when a dim is unknown without a name (ORT then infers it at run time).
+// Under GQA (key's last dimension N_kv*D below query's N*D) the context's N*D_v is value's N_kv*D_v times
+// N/N_kv: known when all three are numbers, else left to run time.
 OrtStatusPtr ORT_API_CALL InferAttentionContext(const OrtCustomOp*, OrtShapeInferContext* ctx) {
-  InputShape q, v;
+  InputShape q, k, v;
   if (OrtStatusPtr st = ReadInputShape(ctx, 0, 3, &q)) return st;
+  if (OrtStatusPtr st = ReadInputShape(ctx, 1, 3, &k)) return st;
   if (OrtStatusPtr st = ReadInputShape(ctx, 2, 3, &v)) return st;
-  if (!q.ok || !v.ok) return nullptr;
-  const int64_t dims[3] = {q.dims[0], q.dims[1], v.dims[2]};
-  const char* const names[3] = {q.names[0], q.names[1], v.names[2]};
+  if (!q.ok || !k.ok || !v.ok) return nullptr;
+  int64_t last = v.dims[2];
+  const char* last_name = v.names[2];
+  const bool same_heads = (q.dims[2] >= 0 && q.dims[2] == k.dims[2]) ||
+                          (q.dims[2] < 0 && k.dims[2] < 0 && q.names[2] && k.names[2] && q.names[2][0] != '\0' &&
+                           std::string(q.names[2]) == k.names[2]);
+  if (!same_heads) {
+    const bool known = q.dims[2] > 0 && k.dims[2] > 0 && v.dims[2] >= 0 && q.dims[2] % k.dims[2] == 0;
+    last = known ? v.dims[2] * (q.dims[2] / k.dims[2]) : -1;
+    last_name = "";
+  }
+  const int64_t dims[3] = {q.dims[0], q.dims[1], last};
+  const char* const names[3] = {q.names[0], q.names[1], last_name};
   return SetContextShape(ctx, q.info, dims, names);
 }
 
@@ -158,7 +171,8 @@ Ort::Status CheckShapes(const std::vector<int64_t>& probs, const std::vector<int
 
 Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
                                  const std::vector<int64_t>& v, const std::vector<int64_t>& mask, bool all_rows,
-                                 int64_t num_heads, attncal::AttentionShape* shape) {
+                                 const AttncalParams& p, attncal::AttentionShape* shape) {
+  const int64_t num_heads = p.num_heads, kv_heads = p.num_kv_heads ? p.num_kv_heads : p.num_heads;
   auto bad = [](const std::string& why) { return Ort::Status(("attncal: " + why).c_str(), ORT_INVALID_ARGUMENT); };
   if (q.size() != 3 || k.size() != 3 || v.size() != 3) {
     return bad("query, key and value must have rank 3 [B,S,N*D], got " + Dims(q) + ", " + Dims(k) + ", " + Dims(v));
@@ -167,10 +181,12 @@ Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vecto
     return bad("query " + Dims(q) + ", key " + Dims(k) + " and value " + Dims(v) +
                " must share the batch size, and key and value the key length");
   }
-  if (k[2] != q[2] || q[2] % num_heads != 0 || v[2] % num_heads != 0) {
-    return bad("query and key must have the same last dimension, and it and value's must be divisible by " +
-               std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_heads)) + "=" + std::to_string(num_heads) + "; got " +
-               Dims(q) + ", " + Dims(k) + ", " + Dims(v));
+  if (q[2] % num_heads != 0 || k[2] * num_heads != q[2] * kv_heads || v[2] % kv_heads != 0) {
+    return bad("query's last dimension must be " + std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_heads)) + "=" +
+               std::to_string(num_heads) + " heads of D, key's " + std::to_string(kv_heads) +
+               " heads of the same D (" + attncal::attr_name(ATTNCAL_ATTR_ID_num_kv_heads) +
+               "), and value's divisible by " + std::to_string(kv_heads) + "; got " + Dims(q) + ", " + Dims(k) +
+               ", " + Dims(v));
   }
   if (mask.size() != 2 || mask[0] != k[0] || mask[1] != k[1]) {
     return bad("attention_mask must be [B,S_k]=[" + std::to_string(k[0]) + "," + std::to_string(k[1]) + "], got " +
@@ -181,20 +197,31 @@ Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vecto
                                     : "PooledRowCalibratedAttention needs S_q == S_k or S_q == 1") +
                "; got query " + Dims(q) + ", key " + Dims(k));
   }
+  if ((p.window_left >= 0 || p.window_right >= 0) && q[1] != k[1]) {
+    return bad("a window (window_left, window_right) needs S_q == S_k; got query " + Dims(q) + ", key " + Dims(k));
+  }
   shape->B = q[0];
   shape->S_q = q[1];
   shape->S_k = k[1];
   shape->N = num_heads;
+  shape->N_kv = kv_heads;
   shape->D = q[2] / num_heads;
-  shape->D_v = v[2] / num_heads;
+  shape->D_v = v[2] / kv_heads;
+  shape->window_left = p.window_left;
+  shape->window_right = p.window_right;
   return Ort::Status{nullptr};
 }
 
 Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
-                                 const std::vector<int64_t>& b, const std::vector<int64_t>& mask, int64_t num_heads,
+                                 const std::vector<int64_t>& b, const std::vector<int64_t>& mask, const AttncalParams& p,
                                  attncal::AttentionShape* shape, int64_t* hidden_in) {
   const auto dims = Dims;
+  const int64_t num_heads = p.num_heads;
   auto bad = [](const std::string& why) { return Ort::Status(("attncal: " + why).c_str(), ORT_INVALID_ARGUMENT); };
+  if (p.num_kv_heads != 0 && p.num_kv_heads != p.num_heads) {
+    return bad(std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_kv_heads)) + " must be 0 or num_heads: the packed " +
+               "Q|K|V weight holds as many key/value heads as query heads; got " + std::to_string(p.num_kv_heads));
+  }
   if (x.size() != 3 || w.size() != 2 || b.size() != 1) {
     return bad("input, weight and bias must be [B,S,H_in], [H_in,3*N*D] and [3*N*D], got " + dims(x) + ", " +
                dims(w) + ", " + dims(b));
@@ -214,6 +241,8 @@ Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vecto
   shape->N = num_heads;
   shape->D = shape->D_v = w[1] / 3 / num_heads;
   shape->ld_q = shape->ld_k = shape->ld_v = w[1];
+  shape->window_left = p.window_left;
+  shape->window_right = p.window_right;
   *hidden_in = x[2];
   return Ort::Status{nullptr};
 }
@@ -228,7 +257,7 @@ Ort::Status CheckAttention(const AttentionAttributes& attrs, bool all_rows, cons
                            const std::vector<int64_t>& k, const std::vector<int64_t>& v,
                            const std::vector<int64_t>& mask, attncal::AttentionShape* shape) {
   if (!attrs.calibration.error.empty()) return AttributeError(attrs.calibration, AttentionOpName(all_rows));
-  return CheckAttentionShapes(q, k, v, mask, all_rows, attrs.num_heads, shape);
+  return CheckAttentionShapes(q, k, v, mask, all_rows, attrs.calibration.params, shape);
 }
 
 // Shape inference, and for the calibration ops the in-place map, by what the op computes.

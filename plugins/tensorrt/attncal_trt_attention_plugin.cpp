@@ -8,7 +8,9 @@
 //   fields:  the calibration op's (pool_last on the pooled op only; layer optional, not kept),
 //            num_heads (1..65535) and scale (finite, >= 0; 0 = 1/sqrt(D)): all required, read by
 //            the shared parser (attncal_trt_fields.h), which refuses missing, duplicated,
-//            ill-typed and foreign fields.
+//            ill-typed and foreign fields; the optional geometry (num_kv_heads, window_left,
+//            window_right) is refused unless it is the default: the CUDA kernel has no GQA or
+//            window yet.
 //
 // Two creators per op type, version "1", namespaces "" and "ai.attncal" (as the calibration
 // plugin has): 4 creators, listed by attncal_trt_plugin.cpp's getCreators when both files are
@@ -149,6 +151,14 @@ class AttentionCreator : public attncal_trt::CreatorBase {
       attncal_trt::report_refusal(op_.c_str(), std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_heads)) +
                                                    " must be <= " + std::to_string(kMaxHeads) + " (the launcher's "
                                                    "grid limit), got " + std::to_string(p.num_heads));
+      return nullptr;
+    }
+    if ((p.num_kv_heads != 0 && p.num_kv_heads != p.num_heads) || p.window_left >= 0 || p.window_right >= 0) {
+      attncal_trt::report_refusal(op_.c_str(), std::string("grouped key/value heads (") +
+                                                   attncal::attr_name(ATTNCAL_ATTR_ID_num_kv_heads) + ") and windows (" +
+                                                   attncal::attr_name(ATTNCAL_ATTR_ID_window_left) + ", " +
+                                                   attncal::attr_name(ATTNCAL_ATTR_ID_window_right) +
+                                                   ") have no CUDA kernel yet; export without them for TensorRT");
       return nullptr;
     }
     return new (std::nothrow) AttentionPlugin(op_, ns_, p);

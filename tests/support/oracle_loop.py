@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import op_spec, resolved_from_attrs
+from attncal.graphs.contract import FULL_ATTENTION, AttentionGeometry, op_spec, resolved_from_attrs
 
 from .cases import random_config
 from .masks import mixed_mask
@@ -81,27 +81,50 @@ def random_calibration_batch(rng, rc) -> tuple[int, int, torch.Tensor]:
     return B, K, mixed_mask(rng, B, K)
 
 
+def random_geometry(rng, N: int) -> AttentionGeometry:
+    """A random geometry of the calibrated attention ops for N query heads: key/value heads a random divisor
+    of N, and no window, a causal one, a sliding window (causal or on both sides), or a bound on one side,
+    of 0 to 12 keys (the loops' rows hold up to 32 keys, now and then about 300)."""
+    n_kv = rng.choice([d for d in range(1, N + 1) if N % d == 0])
+    w = lambda: rng.randint(0, 12)  # noqa: E731
+    left, right = rng.choice([(-1, -1), (-1, 0), (w(), 0), (w(), w()), (w(), -1), (-1, w())])
+    return AttentionGeometry(0 if n_kv == N and rng.random() < 0.5 else n_kv, left, right)
+
+
+def kv_heads(x: torch.Tensor, N: int, geometry: AttentionGeometry) -> torch.Tensor:
+    """[B,S,N*d] -> [B,S,N_kv*d]: the first N_kv heads, as a GQA op's key or value."""
+    n_kv = geometry.num_kv_heads or N
+    B, S, _ = x.shape
+    return x.reshape(B, S, N, -1)[:, :, :n_kv].reshape(B, S, -1)
+
+
 def random_attention_batch(rng, gen: torch.Generator, rc, S: int, N: int, D: int, D_v: int, exact: bool, dtype,
-                           B: int, K: int, holes: float):
+                           B: int, K: int, holes: float, geometry: AttentionGeometry = FULL_ATTENTION):
     """(mask, q1, dead, q, k, v): one batch of a calibrated attention op's random comparison: `mixed_mask` with
-    `holes`; for the pooled op sometimes a single query row (q1: the pooling token's); sometimes two baskets of
-    keys whose scores are far below the others' (`dead`: empty baskets); Q, K, V from `random_qkv`."""
+    `holes`; for the pooled op without a window sometimes a single query row (q1: the pooling token's);
+    sometimes two baskets of keys whose scores are far below the others' (`dead`: empty baskets); Q, K, V from
+    `random_qkv`, K and V with the geometry's key/value heads (`kv_heads`)."""
     mask = mixed_mask(rng, B, K, holes=holes)
-    q1 = not rc.all_rows and rng.random() < 0.3
+    q1 = not rc.all_rows and not geometry.windowed and rng.random() < 0.3
     lo = rng.randrange(K)
     dead = (lo, lo + 2 * S) if rng.random() < 0.25 and D >= 2 else None
     q, k, v = random_qkv(gen, B, 1 if q1 else K, K, N, D, D_v, dtype, temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
                          exact=exact)
-    return mask, q1, dead, q, k, v
+    return mask, q1, dead, q, kv_heads(k, N, geometry), kv_heads(v, N, geometry)
 
 
-def attention_oracle_errors(out, q, k, v, mask, rc, N: int, scale: float, exact: bool, float16: bool):
+def attention_oracle_errors(out, q, k, v, mask, rc, N: int, scale: float, exact: bool, float16: bool,
+                            geometry: AttentionGeometry = FULL_ATTENTION):
     """(err, rounding), each [B] (numpy): an ONNX Runtime output's largest error per item against the float64
-    oracle, and the float32 rounding of the scores the bound adds (12·δ·max|v|, `score_rounding`; 0 where the
-    scores are exact).  Asserts the output's shape and dtype."""
-    ref = attention_reference(q, k, v, mask, rc, N, scale).numpy()
+    oracle, and the float32 rounding of the scores the bound adds (12·δ·max|v|, `score_rounding` over every
+    valid key, windows ignored: an upper bound; 0 where the scores are exact).  Asserts the output's shape and
+    dtype."""
+    ref = attention_reference(q, k, v, mask, rc, N, scale, **vars(geometry)).numpy()
     assert out.shape == ref.shape and out.dtype == (np.float16 if float16 else np.float32)
     err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2))
     B = mask.shape[0]
-    rounding = np.zeros(B) if exact else (12 * score_rounding(q, k, mask, N, scale) * float(v.abs().max())).numpy()
+    n_kv = geometry.num_kv_heads or N
+    k_full = k.reshape(B, k.shape[1], n_kv, -1).repeat_interleave(N // n_kv, dim=2).reshape(B, k.shape[1], -1)
+    rounding = (np.zeros(B) if exact
+                else (12 * score_rounding(q, k_full, mask, N, scale) * float(v.abs().max())).numpy())
     return err, rounding

@@ -13,7 +13,8 @@
 //   foreign     a name that is not an attribute of this op (another op's, or none of the table's);
 //   ill-typed   a value of the wrong kind (an adapter reports what it found: an integer, a float, or
 //               something else, e.g. a string or a list), or an integer outside int32;
-//   invalid     values outside the contract (attncal_validate_params; num_heads and scale here).
+//   invalid     values outside the contract (attncal_validate_params; the attention ops' num_heads, scale,
+//               num_kv_heads and windows here).
 // An OPTIONAL attribute the node lacks takes its default.
 #ifndef ATTNCAL_ATTRIBUTE_PARSER_H_
 #define ATTNCAL_ATTRIBUTE_PARSER_H_
@@ -180,6 +181,19 @@ class AttributeParser {
       if (!std::isfinite(params_.scale) || params_.scale < 0.f) {
         error_ = std::string(attr_name(ATTNCAL_ATTR_ID_scale)) +
                  " must be finite and >= 0 (0 = 1/sqrt(head_size)), got " + std::to_string(params_.scale);
+        return false;
+      }
+      const int32_t kv = params_.num_kv_heads;
+      if (kv < 0 || (kv > 0 && params_.num_heads % kv != 0)) {
+        error_ = std::string(attr_name(ATTNCAL_ATTR_ID_num_kv_heads)) + " must divide " +
+                 attr_name(ATTNCAL_ATTR_ID_num_heads) + "=" + std::to_string(params_.num_heads) +
+                 " (0 = num_heads), got " + std::to_string(kv);
+        return false;
+      }
+      if (params_.window_left < -1 || params_.window_right < -1) {
+        error_ = std::string(attr_name(ATTNCAL_ATTR_ID_window_left)) + " and " +
+                 attr_name(ATTNCAL_ATTR_ID_window_right) + " must be >= 0, or -1 for no limit; got " +
+                 std::to_string(params_.window_left) + " and " + std::to_string(params_.window_right);
         return false;
       }
     }

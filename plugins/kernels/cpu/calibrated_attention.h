@@ -143,15 +143,15 @@ class AttentionPlan {
     const ItemPlan& it = items_[u.b];
     const float* keep = keep_of_[u.b];
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0;
-    const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.N * D;
-    const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.N * Dv, ldo = sh_.N * Dv;
+    const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.kv_heads() * D;
+    const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.kv_heads() * Dv, ldo = sh_.N * Dv;
     AttentionScratch& as = thread_attention_scratch();
     Scratch& sc = thread_scratch();
     ensure(as.scores, R * K);
     float* s = as.scores.data();
     const T* q_src = query + (u.b * sh_.S_q + r0) * ldq + u.h * D;
-    const T* k_src = key + u.b * K * ldk + u.h * D;
-    const T* v_src = value + u.b * K * ldv + u.h * Dv;
+    const T* k_src = key + u.b * K * ldk + sh_.kv_head(u.h) * D;
+    const T* v_src = value + u.b * K * ldv + sh_.kv_head(u.h) * Dv;
     const float *qf, *kf, *vf;
     int64_t lq = ldq, lk = ldk, lv = ldv;
     if constexpr (std::is_same<T, float>::value) {
@@ -181,6 +181,7 @@ class AttentionPlan {
       float* row = s + r * K;
       if (add_bias) add_row(row, bias, K);
       const int64_t q = r0 + r;
+      if (sh_.windowed()) mask_window(row, q, 0, K, bias);
       if (q >= c0 && q < c1) {
         softmax_calibrate_row(row, row, K, it, keep, p, sc);
       } else {
@@ -203,8 +204,9 @@ class AttentionPlan {
   // contract's special rows keep their outcome: a fully masked item (every score the lowest value plus a
   // negligible term) is uniform over its keys, and a NaN or +inf score, or a row of -inf, gives NaN.
   //
-  // Padding: a tile of keys that are all masked (before the item's first valid key or after its last) and
-  // whose K and V rows are finite is skipped.  With a finite maximum m of the row's other scores, each of its
+  // Padding and windows: a tile of keys that are all masked for every row of [r0, r1) (before the item's
+  // first valid key or after its last, or outside every row's window) and whose K and V rows are finite is
+  // skipped.  With a finite maximum m of the row's other scores, each of its
   // scores is at most lowest + |scale| * D * max|q| * max|k|; where that is far below the row's running
   // maximum from the moment it is finite, exp(score - m) is exactly 0 in float32 and the tile adds exactly
   // nothing to the sum or the context (a rescale by exp(score - m) = 0 where it came first).  A row for which
@@ -213,8 +215,8 @@ class AttentionPlan {
   void tiles(const AttentionUnit& u, int64_t r0, int64_t r1, const float* query, const float* key,
              const float* value, float* context, bool skip_padding = true) const {
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0, T = key_tile_;
-    const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.N * D;
-    const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.N * Dv, ldo = sh_.N * Dv;
+    const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.kv_heads() * D;
+    const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.kv_heads() * Dv, ldo = sh_.N * Dv;
     AttentionScratch& as = thread_attention_scratch();
     ensure(as.scores, R * T);
     ensure(as.ctx, R * Dv);
@@ -228,16 +230,20 @@ class AttentionPlan {
     std::fill(m0, m0 + R, -std::numeric_limits<float>::infinity());
     std::fill(l, l + R, 0.f);
     const float* q = query + (u.b * sh_.S_q + r0) * ldq + u.h * D;
-    const float* k = key + u.b * K * ldk + u.h * D;
-    const float* v = value + u.b * K * ldv + u.h * Dv;
+    const float* k = key + u.b * K * ldk + sh_.kv_head(u.h) * D;
+    const float* v = value + u.b * K * ldv + sh_.kv_head(u.h) * Dv;
     const float* bias = bias_.data() + u.b * K;
     const bool add_bias = masked_[u.b] != 0;
     const int64_t lo = valid_[2 * u.b], hi = valid_[2 * u.b + 1];
+    const int64_t wl = sh_.window_left, wr = sh_.window_right;
     float skipped_k = -1.f;  // max |k| over the skipped keys; < 0: none skipped
     for (int64_t k0 = 0; k0 < K; k0 += T) {
       const int64_t n = std::min(T, K - k0);
+      // Hidden from every row of [r0, r1): padding outside the item's valid span, or keys outside the window.
+      const bool hidden = (k0 + n <= lo || k0 >= hi) || (wl >= 0 && k0 + n - 1 < r0 - wl) ||
+                          (wr >= 0 && k0 > r1 - 1 + wr);
       float kmax = 0.f;
-      if (skip_padding && (k0 + n <= lo || k0 >= hi) && finite_abs_max(k + k0 * ldk, n, D, ldk, &kmax) &&
+      if (skip_padding && hidden && finite_abs_max(k + k0 * ldk, n, D, ldk, &kmax) &&
           finite_abs_max(v + k0 * ldv, n, Dv, ldv, nullptr)) {
         skipped_k = std::max(skipped_k, kmax);
         continue;
@@ -246,6 +252,7 @@ class AttentionPlan {
       for (int64_t r = 0; r < R; ++r) {
         float* row = s + r * n;
         if (add_bias) add_row(row, bias + k0, n);
+        if (sh_.windowed()) mask_window(row, r0 + r, k0, n, bias + k0);
         const float mt = row_max(row, n);
         const float mn = (mt > m[r] || mt != mt) ? mt : m[r];  // a NaN maximum stays: exp(x - NaN) is NaN
         if (mn == -std::numeric_limits<float>::infinity()) {  // nothing but -inf so far: adds nothing
@@ -295,6 +302,19 @@ class AttentionPlan {
       }
     if (amax != nullptr) *amax = mx;
     return true;
+  }
+
+  // Keys [k0, k0 + n) of query row q (scores `row`, the item's padding bias `bias` from k0): float32's lowest
+  // added at those outside q's window, once (a padding key already holds it), as transformers' combined mask.
+  void mask_window(float* row, int64_t q, int64_t k0, int64_t n, const float* bias) const {
+    const float lowest = std::numeric_limits<float>::lowest();
+    const int64_t end = k0 + n;
+    if (sh_.window_left >= 0)
+      for (int64_t k = k0, stop = std::min(end, q - sh_.window_left); k < stop; ++k)
+        if (bias[k - k0] == 0.f) row[k - k0] += lowest;
+    if (sh_.window_right >= 0)
+      for (int64_t k = std::max(k0, q + sh_.window_right + 1); k < end; ++k)
+        if (bias[k - k0] == 0.f) row[k - k0] += lowest;
   }
 
   ATTNCAL_CLONES static void scale_row(float* x, int64_t n, float a) {

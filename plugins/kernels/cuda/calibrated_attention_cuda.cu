@@ -163,6 +163,11 @@ int check(int dtype, const AttncalParams* params, int64_t B, int64_t S_q, int64_
              (long long)S_q, (long long)S_k);
     return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
   }
+  // The geometry attributes (contract.py) run on the CPU kernel only so far: refused, never ignored.
+  if ((params->num_kv_heads != 0 && params->num_kv_heads != N) || params->window_left >= 0 ||
+      params->window_right >= 0)
+    return fail(ATTNCAL_ERR_UNSUPPORTED, "calibrated attention: grouped key/value heads (num_kv_heads) and windows "
+                                         "(window_left, window_right) have no CUDA kernel yet; the CPU kernel runs them");
   if (B > 65535 || N > 65535 || S_q > 0x7fffffff || S_k > 0x7fffffff || B * N * S_q >= (int64_t(1) << 32))
     return fail(ATTNCAL_ERR_UNSUPPORTED, "calibrated attention: B and N must be <= 65535, S_q and S_k < 2^31, "
                                          "B*N*S_q < 2^32");

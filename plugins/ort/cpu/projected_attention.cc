@@ -117,8 +117,8 @@ struct CpuCalibratedProjectedAttention {
     if (!attrs.calibration.error.empty()) return AttributeError(attrs.calibration, op);
     attncal::AttentionShape shape;
     int64_t hidden_in = 0;
-    Ort::Status st = CheckProjectedShapes(input.Shape(), weight.Shape(), bias.Shape(), mask.Shape(), attrs.num_heads,
-                                          &shape, &hidden_in);
+    Ort::Status st = CheckProjectedShapes(input.Shape(), weight.Shape(), bias.Shape(), mask.Shape(),
+                                          attrs.calibration.params, &shape, &hidden_in);
     if (!st.IsOK()) return st;
     shape.scale = attrs.scale != 0.f ? attrs.scale : 1.0f / std::sqrt(static_cast<float>(shape.D));
     const int64_t cols = shape.ld_q, hidden = shape.N * shape.D, rows = shape.B * shape.S_q;
