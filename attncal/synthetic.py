@@ -1,7 +1,7 @@
 """Random-weight models with real tokenizers, built locally (nothing is downloaded).
 
 Tests and benchmarks need every supported architecture, and long-context
-shapes that no small real checkpoint offers.  These builders write complete
+shapes that no small real checkpoint offers (`SYNTHETIC_SHAPES`).  These builders write complete
 sentence-transformers directories (weights, config, tokenizer, modules.json,
 Pooling config), so they go through exactly the same loading code as a real
 model.
@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 import os
 import string
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 ARCHITECTURES = ("bert", "xlm-roberta", "qwen3", "modernbert", "mpnet", "distilbert", "roberta", "t5", "gemma3_text")
 DEFAULT_POOLING = {"bert": "cls", "xlm-roberta": "cls", "qwen3": "last", "modernbert": "cls", "mpnet": "mean",
@@ -162,6 +161,37 @@ def make_config(
     return cfg
 
 
+@dataclass(frozen=True)
+class SyntheticShape:
+    """A deployed long-context model's attention shape at benchmark scale (few layers, random weights)."""
+
+    arch: str
+    kwargs: dict
+    description: str
+
+
+# `attncal bench --synthetic NAME`: what each family's attention costs at long context.
+SYNTHETIC_SHAPES = {
+    "long": SyntheticShape("xlm-roberta", dict(layers=4, hidden=256, heads=4, intermediate=1024, max_positions=8192),
+                           "XLM-R (bge-m3's family), 4 layers, hidden 256, 4 heads, 8192 positions"),
+    "embeddinggemma": SyntheticShape(
+        "gemma3_text", dict(layers=6, hidden=768, heads=3, head_dim=256, kv_heads=1, window=512, global_every=6,
+                            intermediate=1152, max_positions=8192),
+        "EmbeddingGemma, 6 layers, hidden 768, 3 heads x 256 over 1 key/value head, bidirectional sliding window "
+        "512 in 5 of 6 layers, 8192 positions"),
+    "qwen3": SyntheticShape(
+        "qwen3", dict(layers=4, hidden=1024, heads=16, head_dim=128, kv_heads=8, intermediate=3072,
+                      max_positions=8192),
+        "Qwen3-Embedding-0.6B's layer, 4 layers, hidden 1024, 16 heads x 128 over 8 key/value heads, causal, "
+        "8192 positions"),
+    "modernbert": SyntheticShape(
+        "modernbert", dict(layers=6, hidden=768, heads=12, window=128, global_every=3, intermediate=1152,
+                           max_positions=8192),
+        "ModernBERT-base's layer, 6 layers, hidden 768, 12 heads, local attention 128 in 2 of 3 layers, "
+        "8192 positions"),
+}
+
+
 def save_synthetic_model(
     arch: str,
     out_dir: str | os.PathLike,
@@ -180,6 +210,8 @@ def save_synthetic_model(
     `dense`: Dense modules after pooling, each (out_features, activation class name, bias), as distiluse
     (tanh) and EmbeddingGemma (two bias-free projections) have; `prompts` / `default_prompt_name`: the
     named prompts of `config_sentence_transformers.json`."""
+    import torch
+
     from .modelinfo import model_class
 
     out = Path(out_dir)
@@ -232,6 +264,7 @@ def save_synthetic_model(
 
 def _save_dense(path: Path, in_features: int, out_features: int, activation: str, bias: bool, seed: int) -> None:
     """A Dense module directory as sentence-transformers writes it (config.json + model.safetensors)."""
+    import torch
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)

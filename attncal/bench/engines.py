@@ -20,8 +20,8 @@ import numpy as np
 from ..calibration.config import CalibrationConfig
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
-           "ort-opt-cal", "ort-opt-split", "ort-opt-native", "ort-cal-lib", "ort-fused", "ort-fused-lib", "ort-split",
-           "ort-row", "ort-int8", "ort-cal-int8")
+           "ort-opt-cal", "ort-opt-split", "ort-opt-native", "ort-native", "ort-cal-lib", "ort-fused", "ort-fused-lib",
+           "ort-split", "ort-row", "ort-int8", "ort-cal-int8")
 
 # engine -> (export directory, graph of that export, calibrated?, native library policy)
 #   ort / ort-opt:   the uncalibrated export's portable / ORT-optimized graph
@@ -32,6 +32,8 @@ ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", 
 #                    it: the ORT-optimized graph with the bench's placement, auto: row for cls/last, split for mean)
 #   ort-opt-split:   that export's onnx/model_optimized.onnx (split / row placement, no custom op) whatever is built
 #   ort-opt-native:  that export's onnx/model_optimized_native.onnx with the native library (required)
+#   ort-native:      the uncalibrated export's native graph with the native library (required): for models without
+#                    an ORT-optimized graph, the calibrated attention op with calibration off in every layer
 #   ort-split/-row:  split / row placement on the portable graph (standard ONNX)
 #   ort-int8 / ort-cal-int8: `attncal export --quantize int8` of the uncalibrated / calibrated model, graph="auto"
 #                    as `Encoder` runs it (compare with ort-opt / ort-opt-cal)
@@ -45,6 +47,7 @@ _ORT_ENGINES = {
     "ort-opt-cal": ("opt-cal", "auto", None),
     "ort-opt-split": ("opt-cal", "optimized", None),
     "ort-opt-native": ("opt-cal", "native", True),
+    "ort-native": ("uncal", "native", True),
     "ort-split": ("split", "portable", None),
     "ort-row": ("row", "portable", None),
     "ort-int8": ("uncal-int8", "auto", None),
@@ -57,6 +60,14 @@ _EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the 
 _INT8_EXPORTS = ("uncal-int8", "opt-cal-int8")
 DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib",
                    "ort-fused-lib")
+# Each model's peer, the uncalibrated graph users would otherwise deploy: ONNX Runtime's optimized graph where its
+# optimizer fuses the model's attention (the BERT family), else the plain export.  The first of these that ran.
+PEERS = ("ort-opt", "ort")
+
+
+def peer_engine(ran: list[str]) -> str | None:
+    """The peer among the engines that ran (`PEERS`), or None."""
+    return next((e for e in PEERS if e in ran), None)
 
 
 class EngineUnavailable(RuntimeError):
@@ -117,8 +128,9 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
                 notes[e] = ("no ORT-optimized graph: ONNX Runtime's optimizer does not fuse this model's attention "
                             "(attncal.json: optimizer)")
             if graph == "native" and not (ws.export_dir(name) / "onnx" / "model_optimized_native.onnx").exists():
-                notes[e] = ("no native graph (calibrated attention op): it needs the ORT-optimized graph and "
-                            "--placement auto")
+                notes[e] = ("no native graph (calibrated attention op): the export writes it for a calibrated "
+                            "model with an ORT-optimized graph, and for a model without one where the op replaces "
+                            "its attention (attncal-export.log says why not)")
     return notes
 
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-from .engines import EngineUnavailable, Workspace, make_engine, make_feeds
+from .engines import EngineUnavailable, Workspace, make_engine, make_feeds, peer_engine
 from .timing import interleaved_times
 
 
@@ -47,6 +47,8 @@ class Row:
     latency_vs_torch: float | None = None
     memory_vs_ort: float | None = None
     memory_vs_torch: float | None = None
+    latency_vs_peer: float | None = None  # against the model's peer (engines.peer_engine)
+    memory_vs_peer: float | None = None
 
 
 def _vocab(ws: Workspace) -> int:
@@ -139,6 +141,7 @@ def run_bench(
     total = len(shapes) * len(runners) * (repeats + 1) + (len(shapes) * len(runners) * memory_probes if memory else 0)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     vocab = _vocab(ws)
+    runners_ran = list(runners)
     times: dict[tuple[str, int, int], list[float]] = {}
     for seq, batch in shapes:
         feeds = make_feeds(batch, seq, vocab)
@@ -164,8 +167,9 @@ def run_bench(
         rows.append(Row(e, seq, batch, 1e3 * p50, 1e3 * p95, batch / p50, batch * seq / p50,
                         statistics.median(probes) if probes else None, probes))
     by_key = {(r.engine, r.seq, r.batch): r for r in rows}
+    peer = peer_engine(list(runners_ran))
     for r in rows:
-        for ref, attr in (("ort", "vs_ort"), ("torch", "vs_torch")):
+        for ref, attr in (("ort", "vs_ort"), ("torch", "vs_torch"), (peer, "vs_peer")):
             base = by_key.get((ref, r.seq, r.batch))
             if base is None:
                 continue

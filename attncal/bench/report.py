@@ -12,8 +12,9 @@ from .harness import Row, rows_to_dicts
 
 
 def markdown_table(rows: list[Row]) -> str:
-    head = ("| engine | batch | seq | p50 ms | p95 ms | seq/s | tok/s | peak MiB | lat/ort | lat/torch | mem/ort |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = ("| engine | batch | seq | p50 ms | p95 ms | seq/s | tok/s | peak MiB | lat/ort | lat/torch | mem/ort "
+            "| lat/peer | mem/peer |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def f(v, fmt):
         return "–" if v is None else format(v, fmt)
@@ -23,7 +24,8 @@ def markdown_table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.engine} | {r.batch} | {r.seq} | {r.p50_ms:.1f} | {r.p95_ms:.1f} | {r.seq_per_s:.2f} | "
             f"{r.tok_per_s:.0f} | {f(r.peak_mib, '.1f')} | {f(r.latency_vs_ort, '.3f')} | "
-            f"{f(r.latency_vs_torch, '.3f')} | {f(r.memory_vs_ort, '.3f')} |"
+            f"{f(r.latency_vs_torch, '.3f')} | {f(r.memory_vs_ort, '.3f')} | {f(r.latency_vs_peer, '.3f')} | "
+            f"{f(r.memory_vs_peer, '.3f')} |"
         )
     return "\n".join(lines)
 
@@ -65,7 +67,12 @@ def write_results(out: Path, rows: list[Row], meta: dict, notes: dict[str, str])
               f"Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
               f"{meta['machine']['threads']} threads; "
               + ", ".join(f"{k} {v}" for k, v in meta["machine"]["versions"].items()), "",
-              f"Config: {meta['config']}", "", markdown_table(rows), ""]
+              f"Config: {meta['config']}", ""]
+        if meta.get("peer"):
+            md += [f"Peer (lat/peer, mem/peer): `{meta['peer']}`, the uncalibrated graph this model would otherwise "
+                   "run: ONNX Runtime's optimized graph where its optimizer fuses the attention, else the plain "
+                   "export.", ""]
+        md += [markdown_table(rows), ""]
         if meta.get("memory_probes"):
             md += [f"Peak MiB: the median of {meta['memory_probes']} fresh processes per engine and shape (each "
                    "probe in results.json, `peak_mib_probes`).", ""]

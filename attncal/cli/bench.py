@@ -35,6 +35,7 @@ def _position_limit(info) -> int | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..bench.engines import DEFAULT_ENGINES, ENGINES
     from ..graphs.placement_names import CHOICES as PLACEMENTS
+    from ..synthetic import SYNTHETIC_SHAPES
 
     p.add_argument("model", nargs="?", default=None,
                    help="model directory, an attncal export (its source model is used) or 'default'")
@@ -48,8 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "%(default)s: enough that one level's ratio is not a few seconds of noise)")
     p.add_argument("--rounds", type=int, default=4,
                    help="with --triton: rounds per level, models alternating order (default %(default)s)")
-    p.add_argument("--synthetic", choices=("long",), default=None,
-                   help="bench a random-weight XLM-R-shaped encoder with 8194 positions instead of MODEL")
+    p.add_argument("--synthetic", choices=tuple(SYNTHETIC_SHAPES), default=None,
+                   help="bench a random-weight model of a deployed long-context shape instead of MODEL: "
+                        + "; ".join(f"{k}: {v.description}" for k, v in SYNTHETIC_SHAPES.items()))
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
     p.add_argument("--seq", default="128,512,2048", help="sequence lengths (default %(default)s)")
     p.add_argument("--batch", default="1,8,32", help="batch sizes (default %(default)s)")
@@ -109,18 +111,20 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_probes < 1:
         raise CLIError(f"--memory-probes must be >= 1, got {args.memory_probes} (--no-memory skips the probes)")
     if (args.model is None) == (args.synthetic is None):
-        raise CLIError("give either MODEL or --synthetic long")
+        from ..synthetic import SYNTHETIC_SHAPES
+
+        raise CLIError(f"give either MODEL or --synthetic {{{','.join(SYNTHETIC_SHAPES)}}}")
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.parent / ".bench-cache"
     config = config_from_args(args)
     if args.synthetic:
-        from ..synthetic import save_synthetic_model
+        from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
 
-        model = work / "synthetic-long"
+        shape = SYNTHETIC_SHAPES[args.synthetic]
+        model = work / f"synthetic-{args.synthetic}"
         if not (model / "config.json").exists():
-            save_synthetic_model("xlm-roberta", model, layers=4, hidden=256, heads=4, intermediate=1024,
-                                 max_positions=8192)
-        name = "synthetic long (XLM-R, 4 layers, hidden 256, 4 heads, 8194 positions, random weights)"
+            save_synthetic_model(shape.arch, model, **shape.kwargs)
+        name = f"synthetic {args.synthetic} ({shape.description}, random weights)"
     else:
         from ..artifact import ArtifactError, looks_like_export, open_export
 
@@ -153,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
     rows, skipped = run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
                               memory=not args.no_memory, memory_probes=args.memory_probes)
     notes.update(skipped)
+    from ..bench.engines import peer_engine
+
     meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "engines": engines,
+            "peer": peer_engine(sorted({r.engine for r in rows})),
             "seq": seqs, "batch": batches, "repeats": args.repeats,
             "memory_probes": None if args.no_memory else args.memory_probes, "machine": machine_info(args.threads)}
     write_results(out, rows, meta, notes)

@@ -65,3 +65,16 @@ def graph_input(graph: ir.Graph, name: str, error: type[Exception]) -> ir.Value:
     if value is None:
         raise error(f"the graph has no input named {name!r}")
     return value
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value of an initializer or of a Constant node's output (TorchScript exports write Constant nodes;
+    the dynamo exporter, initializers), or None for a computed value."""
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None else np.asarray(tensor.numpy())
+
+
+def scalar_value(value: ir.Value | None) -> float | None:
+    """A one-element constant's value (`const_array`), or None."""
+    c = const_array(value)
+    return None if c is None or c.size != 1 else float(c.reshape(()))

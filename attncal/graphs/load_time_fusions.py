@@ -8,12 +8,10 @@ from __future__ import annotations
 
 def _scalar_is(value, expected: float) -> bool:
     """`value` is a constant one-element tensor (initializer or Constant) equal to `expected`."""
-    import onnx_ir as ir
+    from .builder import scalar_value
 
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
-    if tensor is None or tensor.size != 1:
-        return False
-    return abs(float(tensor.numpy().reshape(())) - expected) <= 1e-6 * max(1.0, abs(expected))
+    v = scalar_value(value)
+    return v is not None and abs(v - expected) <= 1e-6 * max(1.0, abs(expected))
 
 
 def reorder_erf_gelu(model) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnx_ir as ir
 
 from .contract import AttentionGeometry
@@ -66,6 +67,22 @@ def _subgraph(value: ir.Value) -> tuple[list[ir.Node], list[ir.Value], list[ir.V
     return sorted(nodes.values(), key=lambda n: order.get(id(n), 0)), list(inputs.values()), list(consts.values())
 
 
+def _probe_constant(c: ir.Value, nodes: list[ir.Node], mask: str) -> onnx.TensorProto:
+    """An initializer of the mask's subgraph as the probe feeds it.  A mask is built from the inputs' shapes and
+    the padding mask; where an export takes a shape from the token embeddings (TorchScript's masks read
+    inputs_embeds), the walk reaches the embedding table through its Gather by the input ids.  The probe's ids
+    are all 0, so one row of zeros gives the same shapes without reading the table."""
+    tensor = c.const_value
+    if tensor.nbytes > _MAX_CONST_BYTES:
+        readers = [(n, i) for n in nodes for i, v in enumerate(n.inputs) if v is c]
+        if not readers or any(n.op_type != "Gather" or i != 0 or n.attributes.get_int("axis", 0) != 0
+                              or not (n.inputs[1] is not None and n.inputs[1].is_graph_input()) for n, i in readers):
+            raise MaskProbeError(f"the mask {mask} reads the {tensor.nbytes}-byte initializer {c.name}: it is not a "
+                                 "function of the inputs' shapes and the padding mask alone")
+        return onnx.numpy_helper.from_array(np.zeros((1, *tensor.shape.numpy()[1:]), tensor.dtype.numpy()), c.name)
+    return onnx.numpy_helper.from_array(np.asarray(tensor.numpy()), c.name)  # in the proto, not external data
+
+
 def evaluate(model: ir.Model, value: ir.Value, batch: dict[str, np.ndarray]) -> np.ndarray:
     """`value` computed by ONNX Runtime from the graph inputs in `batch` (the ones its subgraph reads)."""
     import onnxruntime as ort
@@ -75,16 +92,11 @@ def evaluate(model: ir.Model, value: ir.Value, batch: dict[str, np.ndarray]) -> 
     if missing:
         raise MaskProbeError(f"the mask {value.name} reads graph input(s) {', '.join(missing)}, which the probe "
                              f"does not feed (it feeds {', '.join(_PROBE_INPUTS)})")
-    if sum(c.const_value.nbytes for c in consts) > _MAX_CONST_BYTES:
-        raise MaskProbeError(f"the mask {value.name} reads more than {_MAX_CONST_BYTES} bytes of initializers: "
-                             "it is not a function of the inputs' shapes and the padding mask alone")
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in nodes], "attncal_mask_probe",
         [onnx.helper.make_tensor_value_info(v.name, onnx.TensorProto.INT64, ["B", "S"]) for v in inputs],
         [onnx.helper.make_empty_tensor_value_info(value.name)],
-        [ir.serde.serialize_tensor(c.const_value) for c in consts])
-    for tensor, c in zip(graph.initializer, consts):
-        tensor.name = c.name
+        [_probe_constant(c, nodes, value.name) for c in consts])
     proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v)
                                                          for d, v in model.opset_imports.items()])
     proto.ir_version = model.ir_version

@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig, ResolvedCalibration
 from .attention_chain import PlainAttention, walk_layer
-from .builder import Ops, graph_input
+from .builder import Ops, const_array, graph_input, scalar_value
 from .contract import DOMAIN, VERSION, AttentionGeometry, attention_op_spec
 from .function_body import make_function
 from .mask_probe import MaskProbeError, probe_geometry
@@ -82,12 +82,6 @@ class PlainAttentionEdits:
     shape: ModelShape
 
 
-def _scalar(v: ir.Value | None) -> float | None:
-    if v is None or v.const_value is None or v.const_value.size != 1:
-        return None
-    return float(np.asarray(v.const_value.numpy()).reshape(()))
-
-
 def _chain_parts(walk: PlainAttention) -> tuple[float, ir.Value]:
     """(scale, mask) of a layer's scale/mask chain; refuses anything else in it."""
     scale: float | None = None
@@ -99,14 +93,14 @@ def _chain_parts(walk: PlainAttention) -> tuple[float, ir.Value]:
         if node.op_type in ("Cast", "Identity"):
             if node.op_type == "Cast" and node.attributes.get_int("to", ir.DataType.FLOAT) != ir.DataType.FLOAT:
                 raise PlainAttentionError(f"{where} casts the scores to another type than float32")
-        elif node.op_type in ("Mul", "Div") and len(others) == 1 and _scalar(others[0]) is not None:
+        elif node.op_type in ("Mul", "Div") and len(others) == 1 and scalar_value(others[0]) is not None:
             if scale is not None:
                 raise PlainAttentionError(f"{where}: a second scale in the chain")
-            c = _scalar(others[0])
+            c = scalar_value(others[0])
             if node.op_type == "Div" and node.inputs[0] is not prev:
                 raise PlainAttentionError(f"{where} divides a constant by the scores")
             scale = c if node.op_type == "Mul" else 1.0 / c
-        elif node.op_type == "Add" and len(others) == 1 and others[0].const_value is None and mask is None:
+        elif node.op_type == "Add" and len(others) == 1 and const_array(others[0]) is None and mask is None:
             mask = others[0]
         else:
             raise PlainAttentionError(
@@ -131,8 +125,8 @@ def _before_repeat(x: ir.Value) -> ir.Value | None:
     u = e.inputs[0].producer() if e.inputs[0] is not None else None
     if u is None or u.op_type != "Unsqueeze" or len(u.inputs) < 2:
         return None
-    axes = u.inputs[1].const_value
-    if axes is None or [int(a) for a in np.asarray(axes.numpy()).ravel()] != [2]:
+    axes = const_array(u.inputs[1])
+    if axes is None or [int(a) for a in axes.ravel()] != [2]:
         return None
     return u.inputs[0]
 
