@@ -25,12 +25,24 @@ def test_two_engine_one_shape_run_writes_json_table_and_plots(tiny_models, tmp_p
     assert rows["ort"]["latency_vs_ort"] == 1.0
     assert rows["ort-cal"]["latency_vs_ort"] == pytest.approx(rows["ort-cal"]["p50_ms"] / rows["ort"]["p50_ms"])
     assert data["meta"]["memory_probes"] == 2
+    # BERT's peer is its ORT-optimized graph where that ran; here only the plain export did.
+    assert data["meta"]["peer"] == "ort" and "Peer (lat/peer, mem/peer): `ort`" in (out / "results.md").read_text()
+    assert rows["ort-cal"]["latency_vs_peer"] == rows["ort-cal"]["latency_vs_ort"]
+    assert rows["ort-cal"]["memory_vs_peer"] == pytest.approx(rows["ort-cal"]["peak_mib"] / rows["ort"]["peak_mib"])
     assert data["meta"]["machine"]["threads"] >= 1 and "onnxruntime" in data["meta"]["machine"]["versions"]
     table = (out / "results.md").read_text()
     assert "| ort-cal | 2 | 40 |" in table and "median of 2 fresh processes" in table
     for png in ("latency.png", "memory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".results.tmp")]
+
+
+def test_peer_is_the_optimized_graph_where_it_ran_else_the_plain_export():
+    from attncal.bench.engines import peer_engine
+
+    assert peer_engine(["ort", "ort-cal", "ort-opt"]) == "ort-opt"
+    assert peer_engine(["ort-native", "ort"]) == "ort"
+    assert peer_engine(["torch", "ort-cal"]) is None
 
 
 def test_peak_memory_is_the_median_of_interleaved_fresh_process_probes(monkeypatch):

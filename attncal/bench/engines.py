@@ -110,8 +110,9 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
         placement = _EXPORTS[name]
         if placement == "bench":
             placement = ws.placement
-        # TorchScript export: ONNX Runtime's transformer optimizer fuses its attention pattern.
-        opts = ExportOptions(config=ws.config, calibrate=placement is not None, exporter="torchscript", check=False,
+        # The default exporter, as users export (the exporter makes the TorchScript export ONNX Runtime's
+        # optimizer needs itself; Gemma3's bidirectional masks do not trace with TorchScript).
+        opts = ExportOptions(config=ws.config, calibrate=placement is not None, check=False,
                              overwrite=True, placement=placement or "auto",
                              optimized=name in ("uncal", "opt-cal", *_INT8_EXPORTS),
                              quantize="int8" if name in _INT8_EXPORTS else None)

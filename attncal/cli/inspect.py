@@ -12,7 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="an attncal export directory or an .onnx file")
 
 
-def _describe_graph(model_file: Path, placement: str | None, model=None) -> None:
+def _describe_graph(model_file: Path, placement: str | None, model=None,
+                    fallback: str = "onnx/model_optimized.onnx") -> None:
     import onnx
 
     from ..graphs.contract import DOMAIN, is_all_rows, is_attention, is_projected, takes_scores
@@ -47,8 +48,11 @@ def _describe_graph(model_file: Path, placement: str | None, model=None) -> None
         text = ", ".join(f"{k}={round(v, 6) if isinstance(v, float) else v}" for k, v in attrs.items())
         print(f"  layer {layer:>3}  {n.op_type:<22} {text}")
     if any(is_attention(n.op_type) for n in nodes):
+        off = sum(1 for n in nodes if any(a.name == "strength" and a.f == 0.0 for a in n.attribute))
+        if off:
+            print(f"           strength 0 in {off} of {len(nodes)} op nodes: plain attention there (calibration off)")
         print("runs     with the attncal native library (one-pass calibrated attention kernel); `attncal.Encoder` "
-              "picks this graph only when the library is loaded, else onnx/model_optimized.onnx")
+              f"picks this graph only when the library is loaded, else {fallback}")
     elif any(is_all_rows(n.op_type) for n in nodes):
         print("note: mean pooling calibrates every valid query row, which needs the full probabilities; "
               "--placement split avoids them")
@@ -92,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"reason     {meta['placement_reason']}")
     for graph_file, info in graphs.items():
         print()
-        _describe_graph(path / graph_file, info.get("placement") if meta.get("calibrated") else None,
-                        protos[graph_file])
+        fallback = next((g for g in ("onnx/model_optimized.onnx", "onnx/model.onnx") if g in graphs), "onnx/model.onnx")
+        _describe_graph(path / graph_file, info.get("placement") if meta.get("calibrated") or info.get("any_padding")
+                        else None, protos[graph_file], fallback)
         if isinstance(info.get("float32_nodes"), int):
             print(f"fp16       converted after placement; {info['float32_nodes']} calibration nodes kept float32")
         par = info.get("parity")

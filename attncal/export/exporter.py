@@ -674,6 +674,10 @@ def _native_plain_graph(run: _Run) -> None:
         run.log(f"note: no {NATIVE_GRAPH}: the calibrated attention op does not replace this model's attention "
                 f"({_first_line(exc)})")
         return
+    from ..graphs.load_time_fusions import drop_intermediate_shapes, reorder_erf_gelu
+
+    reorder_erf_gelu(model)  # the portable graph's load-time fusions, for the rest of the model
+    drop_intermediate_shapes(model)
     run.log(f"[2/4] native graph: the calibrated attention op in every layer ({NATIVE_GRAPH})")
     run.graphs[NATIVE_GRAPH] = {
         "placement": ATTENTION, "fused_attention": placed.result.fused_attention, "any_padding": True,

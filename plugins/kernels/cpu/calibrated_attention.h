@@ -79,6 +79,9 @@ class AttentionPlan {
   // Long rows: the rows of a unit, and the scores of one key tile (see the header comment).
   static constexpr int64_t kTiledRows = 512;
   static constexpr int64_t kTileBytes = 256 * 1024;
+  static constexpr int64_t kWindowTile = 128;  // keys per tile under a narrow window
+  // Masked scores are float32's lowest value plus a score far smaller than it: at or below half of it.
+  static constexpr float kMaskedFloor = std::numeric_limits<float>::lowest() / 2;
 
   AttentionPlan(const int64_t* mask, const AttentionShape& shape, const AttncalParams& p) : sh_(shape) {
     const int64_t B = sh_.B, Q = sh_.S_q, K = sh_.S_k;
@@ -107,6 +110,12 @@ class AttentionPlan {
     tiled_ = rows_ < kMaxRows && Q > rows_;
     unit_rows_ = tiled_ ? rows_ * std::max<int64_t>(1, kTiledRows / rows_) : rows_;
     key_tile_ = std::max<int64_t>(16, std::min(K, kTileBytes / (4 * unit_rows_)));
+    // A window narrower than a unit's rows and keys: smaller units and tiles skip more of what it hides.
+    const int64_t width = shape.window_left >= 0 && shape.window_right >= 0 ? shape.window_left + shape.window_right + 1 : K;
+    if (tiled_ && width < K / 2) {
+      unit_rows_ = rows_;
+      key_tile_ = std::max<int64_t>(16, std::min<int64_t>(K, kWindowTile));
+    }
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < sh_.N; ++h)
         for (int64_t q = 0; q < Q; q += unit_rows_) units_.push_back({b, h, q, std::min(q + unit_rows_, Q)});
@@ -206,12 +215,15 @@ class AttentionPlan {
   //
   // Padding and windows: a tile of keys that are all masked for every row of [r0, r1) (before the item's
   // first valid key or after its last, or outside every row's window) and whose K and V rows are finite is
-  // skipped.  With a finite maximum m of the row's other scores, each of its
-  // scores is at most lowest + |scale| * D * max|q| * max|k|; where that is far below the row's running
-  // maximum from the moment it is finite, exp(score - m) is exactly 0 in float32 and the tile adds exactly
-  // nothing to the sum or the context (a rescale by exp(score - m) = 0 where it came first).  A row for which
-  // that bound does not hold (no finite maximum, or scores near float32's range) is computed again without
-  // skipping, so every row equals the unskipped result.
+  // skipped.  Each of its scores is at most lowest + |scale| * D * max|q| * max|k|.  Let m0 be the row's
+  // running maximum where it first rose above lowest / 2, i.e. past every masked score (the first real
+  // maximum).  Where the bound is far below m0, the tile adds exactly nothing: after m0, exp(score - m) is
+  // exactly 0 in float32; before it, the unskipped pass's sum and context are wiped by the rescale
+  // exp(m_old - m0) = 0 that both passes make when m0 arrives (every earlier maximum is a masked score: at
+  // or below lowest / 2, or below the bound).  A row for which that does not hold (no real maximum, or scores
+  // near float32's range) is computed again without skipping, so every row equals the unskipped result.
+  // Why m0 and not the first finite maximum: under a window a row's first computed tile may hold only keys
+  // outside its own window, whose masked scores would otherwise send every such row to the recomputation.
   void tiles(const AttentionUnit& u, int64_t r0, int64_t r1, const float* query, const float* key,
              const float* value, float* context, bool skip_padding = true) const {
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0, T = key_tile_;
@@ -224,7 +236,7 @@ class AttentionPlan {
     ensure(as.run_sum, R);
     ensure(as.first_max, R);
     float *s = as.scores.data(), *o = as.ctx.data(), *m = as.run_max.data(), *l = as.run_sum.data();
-    float* m0 = as.first_max.data();  // the running maximum where it first became finite: its smallest finite value
+    float* m0 = as.first_max.data();  // the running maximum where it first rose above kMaskedFloor (see above)
     std::fill(o, o + R * Dv, 0.f);
     std::fill(m, m + R, -std::numeric_limits<float>::infinity());
     std::fill(m0, m0 + R, -std::numeric_limits<float>::infinity());
@@ -261,7 +273,7 @@ class AttentionPlan {
         }
         exp_shifted_row(row, row, n, mn);  // NaN scores stay NaN and reach l
         const float corr = std::exp(m[r] - mn);  // 0 on the first finite tile, 1 while the maximum holds
-        if (m[r] == -std::numeric_limits<float>::infinity()) m0[r] = mn;
+        if (!(m0[r] > kMaskedFloor) && mn > kMaskedFloor) m0[r] = mn;
         m[r] = mn;
         l[r] = l[r] * corr + sum_lanes(row, n);
         if (corr != 1.f) scale_row(o + r * Dv, Dv, corr);
@@ -276,8 +288,8 @@ class AttentionPlan {
         const bool finite_q = finite_abs_max(q + r * ldq, 1, D, ldq, &qmax);
         const double bound = 2.0 * std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * skipped_k;
         const double lowest = std::numeric_limits<float>::lowest();
-        // Against the smallest finite running maximum: where padding came first, the unskipped pass rescaled
-        // it away (by exp(score - m) = 0) as soon as the maximum became finite.
+        // Against the first real maximum: what came before it, the unskipped pass rescaled away (by
+        // exp(m_old - m0) = 0) when it arrived.
         if (!finite_q || !std::isfinite(m0[r]) || !std::isfinite(m[r]) ||
             lowest + bound - static_cast<double>(m0[r]) > -256.0) {
           again.push_back(r0 + r);
