@@ -260,6 +260,31 @@ def test_long_rows_with_windows_and_gqa_match_the_oracle(library, pooling, geome
     assert np.abs(out[:3] - ref[:3]).max() <= 1e-5
 
 
+@pytest.mark.parametrize("isolate", [False, True], ids=["content-only", "isolated-first"])
+def test_windowed_blocks_compute_only_the_keys_their_rows_see(library, isolate):
+    """Mean pooling (every row calibrated: whole-row blocks) under a sliding window: a block computes the
+    scores and P*V of the keys its rows see, the rest exactly float32's lowest value and probability 0.  An
+    isolated first token gets its share in rows whose window does not reach it, and a padding row that sees
+    no valid key is uniform over all keys: such blocks take every key.  Against the float64 oracle, at 1 and
+    2 threads bit for bit."""
+    rc = CalibrationConfig(pooling="mean", basket_size=32, isolate_first=isolate, first_weight=0.2 if isolate else None,
+                           skip_short=False).resolve()
+    spec = attention_op_spec(rc, 0, num_heads=2, geometry=AttentionGeometry(num_kv_heads=1, window_left=40,
+                                                                             window_right=40))
+    gen = torch.Generator().manual_seed(26)
+    B, K = 3, 600
+    q, k, v = random_qkv(gen, B, K, K, 2, 8, 8, torch.float32, temp=2.0)
+    geo = geometry_from_attrs(spec.attrs)
+    k, v = kv_heads(k, 2, geo), kv_heads(v, 2, geo)
+    mask = torch.ones(B, K, dtype=torch.int64)
+    mask[1, 450:] = 0
+    mask[2, :200] = 0
+    ref = attention_reference(q, k, v, mask, rc, 2, 0.0, **vars(geo)).numpy()
+    outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask))[0] for t in (1, 2)]
+    assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
+    assert np.abs(outs[0] - ref).max() <= 1e-5
+
+
 def test_long_rows_calibrated_in_blocks_past_l2_match_the_oracle(library):
     """Past 2,048 keys a whole-row block keeps 128 rows (it outgrows L2): mean pooling, whose rows are all
     calibrated, with right and left padding, against the float64 oracle, at 1 and 2 threads bit for bit."""

@@ -127,6 +127,10 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
     # window read from the exported mask; T5's and MPNet's relative position bias is not in the op.
     native = meta["graphs"].get("onnx/model_optimized_native.onnx")
     assert (native is None) == (arch in ("t5", "mpnet"))
+    if native is None:  # the log says why (a relative position bias is added to the scores)
+        log = (out / "attncal-export.log").read_text()
+        assert "the calibrated attention op does not replace this model's attention" in log
+        assert "not a padding or window mask" in log or "not this (a relative position bias" in log
     if arch in PLAIN_NATIVE_GEOMETRY:
         assert native["any_padding"] and native["parity"]["ok"] and native["parity"]["max_abs"] <= 1e-5
         assert native["attention_geometry"] == PLAIN_NATIVE_GEOMETRY[arch]

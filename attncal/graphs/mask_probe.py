@@ -63,7 +63,8 @@ def _subgraph(value: ir.Value) -> tuple[list[ir.Node], list[ir.Value], list[ir.V
             raise MaskProbeError(f"the mask is computed with a subgraph ({node.op_type} node {node.name!r})")
         nodes[id(node)] = node
         stack.extend(i for i in node.inputs if i is not None)
-    order = {id(n): k for k, n in enumerate(value.graph)} if value.graph is not None else {}
+    graph = value.producer().graph if value.producer() is not None else None
+    order = {id(n): k for k, n in enumerate(graph)} if graph is not None else {}  # the graph's topological order
     return sorted(nodes.values(), key=lambda n: order.get(id(n), 0)), list(inputs.values()), list(consts.values())
 
 

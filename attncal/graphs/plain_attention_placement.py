@@ -170,6 +170,12 @@ def find(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_la
     return PlainAttentionEdits(rc, selected, layers, mask_input, shape)
 
 
+@dataclass(frozen=True)
+class PlainAttentionResult:
+    result: PlacementResult
+    geometries: list[AttentionGeometry]  # per layer
+
+
 def rewrite(model: ir.Model, edits: PlainAttentionEdits) -> PlainAttentionResult:
     """Each layer's attention becomes the op (see the module docstring); the replaced nodes and the masks
     nothing reads any more are removed."""
@@ -203,12 +209,6 @@ def rewrite(model: ir.Model, edits: PlainAttentionEdits) -> PlainAttentionResult
     common = {k: v for k, v in attention_op_spec(rc, 0, N).attrs.items() if k not in ("layer", "num_heads", "scale")}
     return PlainAttentionResult(PlacementResult(edits.selected, op_type, common, count_fused_attention(model)),
                                 [e.geometry for e in edits.layers])
-
-
-@dataclass(frozen=True)
-class PlainAttentionResult:
-    result: PlacementResult
-    geometries: list[AttentionGeometry]  # per layer
 
 
 def place(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_layers: int,

@@ -180,31 +180,69 @@ class AttentionPlan {
       lq = lk = D;
       lv = Dv;
     }
-    gemm_nt(R, K, D, sh_.scale, qf, lq, kf, lk, s, K);
+    // Under a window, the keys no row of the block sees: [0, k_lo) and [k_hi, K).  Where they are provably
+    // masked to exactly float32's lowest value (`outside_is_lowest`), their scores are written, not computed.
+    int64_t k_lo = 0, k_hi = K;
+    if (sh_.windowed()) {
+      k_lo = sh_.window_left >= 0 ? std::min(K, std::max<int64_t>(0, r0 - sh_.window_left)) : 0;
+      k_hi = sh_.window_right >= 0 ? std::max(k_lo, std::min(K, r1 + sh_.window_right)) : K;
+      if ((k_lo > 0 || k_hi < K) && !outside_is_lowest(qf, lq, R, kf, lk, vf, lv, k_lo, k_hi)) k_lo = 0, k_hi = K;
+    }
+    const float lowest = std::numeric_limits<float>::lowest();
+    gemm_nt(R, k_hi - k_lo, D, sh_.scale, qf, lq, kf + k_lo * lk, lk, s + k_lo, K);
     const float* bias = bias_.data() + u.b * K;
     const int64_t c0 = it.active ? std::max(r0, it.q_lo) : r1;
     const int64_t c1 = it.active ? std::min(r1, it.q_hi + 1) : r1;
     // An item without masked keys has a zero bias row: skipping the pass is exact (s + 0 == s).
     const bool add_bias = masked_[u.b] != 0;
+    bool narrow = k_lo > 0 || k_hi < K;  // P*V over [k_lo, k_hi) only: every row is 0 outside it
     for (int64_t r = 0; r < R; ++r) {
       float* row = s + r * K;
-      if (add_bias) add_row(row, bias, K);
+      std::fill(row, row + k_lo, lowest);
+      std::fill(row + k_hi, row + K, lowest);
+      if (add_bias) add_row(row + k_lo, bias + k_lo, k_hi - k_lo);
       const int64_t q = r0 + r;
-      if (sh_.windowed()) mask_window(row, q, 0, K, bias);
+      if (sh_.windowed()) mask_window(row + k_lo, q, k_lo, k_hi - k_lo, bias + k_lo);
       if (q >= c0 && q < c1) {
         softmax_calibrate_row(row, row, K, it, keep, p, sc);
       } else {
         softmax_row(row, row, K, sc);
       }
+      // A row that sees no valid key is uniform over all keys, and the calibration may give an isolated
+      // token outside the window its share: then the block takes every key.
+      if (narrow && !(all_zero(row, k_lo) && all_zero(row + k_hi, K - k_hi))) narrow = false;
     }
+    const int64_t n0 = narrow ? k_lo : 0, n = narrow ? k_hi - k_lo : K;
     T* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
     if constexpr (std::is_same<T, float>::value) {
-      gemm_nn(R, Dv, K, s, K, vf, lv, out, ldo);
+      gemm_nn(R, Dv, n, s + n0, K, vf + n0 * lv, lv, out, ldo);
     } else {
       ensure(as.ctx, R * Dv);
-      gemm_nn(R, Dv, K, s, K, vf, lv, as.ctx.data(), Dv);
+      gemm_nn(R, Dv, n, s + n0, K, vf + n0 * lv, lv, as.ctx.data(), Dv);
       for (int64_t r = 0; r < R; ++r) narrow_row(as.ctx.data() + r * Dv, out + r * ldo, Dv);
     }
+  }
+
+  // Whether the scores of keys outside [k_lo, k_hi) would all be exactly float32's lowest value, and their
+  // values finite (so that probability 0 times V adds exactly 0): K and V rows there finite, the block's
+  // queries finite, and |scale| * D * max|q| * max|k| at most 1e30, far below half a unit in the last place of
+  // the lowest value (about 1.01e31), so that score + lowest rounds to lowest.
+  bool outside_is_lowest(const float* q, int64_t lq, int64_t R, const float* k, int64_t lk, const float* v, int64_t lv,
+                         int64_t k_lo, int64_t k_hi) const {
+    const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v;
+    float qmax = 0.f, ka = 0.f, kb = 0.f;
+    if (!finite_abs_max(q, R, D, lq, &qmax) || !finite_abs_max(k, k_lo, D, lk, &ka) ||
+        !finite_abs_max(k + k_hi * lk, K - k_hi, D, lk, &kb) || !finite_abs_max(v, k_lo, Dv, lv, nullptr) ||
+        !finite_abs_max(v + k_hi * lv, K - k_hi, Dv, lv, nullptr))
+      return false;
+    const double bound = std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * std::max(ka, kb);
+    return bound <= 1e30;
+  }
+
+  static bool all_zero(const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] != 0.f) return false;
+    return true;
   }
 
   // Rows [r0, r1) of unit u, none of them calibrated, over key tiles with the online softmax: per tile the
