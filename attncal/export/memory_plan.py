@@ -19,6 +19,10 @@ from ..runtime.parity import ACTIVATION_SHARE
 RUNTIME_BASE = 0.6 * GIB  # Python, torch, transformers, ONNX Runtime and onnx_ir loaded
 PROTO_LIMIT = 2 * GIB  # protobuf's message limit: above it torch's TorchScript exporter writes external data
 TORCHSCRIPT_STEP = "torch export (TorchScript, for ONNX Runtime's optimizer)"
+# The native graph of a model ONNX Runtime does not fuse (attncal.graphs.plain_attention_placement): the plain
+# export's structure with its weights mapped as the graph is written, plus the mask probe (MASK_PROBE_FIXED).
+NATIVE_PLAIN_STEP = "native graph (plain export)"
+MASK_PROBE_FIXED = 0.25 * GIB
 # Peak of each step, in float32 weight sizes, above RUNTIME_BASE.  The dynamo exporter holds the model and its
 # exported program (weights shared), then writes the weights out.  Torch's TorchScript exporter holds the
 # model and the ModelProto it builds; below PROTO_LIMIT the weights are inside that proto, which it
@@ -32,6 +36,7 @@ STEP_WEIGHTS = {
     TORCHSCRIPT_STEP: 2.5,
     "ONNX Runtime's optimizer": 2.5,
     "parity check": 1.0 + ACTIVATION_SHARE,
+    NATIVE_PLAIN_STEP: 1.0,
 }
 TORCHSCRIPT_INLINE_WEIGHTS = 4.5  # TORCHSCRIPT_STEP below PROTO_LIMIT
 # The int8 step: attncal's quantizer reads each graph's structure only and its weights a 16 MiB block at a time,
@@ -77,13 +82,14 @@ def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp
     if optimized:
         steps[TORCHSCRIPT_STEP] = STEP_WEIGHTS[TORCHSCRIPT_STEP]
         steps["ONNX Runtime's optimizer"] = STEP_WEIGHTS["ONNX Runtime's optimizer"]
+        steps[NATIVE_PLAIN_STEP] = STEP_WEIGHTS[NATIVE_PLAIN_STEP]  # where the optimizer does not fuse
     if quantize:
         steps[QUANTIZE_STEP] = QUANTIZE_WEIGHTS
     if check:
         steps["parity check"] = STEP_WEIGHTS["parity check"]
     if w < PROTO_LIMIT and TORCHSCRIPT_STEP in steps:
         steps[TORCHSCRIPT_STEP] = TORCHSCRIPT_INLINE_WEIGHTS
-    fixed = {"parity check": PARITY_FIXED, "ONNX Runtime's optimizer": OPTIMIZER_CHILD}
+    fixed = {"parity check": PARITY_FIXED, "ONNX Runtime's optimizer": OPTIMIZER_CHILD, NATIVE_PLAIN_STEP: MASK_PROBE_FIXED}
     per = {k: int(RUNTIME_BASE + v * w + fixed.get(k, 0)) for k, v in steps.items()}
     return MemoryEstimate(weights=w, steps=per, disk=int(DISK_WEIGHTS * w * (0.5 if fp16 else 1)),
                           options=dict(model_dir=model_dir, exporter=exporter, optimized=optimized, check=check,

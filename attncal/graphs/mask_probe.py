@@ -14,9 +14,10 @@ the window off its result and checks that the mask is exactly "valid key and ins
 every query row of every item, padding rows included.  A mask of any other form (a relative position
 bias, chunked attention, values other than 0 and float32's lowest) is refused with the reason.
 
-Lengths: the probe is at most `MAX_PROBE` tokens; a window wider than the probe's valid span cannot be
-told from no window there, so past it the model's declared window (its config's) decides: a side that
-shows no window in the probe, where the model declares one at least that wide, is refused.
+Lengths: the probe is `PROBE` tokens, more where the model's config declares a wider window, at most
+`MAX_PROBE`; a window wider than the probe's valid span cannot be told from no window there, so past it
+the declared window decides: a side that shows no window in the probe, where the model declares one at
+least that wide, is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ import onnx_ir as ir
 
 from .contract import AttentionGeometry
 
-MAX_PROBE = 4096  # [2,1,L,L] float32 probe masks: 128 MiB at 4,096
+# Probe lengths: 2,048 tokens (a valid span of 1,365 keys) by default, longer where the model declares a window
+# that wide, up to 4,096.  The mask and its subgraph's intermediates are a few [2,1,L,L] tensors: about
+# 0.2 GiB at 2,048 tokens, 0.7 GiB at 4,096 (the export's memory plan counts the default).
+PROBE = 2048
+MAX_PROBE = 4096
 # Leaves of a mask's subgraph that the probe can feed: the tokenizer's inputs, all of them [B,S] int64.
 _PROBE_INPUTS = ("attention_mask", "input_ids", "token_type_ids")
 _MAX_CONST_BYTES = 1 << 20  # a mask's subgraph holds small constants; more means it reaches a weight
@@ -180,7 +185,8 @@ def probe_geometry(model: ir.Model, value: ir.Value, needed: int, declared: int 
     """The window of mask `value` for sequences up to `needed` tokens.  Probed at up to `MAX_PROBE` tokens;
     past the probe, a side it shows no window on is taken as unbounded only when the model declares no
     window (`declared`: its config's widest, or None) that could start beyond the probe's span."""
-    length = max(2, min(needed, MAX_PROBE))
+    want = PROBE if declared is None else max(PROBE, 3 * declared // 2 + 16)  # a span wider than the window
+    length = max(2, min(needed, want, MAX_PROBE))
     feeds, valid = probe_batch(length)
     fit = fit_geometry(evaluate(model, value, feeds), valid, value.name)
     unbounded = [side for side, bound in (("left", fit.geometry.window_left), ("right", fit.geometry.window_right))
