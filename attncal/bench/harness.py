@@ -141,7 +141,7 @@ def run_bench(
     total = len(shapes) * len(runners) * (repeats + 1) + (len(shapes) * len(runners) * memory_probes if memory else 0)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     vocab = _vocab(ws)
-    runners_ran = list(runners)
+    peer = peer_engine(list(runners))  # before the runners are freed for the memory probes
     times: dict[tuple[str, int, int], list[float]] = {}
     for seq, batch in shapes:
         feeds = make_feeds(batch, seq, vocab)
@@ -167,7 +167,6 @@ def run_bench(
         rows.append(Row(e, seq, batch, 1e3 * p50, 1e3 * p95, batch / p50, batch * seq / p50,
                         statistics.median(probes) if probes else None, probes))
     by_key = {(r.engine, r.seq, r.batch): r for r in rows}
-    peer = peer_engine(list(runners_ran))
     for r in rows:
         for ref, attr in (("ort", "vs_ort"), ("torch", "vs_torch"), (peer, "vs_peer")):
             base = by_key.get((ref, r.seq, r.batch))

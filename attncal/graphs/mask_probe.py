@@ -166,7 +166,7 @@ def fit_geometry(mask: np.ndarray, valid: np.ndarray, name: str) -> Fit:
     window_left = -1 if np.all(first == 0) else left
     window_right = -1 if np.all(last == span - 1) else right
     geometry = AttentionGeometry(0, window_left, window_right)
-    offset = np.arange(L)[None, :] - np.arange(L)[:, None]  # k - q
+    offset = np.arange(L, dtype=np.int32)[None, :] - np.arange(L, dtype=np.int32)[:, None]  # k - q
     band = np.ones((L, L), dtype=bool)
     if window_left >= 0:
         band &= offset >= -window_left
