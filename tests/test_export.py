@@ -23,6 +23,7 @@ from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.synthetic import ARCHITECTURES, synthetic_text
 from conftest import quick_exporter
+from test_native_kernel import library  # noqa: F401  (the built-library fixture)
 
 pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
 
@@ -153,13 +154,13 @@ PLAIN_NATIVE_GEOMETRY = {
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
-def test_uncalibrated_native_graph_runs_either_padding_side(arch, tiny_models, tmp_path):
+def test_uncalibrated_native_graph_runs_either_padding_side(arch, tiny_models, tmp_path, library):
     """An uncalibrated export gets the native graph too (every layer the op with strength 0); the runtime
     picks it where the library is loaded, and it equals the portable graph on both padding sides."""
     out = tmp_path / "out"
     meta = export(tiny_models[arch], out, ExportOptions(calibrate=False), quiet=True)
     assert meta["graphs"]["onnx/model_optimized_native.onnx"]["parity"]["ok"]
-    native = Encoder(out, providers=["CPUExecutionProvider"], native=True)
+    native = Encoder(out, providers=["CPUExecutionProvider"], custom_op_library=library)
     portable = Encoder(out, providers=["CPUExecutionProvider"], graph="portable")
     assert native.graph_file == "onnx/model_optimized_native.onnx"
     for side in ("left", "right"):
