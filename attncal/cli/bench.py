@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.engines import peer_engine
 
     meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "engines": engines,
-            "peer": peer_engine(sorted({r.engine for r in rows})),
+            "peer": peer_engine([r.engine for r in rows]),
             "seq": seqs, "batch": batches, "repeats": args.repeats,
             "memory_probes": None if args.no_memory else args.memory_probes, "machine": machine_info(args.threads)}
     write_results(out, rows, meta, notes)

@@ -526,7 +526,7 @@ def _portable_graph(run: _Run) -> None:
     import onnx_ir as ir
 
     from ..graphs import placements
-    from ..graphs.load_time_fusions import drop_intermediate_shapes, reorder_erf_gelu
+    from ..graphs.load_time_fusions import prepare_for_load_time_fusions
 
     plan = run.plan
     ir_model = ir.load(run.raw_path)
@@ -536,8 +536,7 @@ def _portable_graph(run: _Run) -> None:
         run.result = placements.get(plan.placement.portable).place(ir_model, plan.config, plan.info.num_layers)
     else:
         run.log("[2/4] portable graph, uncalibrated")
-    reorder_erf_gelu(ir_model)
-    drop_intermediate_shapes(ir_model)
+    prepare_for_load_time_fusions(ir_model)
     _write_graph(ir_model, run.tmp / ONNX_SUBDIR / ONNX_FILE, run.tmp / ".raw" / "stage", run.plan.estimate.weights,
                  full_check=True)
     del ir_model
@@ -674,10 +673,9 @@ def _native_plain_graph(run: _Run) -> None:
         run.log(f"note: no {NATIVE_GRAPH}: the calibrated attention op does not replace this model's attention "
                 f"({_first_line(exc)})")
         return
-    from ..graphs.load_time_fusions import drop_intermediate_shapes, reorder_erf_gelu
+    from ..graphs.load_time_fusions import prepare_for_load_time_fusions
 
-    reorder_erf_gelu(model)  # the portable graph's load-time fusions, for the rest of the model
-    drop_intermediate_shapes(model)
+    prepare_for_load_time_fusions(model)  # as the portable graph, for the rest of the model
     run.log(f"[2/4] native graph: the calibrated attention op in every layer ({NATIVE_GRAPH})")
     run.graphs[NATIVE_GRAPH] = {
         "placement": ATTENTION, "fused_attention": placed.result.fused_attention, "any_padding": True,

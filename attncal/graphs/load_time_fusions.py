@@ -1,7 +1,7 @@
 """Rewrites of the portable graph that let ONNX Runtime apply, at load time, the fusions it applies to
 optimum's and TorchScript exports of the same model.  Values are unchanged; the
-graph stays standard ONNX.  The exporter runs both after the placement, before saving
-`onnx/model.onnx` (docs/cli.md, "The exporter")."""
+graph stays standard ONNX.  The exporter runs both (`prepare_for_load_time_fusions`) after the placement,
+before saving `onnx/model.onnx` and the native graph of a plain export (docs/cli.md, "The exporter")."""
 
 from __future__ import annotations
 
@@ -71,3 +71,9 @@ def drop_intermediate_shapes(model) -> int:
                 value.shape = None
                 count += 1
     return count
+
+
+def prepare_for_load_time_fusions(model) -> None:
+    """Both rewrites, after the placements: what every graph the exporter writes from torch's export gets."""
+    reorder_erf_gelu(model)
+    drop_intermediate_shapes(model)

@@ -93,10 +93,9 @@ def _chain_parts(walk: PlainAttention) -> tuple[float, ir.Value]:
         if node.op_type in ("Cast", "Identity"):
             if node.op_type == "Cast" and node.attributes.get_int("to", ir.DataType.FLOAT) != ir.DataType.FLOAT:
                 raise PlainAttentionError(f"{where} casts the scores to another type than float32")
-        elif node.op_type in ("Mul", "Div") and len(others) == 1 and scalar_value(others[0]) is not None:
+        elif node.op_type in ("Mul", "Div") and len(others) == 1 and (c := scalar_value(others[0])) is not None:
             if scale is not None:
                 raise PlainAttentionError(f"{where}: a second scale in the chain")
-            c = scalar_value(others[0])
             if node.op_type == "Div" and node.inputs[0] is not prev:
                 raise PlainAttentionError(f"{where} divides a constant by the scores")
             scale = c if node.op_type == "Mul" else 1.0 / c
