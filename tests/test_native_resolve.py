@@ -37,6 +37,22 @@ def test_default_uses_built_library(built):
     assert oplib.resolve_library(False) is None
 
 
+def test_a_library_being_built_is_handed_out_only_when_the_build_ends(built):
+    """A parallel worker that resolves the library while another builds it waits for the build's lock: the
+    linker writes the library in place, and one loaded mid-link has an invalid ELF header."""
+    import threading
+    import time
+
+    got = []
+    with oplib._locked(built.parent):  # a build of that directory is running
+        t = threading.Thread(target=lambda: got.append(oplib.resolve_library()))
+        t.start()
+        time.sleep(0.3)
+        assert not got, "resolved while the build was running"
+    t.join(timeout=5)
+    assert got == [built]
+
+
 @pytest.mark.parametrize("value", ["0", "off", "false", "OFF", " False "])
 def test_env_turns_it_off(built, monkeypatch, value):
     monkeypatch.setenv(oplib.NATIVE_ENV, value)

@@ -132,7 +132,7 @@ def resolve_library(enabled: bool | None = None, *, notice: bool = True) -> Path
         return None
     lib = default_library_path()
     if lib is not None:
-        return lib
+        return _settled(lib)
     if enabled:
         expected = os.environ.get("ATTNCAL_ORT_LIBRARY") or " or ".join(str(d / ORT_LIBRARY) for d in library_dirs())
         raise FileNotFoundError(f"attncal native kernel library not found at {expected} (install a platform wheel "
@@ -164,16 +164,31 @@ def build_info(build_dir: str | os.PathLike | None = None) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+BUILD_LOCK = ".attncal-build.lock"  # held by a build of its directory (`_locked`), waited on by `_settled`
+
+
 @contextmanager
 def _locked(build_dir: Path) -> Iterator[None]:
     """Serialises concurrent builds of one directory (parallel test workers)."""
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / ".attncal-build.lock", "w") as fh:
+    with open(build_dir / BUILD_LOCK, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _settled(lib: Path) -> Path:
+    """`lib` once no build of its directory is running: the linker writes the library in place, so one handed out
+    mid-link (a parallel test worker building while another loads it) fails to load.  Waits on the build's lock
+    (`_locked`), shared; a library outside a build directory has no lock and is returned at once."""
+    lock = lib.parent / BUILD_LOCK
+    if lock.is_file():
+        with open(lock) as fh:
+            fcntl.flock(fh, fcntl.LOCK_SH)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    return lib
 
 
 def _run(cmd: Sequence[str], log: Path, quiet: bool) -> None:
