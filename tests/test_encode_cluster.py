@@ -291,13 +291,29 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _raylet_pid(node) -> int:
+    from ray._private import ray_constants
+
+    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def _encoding_a_piece(node) -> bool:
+    """Whether the node's actor is running a piece: Ray titles a worker `ray::<Class>.<method>` while it
+    runs that method."""
+    for pid in _descendants(_raylet_pid(node)):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"ray::_PieceWorker.run":
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _kill_node(cluster, node) -> None:
     """The node vanishes at once, as a machine does: its Ray processes and its workers are SIGKILLed together.
     (`remove_node` kills the node's own processes; its orphaned workers would notice the raylet's death
     only later, and an actor in the middle of a piece could still finish it and report.)"""
-    from ray._private import ray_constants
-
-    workers = _descendants(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    workers = _descendants(_raylet_pid(node))
     cluster.remove_node(node, allow_graceful=False)
     for pid in workers:
         try:
@@ -334,15 +350,22 @@ def test_multi_node_cluster_driver_reads_nothing_and_survives_a_node(s3, export,
         driver = subprocess.Popen([sys.executable, "-c", DRIVER, cluster.address, f"s3://{BUCKET}/export",
                                    f"s3://{BUCKET}/corpus/", out, s3.endpoint, str(320 << 10)], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        killed_after = None
+        killed_after, m = None, None
         deadline = time.time() + 240
-        while time.time() < deadline and driver.poll() is None:
+        while time.time() < deadline and driver.poll() is None:  # the second run's plan is written
             m = load_manifest(out, endpoint=s3.endpoint)
-            if m and m.get("pieces") and not m["complete"]:
-                killed_after = len(m["pieces"])
-                _kill_node(cluster, nodes[0])  # its actor is encoding a piece
+            if m and "plan" in m and not m["complete"]:
                 break
             time.sleep(0.05)
+        while m and time.time() < deadline and driver.poll() is None:
+            # the first node seen encoding a piece dies: the run then loses an actor and that piece
+            # whatever the timing (a node killed between pieces, or before its actor ran one, may not)
+            busy = next((n for n in nodes if _encoding_a_piece(n)), None)
+            if busy is not None:
+                _kill_node(cluster, busy)
+                killed_after = len(load_manifest(out, endpoint=s3.endpoint).get("pieces", []))
+                break
+            time.sleep(0.02)
         stdout, stderr = driver.communicate(timeout=240)
     finally:
         ray.shutdown()

@@ -485,3 +485,37 @@ def test_ray_engine_on_local_2cpu_instance_and_resume(request, tiny_export, rows
         assert again[key] == m[key], key
     assert_same_output(out, stopped)
     assert sorted(p.name for p in stopped.iterdir()) == sorted(p.name for p in out.iterdir())
+
+
+def test_ray_stop_waits_for_a_running_piece_to_remove_its_shards(request, tiny_export, tmp_path):
+    """Stopping the Ray engine (a bad row met by another actor, Ctrl-C) while an actor is half-way
+    through a piece: the piece is cancelled, stops at its next batch and deletes the shards it has
+    written, and the stop returns only after that, so none of them can land behind the driver's
+    cleanup.  A big piece and a one-row piece go to two actors; once the small one's result is back
+    and the big one has written shards, the engine stops."""
+    request.getfixturevalue("ray_session")
+    from attncal.corpus.inputs import plan_pieces, resolve_inputs
+    from attncal.corpus.ray_engine import RayEngine
+    from attncal.corpus.shards import config_hash
+    from attncal.corpus.storage import Location
+
+    big = resolve_inputs(write_jsonl(tmp_path / "big.jsonl", make_rows(20000, seed=3)))[0]
+    small = resolve_inputs(write_jsonl(tmp_path / "small.jsonl", make_rows(1, seed=4)))[0]
+    out = tmp_path / "out"
+    out.mkdir()
+    export = Location.parse(tiny_export)
+    eng = RayEngine(export, config_hash(export), out=Location.parse(out), batch_size=8, window=32, shard_size=20,
+                    text_field="text", id_field="id", on_error="skip", workers=2, num_cpus=2)
+    with eng:
+        eng.start()
+        results = eng.run([(0, plan_pieces(big, 1 << 30)[0]), (1, plan_pieces(small, 1 << 30, None, 1)[0])])
+        assert next(results)["piece"] == 1
+        deadline = time.time() + 120
+        while not list(out.glob("part-000000-*")) and time.time() < deadline:
+            time.sleep(0.05)
+        written = sorted(p.name for p in out.glob("part-000000-*"))
+        assert written, "the big piece wrote no shard"
+        results.close()
+    assert not list(out.glob("part-000000-*")), f"the cancelled piece left {written[:3]}"
+    time.sleep(1.0)  # nothing lands later either
+    assert sorted(p.name for p in out.iterdir()) == ["part-000001-000.parquet"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -68,12 +68,22 @@ def load_encoder(export_dir: str, threads: int | None, max_length: int | None, p
     return enc
 
 
-def encode_window(encoder, texts: list[str], batch_size: int) -> tuple[np.ndarray, int]:
-    """(embeddings [n, D] in input order, number of tokens) of one window, batches sorted by length."""
+class Cancelled(Exception):
+    """The caller asked the encoding to stop (`encode_window`'s `cancelled` said so between batches)."""
+
+
+def encode_window(encoder, texts: list[str], batch_size: int,
+                  cancelled: Callable[[], bool] | None = None) -> tuple[np.ndarray, int]:
+    """(embeddings [n, D] in input order, number of tokens) of one window, batches sorted by length.
+
+    `cancelled` is asked before each batch, so a stop request waits for one batch, not a whole window
+    (a window is thousands of texts)."""
     lengths = encoder.token_lengths(texts)
     order = np.argsort(lengths, kind="stable")[::-1]
     out = np.empty((len(texts), encoder.dimension), dtype=np.float32)
     for i in range(0, len(texts), batch_size):
+        if cancelled is not None and cancelled():
+            raise Cancelled
         idx = order[i : i + batch_size]
         _, emb = encoder.run(encoder.tokenize([texts[j] for j in idx]))
         out[idx] = emb

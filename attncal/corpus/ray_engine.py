@@ -43,6 +43,7 @@ from .storage import Location
 
 START_TIMEOUT_S = 600.0  # an actor fetches the export and loads it before it is ready
 MAX_ATTEMPTS = 3  # a piece whose actor died this many times stops the run (a piece that kills its worker)
+STOP_TIMEOUT_S = 120.0  # a cancelled piece stops at its next batch; past this its actor is killed mid-batch
 _WAIT_S = 5.0
 
 
@@ -120,7 +121,7 @@ class _PieceWorker:
             for ids, texts in windows(rows(), 0, s["shard_size"], s["window"]):
                 if state["failed"]:
                     break
-                emb, t = encode_window(self.encoder, texts, s["batch_size"])
+                emb, t = encode_window(self.encoder, texts, s["batch_size"], _cancel_requested)
                 tokens += t
                 writer.write(ids, emb)
             if not state["failed"]:
@@ -140,6 +141,15 @@ class _PieceWorker:
                 bad.extend(b.to_dict() for b in ch.bad)
         return {"piece": index, "rows": writer.rows_done, "lines": state["lines"], "bad": bad, "shards": shards,
                 "tokens": tokens, "failed": state["failed"]}
+
+
+def _cancel_requested() -> bool:
+    """Whether the driver cancelled the running piece (`RayEngine._stop`).  Ray sets a flag for a
+    running task of a regular actor and leaves it to the task to look; without the flag (an older
+    Ray) the piece runs to its end, and the driver's wait for it is longer, not shorter."""
+    import ray
+
+    return bool(getattr(ray.get_runtime_context(), "is_canceled", lambda: False)())
 
 
 def _last_line(exc: BaseException) -> str:
@@ -406,13 +416,21 @@ class RayEngine:
                 yield result
 
     def _stop(self) -> None:
-        """Kill every actor (an idle one, or one whose call raised, would otherwise hold its CPUs until
-        Ray collects its handle) and wait until the busy ones are gone, so none writes after the
-        driver has cleaned up or committed."""
+        """Stop the busy actors' pieces, then kill every actor (an idle one, or one whose call raised,
+        would otherwise hold its CPUs until Ray collects its handle), so none writes after the driver
+        has cleaned up or committed.
+
+        Killing is not that fence by itself: Ray reports a killed actor's task failed once the actor is
+        marked dead, which can be before its process has stopped, and a piece between its last shard's
+        upload and its return would leave that shard behind the driver's cleanup.  A cancelled piece
+        stops at its next batch, deletes its shards and returns, and its result resolves only then."""
         import ray
 
+        busy = list(self._busy)
+        for ref in busy:
+            ray.cancel(ref)
+        if busy:
+            ray.wait(busy, num_returns=len(busy), timeout=STOP_TIMEOUT_S)
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
-        if self._busy:
-            ray.wait(list(self._busy), num_returns=len(self._busy), timeout=30)
         self._starting, self._idle, self._busy, self._actors = {}, [], {}, []
