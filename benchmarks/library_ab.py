@@ -5,6 +5,8 @@ Why: a kernel change moves the model by a few per cent, and a shared VM drifts b
 round, so no build always runs first or right after another), medians are taken per build, and an optional
 uncalibrated graph (`--baseline`, run without any library) gives the ratio users see.  The builds must give
 the same embeddings (max |Δ| is printed; a kernel change that moves them is not a speed change).
+`--export-of NAME=DIR` runs build NAME on another export's graph: two exports of one model (an older
+commit's and the current one) under one build, when the graph, not the kernel, changed.
 
     # the current build against one made from an older commit (oplib.build_library('old-build'))
     python benchmarks/library_ab.py minilm-cal --lib old=old-build/libattncal_ort.so \\
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from functools import partial
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,13 +52,15 @@ def padded_feeds(batch: int, seq: int) -> dict[str, np.ndarray]:
 
 def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = None, seqs=(256,), batch: int = 8,
         repeats: int = 10, threads: int = 2, graph: str = "onnx/model_optimized_native.onnx",
-        padded: bool = False) -> list[dict]:
+        padded: bool = False, exports: dict[str, Path] | None = None) -> list[dict]:
     """One row per sequence length: median ms per build (and baseline), ratios, max |Δ| between builds.
-    `padded`: batches of mixed lengths (`padded_feeds`) instead of `seq` valid tokens in every item."""
+    `padded`: batches of mixed lengths (`padded_feeds`) instead of `seq` valid tokens in every item.
+    `exports`: the export whose graph a build runs, where it is not `export`."""
     from attncal.bench.engines import make_feeds
     from attncal.bench.timing import interleaved_times, medians
 
-    sessions = {name: _session(export / graph, threads, lib) for name, lib in libraries.items()}
+    exports = exports or {}
+    sessions = {name: _session(exports.get(name, export) / graph, threads, lib) for name, lib in libraries.items()}
     if baseline is not None:
         sessions["baseline"] = _session(baseline, threads, None)
     names, first = list(sessions), next(iter(libraries))
@@ -78,13 +83,19 @@ def run(export: Path, libraries: dict[str, Path], *, baseline: Path | None = Non
     return rows
 
 
-def _library(spec: str) -> tuple[str, Path]:
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lib takes NAME=PATH, got {spec!r}")
-    if not Path(path).is_file():
-        raise argparse.ArgumentTypeError(f"--lib {name}: no library at {path}")
-    return name, Path(path)
+def _named_path(option: str, what: str, exists: Callable[[Path], bool]) -> Callable[[str], tuple[str, Path]]:
+    def parse(spec: str) -> tuple[str, Path]:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"{option} takes NAME=PATH, got {spec!r}")
+        if not exists(Path(path)):
+            raise argparse.ArgumentTypeError(f"{option} {name}: no {what} at {path}")
+        return name, Path(path)
+    return parse
+
+
+_library = _named_path("--lib", "library", Path.is_file)
+_export_of = _named_path("--export-of", "directory", Path.is_dir)
 
 
 def _seqs(text: str) -> list[int]:
@@ -117,17 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graph", default="onnx/model_optimized_native.onnx", help="graph of the export to run")
     ap.add_argument("--padded", action="store_true",
                     help="batches of mixed lengths: item i holds SEQ * (i + 1) / BATCH tokens, the rest padding")
+    ap.add_argument("--export-of", type=_export_of, action="append", default=[], metavar="NAME=DIR",
+                    help="run build NAME on this export's graph instead of EXPORT's")
     args = ap.parse_args(argv)
-    libraries = dict(args.lib)
+    libraries, exports = dict(args.lib), dict(args.export_of)
     if len(libraries) < 2:
         ap.error("give at least two --lib NAME=PATH with different names")
-    if not (args.export / args.graph).is_file():
-        ap.error(f"{args.export / args.graph} does not exist (a calibrated float32 export of the BERT family has it)")
+    if set(exports) - set(libraries):
+        ap.error(f"--export-of names a build that no --lib gives: {', '.join(sorted(set(exports) - set(libraries)))}")
+    for name in libraries:
+        path = exports.get(name, args.export) / args.graph
+        if not path.is_file():
+            ap.error(f"{path} does not exist (a float32 export of the BERT family has it)")
     if args.baseline is not None and not args.baseline.is_file():
         ap.error(f"--baseline {args.baseline} does not exist")
     first = args.lib[0][0]
     for row in run(args.export, libraries, baseline=args.baseline, seqs=args.seq, batch=args.batch,
-                   repeats=args.repeats, threads=args.threads, graph=args.graph, padded=args.padded):
+                   repeats=args.repeats, threads=args.threads, graph=args.graph, padded=args.padded,
+                   exports=exports):
         parts = [f"{k} {ms:.1f} ms" for k, ms in row["median_ms"].items()]
         ratios = [f"{k}/{first} {v:.3f}" for k, v in row["vs_first"].items() if k != first]
         ratios += [f"{k}/baseline {v:.3f}" for k, v in row.get("vs_baseline", {}).items()]

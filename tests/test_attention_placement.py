@@ -1,6 +1,7 @@
-"""Attention placement: each calibrated layer's fused attention on the ORT-optimized graph
-becomes Q/K/V projections plus one calibrated attention op; `auto` writes that graph beside the split
-graph, and the runtime picks it where the native library is loaded, the split graph elsewhere.
+"""Attention placement: each layer's fused attention on the ORT-optimized graph becomes Q/K/V
+projections plus one calibrated attention op (strength 0 where the layer is not calibrated, and in
+every layer of an uncalibrated export); `auto` writes that graph beside the split graph, and the
+runtime picks it where the native library is loaded, the split graph elsewhere.
 
 Parity against the eager PyTorch reference (≤ 1e-5) for mean and cls pooling, left/right mixed
 lengths, partial baskets; the graph choice of `Encoder`, `attncal encode` and `attncal triton-repo`;
@@ -64,11 +65,15 @@ def test_auto_writes_the_native_graph_and_it_matches_pytorch(exports, pooling):
     ops = op_types(out / NATIVE_GRAPH)
     n_cal = len(meta["calibrated_layers"])
     op = "AllRowsCalibratedProjectedAttention" if pooling == "mean" else "PooledRowCalibratedProjectedAttention"
-    assert ops.count(op) == n_cal and ops.count("Attention") == meta["num_layers"] - n_cal  # others untouched
+    assert ops.count(op) == meta["num_layers"] and "Attention" not in ops  # every layer, calibrated or not
     graph = onnx.load(str(out / NATIVE_GRAPH), load_external_data=False).graph
     inits = {i.name for i in graph.initializer}
+    strengths = []
     for node in (n for n in graph.node if n.op_type == op):  # one node per layer: the fused node's packed weights
         assert node.input[1] in inits and node.input[2] in inits and node.input[3] == "attention_mask"
+        strengths.append(next(a.f for a in node.attribute if a.name == "strength"))
+    assert strengths == [cfg.strength if k in meta["calibrated_layers"] else 0.0 for k in range(meta["num_layers"])]
+    assert 0 < n_cal < meta["num_layers"]
     assert graphs[NATIVE_GRAPH]["fused_attention"] == meta["num_layers"]
     ref = TorchEncoder(src, attn_implementation="eager").encode(TEXTS, cfg.with_pooling(pooling))
     enc = Encoder(out, providers=["CPUExecutionProvider"])
@@ -76,6 +81,29 @@ def test_auto_writes_the_native_graph_and_it_matches_pytorch(exports, pooling):
     assert np.abs(enc.encode(TEXTS) - ref).max() <= 1e-5
     split = Encoder(out, providers=["CPUExecutionProvider"], graph="optimized").encode(TEXTS)
     assert np.abs(split - ref).max() <= 1e-5
+
+
+def test_uncalibrated_export_writes_the_native_graph_at_strength_0(exports, tmp_path):
+    """An uncalibrated export of a fused model gets the native graph too: the op at strength 0 in every
+    layer, no ONNX Runtime `Attention` left (whose CPU kernel writes every layer's probabilities).  It
+    gives the uncalibrated optimized graph's embeddings and the eager model's, and is what `Encoder` runs
+    where the library is loaded."""
+    src, _, _, _ = exports["cls"]
+    out = tmp_path / "plain"
+    meta = export(src, out, ExportOptions(calibrate=False, exporter="torchscript"), quiet=True)
+    entry = meta["graphs"][NATIVE_GRAPH]
+    assert entry["placement"] == "projected-attention" and entry["parity"]["ok"]
+    assert entry["parity"]["max_abs"] <= 1e-5 and entry["fused_attention"] == meta["num_layers"]
+    graph = onnx.load(str(out / NATIVE_GRAPH), load_external_data=False).graph
+    nodes = [n for n in graph.node if n.op_type == "PooledRowCalibratedProjectedAttention"]
+    assert len(nodes) == meta["num_layers"] and "Attention" not in [n.op_type for n in graph.node]
+    assert all(next(a.f for a in n.attribute if a.name == "strength") == 0.0 for n in nodes)
+    enc = Encoder(out, providers=["CPUExecutionProvider"])
+    assert enc.graph_file == NATIVE_GRAPH and enc.custom_op_library is not None
+    got = enc.encode(TEXTS)
+    fused = Encoder(out, providers=["CPUExecutionProvider"], graph="optimized").encode(TEXTS)
+    ref = TorchEncoder(src, attn_implementation="eager").encode(TEXTS, None)
+    assert np.abs(got - fused).max() <= 1e-5 and np.abs(got - ref).max() <= 1e-5
 
 
 def test_explicit_attention_placement_keeps_separate_projections(exports, tmp_path):
@@ -87,7 +115,7 @@ def test_explicit_attention_placement_keeps_separate_projections(exports, tmp_pa
     graph = meta["graphs"][OPTIMIZED_GRAPH]
     assert graph["placement"] == "attention" and graph["parity"]["ok"] and graph["parity"]["max_abs"] <= 1e-5
     ops = op_types(tmp_path / "att" / OPTIMIZED_GRAPH)
-    assert ops.count("AllRowsCalibratedAttention") == len(meta["calibrated_layers"])
+    assert ops.count("AllRowsCalibratedAttention") == meta["num_layers"]
     assert "AllRowsCalibratedProjectedAttention" not in ops
 
 

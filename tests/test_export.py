@@ -200,7 +200,10 @@ def test_cli_export_check_inspect_and_errors(tiny_models, tmp_path, capsys, monk
     texts_file = tmp_path / "texts.txt"
     texts_file.write_text("\n".join(TEXTS), encoding="utf-8")
     assert main(["check", str(out), "--texts", str(texts_file)]) == 0
-    assert "OK (fp32)" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert shown.count("OK (fp32)") == 3 and "native" in shown  # every graph: portable, optimized, native
+    assert main(["check", str(out), "--graph", "native", "--texts", str(texts_file)]) == 0
+    assert capsys.readouterr().out.count("OK (fp32)") == 1
 
     def err(args):
         code = main(args)
@@ -222,6 +225,8 @@ def test_cli_export_check_inspect_and_errors(tiny_models, tmp_path, capsys, monk
     assert "strength: 1.5 is outside [0, 1]" in err(["export", src, "-o", str(tmp_path / "x"), "--strength", "1.5"])[1]
     assert "is not empty; pass --overwrite" in err(["export", src, "-o", str(out)])[1]
     assert "texts file" in err(["check", str(out), "--texts", str(tmp_path / "missing.txt")])[1]
+    (out / "onnx" / "model_optimized_native.onnx").unlink()
+    assert "model_optimized_native.onnx" in err(["check", str(out), "--graph", "native"])[1]
 
     # A graph without the softmax pattern: a clear error, and nothing left behind.
     import attncal.export.exporter as exporter

@@ -31,6 +31,12 @@ def test_library_ab_runs_both_builds_and_the_baseline(tmp_path, library, capsys)
     assert library_ab.main([str(out), "--lib", f"a={library}", "--lib", f"b={library}", "--seq", "16",
                             "--batch", "1", "--repeats", "1", "--threads", "1"]) == 0
     assert "1 x 16: a " in capsys.readouterr().out
+    # Two exports of one model under one build: b runs the other export's graph (here uncalibrated).
+    plain = tmp_path / "plain"
+    export(src, plain, ExportOptions(check=False, exporter="torchscript", calibrate=False), quiet=True)
+    rows = library_ab.run(out, {"a": library, "b": library}, exports={"b": plain}, seqs=[200], batch=2, repeats=2,
+                          threads=1)
+    assert rows[0]["max_abs_diff"] > 1e-4, "b ran the uncalibrated export's graph"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -40,6 +46,8 @@ def test_library_ab_runs_both_builds_and_the_baseline(tmp_path, library, capsys)
     (["--lib", "a={lib}", "--lib", "b={lib}", "--seq", "12,x"], "--seq takes comma-separated integers"),
     (["--lib", "a={lib}", "--lib", "b={lib}", "--repeats", "0"], "must be >= 1, got 0"),
     (["--lib", "a={lib}", "--lib", "b={lib}"], "model_optimized_native.onnx does not exist"),
+    (["--lib", "a={lib}", "--lib", "b={lib}", "--export-of", "c=/"], "--export-of names a build that no --lib gives: c"),
+    (["--lib", "a={lib}", "--lib", "b={lib}", "--export-of", "b=/nonexistent"], "--export-of b: no directory at"),
 ])
 def test_library_ab_rejects_bad_arguments(tmp_path, capsys, args, message):
     lib = tmp_path / "lib.so"

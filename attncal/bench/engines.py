@@ -32,8 +32,8 @@ ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", 
 #                    it: the ORT-optimized graph with the bench's placement, auto: row for cls/last, split for mean)
 #   ort-opt-split:   that export's onnx/model_optimized.onnx (split / row placement, no custom op) whatever is built
 #   ort-opt-native:  that export's onnx/model_optimized_native.onnx with the native library (required)
-#   ort-native:      the uncalibrated export's native graph with the native library (required): for models without
-#                    an ORT-optimized graph, the calibrated attention op with calibration off in every layer
+#   ort-native:      the uncalibrated export's native graph with the native library (required): the calibrated
+#                    attention op with calibration off in every layer
 #   ort-split/-row:  split / row placement on the portable graph (standard ONNX)
 #   ort-int8 / ort-cal-int8: `attncal export --quantize int8` of the uncalibrated / calibrated model, graph="auto"
 #                    as `Encoder` runs it (compare with ort-opt / ort-opt-cal)

@@ -133,6 +133,12 @@ class CalibrationConfig:
         if self.pooling != "auto":
             self.resolve()  # validates the fixed-weight budget for this pooling
 
+    @classmethod
+    def off(cls, pooling: str) -> "CalibrationConfig":
+        """No calibration (strength 0) for `pooling`: what an uncalibrated export's native graph places, the
+        attention op of that pooling computing plain attention in every layer."""
+        return cls(pooling=pooling, strength=0.0)
+
     # ------------------------------------------------------------------ resolve
     def with_pooling(self, pooling: str) -> "CalibrationConfig":
         """A copy with a concrete pooling mode (used when binding to a model)."""

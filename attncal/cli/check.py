@@ -16,8 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--custom-op-library", default=None, help="run with this native attncal op library")
     p.add_argument("--no-native", dest="native", action="store_const", const=False, default=None,
                    help="use the ONNX function body even when the native library is built ($ATTNCAL_NATIVE=0)")
-    p.add_argument("--graph", choices=("all", "portable", "optimized"), default="all",
-                   help="which graph of the export to check (default: every graph it has)")
+    p.add_argument("--graph", choices=("all", "portable", "optimized", "native"), default="all",
+                   help="which graph of the export to check (default: every graph it has; the native graph runs "
+                        "with the native library where it is built, else with its ONNX function bodies)")
 
 
 def read_texts(path: str) -> list[str]:
@@ -39,15 +40,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from ..artifact import OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
+    from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
 
     texts = read_texts(args.texts) if args.texts else None
+    files = {"portable": PORTABLE_GRAPH, "optimized": OPTIMIZED_GRAPH, "native": NATIVE_GRAPH}
     # Every graph the check will run is validated first: a damaged export is one line, before any work.
-    wanted = {"all": "all", "portable": PORTABLE_GRAPH, "optimized": OPTIMIZED_GRAPH}[args.graph]
-    meta = open_export(args.out, graphs=wanted).meta
-    graphs = ["portable", "optimized"] if args.graph == "all" else [args.graph]
-    if args.graph == "all" and OPTIMIZED_GRAPH not in (meta.get("graphs") or {}):
-        graphs = ["portable"]
+    meta = open_export(args.out, graphs="all" if args.graph == "all" else files[args.graph]).meta
+    present = meta.get("graphs") or {}
+    graphs = ([g for g, f in files.items() if g == "portable" or f in present] if args.graph == "all"
+              else [args.graph])
     ok = True
     for graph in graphs:
         report = check_parity(args.out, texts, args.reference, batch_size=args.batch_size,

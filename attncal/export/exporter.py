@@ -623,24 +623,27 @@ def _optimized_graph_step(run: _Run, ts_raw: Path) -> None:
 
 
 def _native_graph(run: _Run, ts_raw: Path) -> None:
-    """onnx/model_optimized_native.onnx: the optimized graph with the calibrated attention op, for the native
-    library, in a calibrated export (fp16: converted), written once; then the optimizer's files go."""
+    """onnx/model_optimized_native.onnx: the optimized graph with the calibrated attention op in every layer
+    (strength 0 where the export does not calibrate), for the native library (fp16: converted), written
+    once; then the optimizer's files go."""
     from ..graphs.placement_base import count_fused_attention
+    from ..graphs.placements import NATIVE_BY_PRECISION
 
     plan = run.plan
-    if plan.placement is not None and plan.placement.native:
+    placement = plan.placement.native if plan.placement is not None else NATIVE_BY_PRECISION[plan.precision]
+    if placement:
         run.meter.step("native graph")
-        run.log(f"[2/4] ORT-optimized graph with {plan.placement.native} placement, for the native library "
+        run.log(f"[2/4] ORT-optimized graph with {placement} placement in every layer, for the native library "
                 f"({NATIVE_GRAPH})")
         with library_output.third_party_output():
-            native_model, _ = _optimized_graph(plan.info, ts_raw, plan.config, plan.placement.native,
-                                               plan.info.num_layers, run.ts_root, run.cache)
+            native_model, _ = _optimized_graph(plan.info, ts_raw, plan.config or CalibrationConfig.off(plan.pooling),
+                                               placement, plan.info.num_layers, run.ts_root, run.cache)
         entry = run.graphs[NATIVE_GRAPH] = {
-            "placement": plan.placement.native, "fused_attention": count_fused_attention(native_model),
+            "placement": placement, "fused_attention": count_fused_attention(native_model),
             "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library "
                        f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
         if plan.opts.fp16:
-            native_model, entry["float32_nodes"] = _to_fp16(native_model, plan.placement.native, run.quiet)
+            native_model, entry["float32_nodes"] = _to_fp16(native_model, placement, run.quiet)
         _write_graph(native_model, run.tmp / NATIVE_GRAPH, run.ts_root / "stage", run.plan.estimate.weights)
         del native_model
     run.cache.clear()

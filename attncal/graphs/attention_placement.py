@@ -1,8 +1,9 @@
-"""Attention placement's one rule (fused graph): each calibrated layer's fused attention becomes its
-Q/K/V projections plus one calibrated attention op (`AllRowsCalibratedAttention` for mean pooling,
+"""Attention placement's one rule (fused graph): each layer's fused attention becomes its Q/K/V
+projections plus one calibrated attention op (`AllRowsCalibratedAttention` for mean pooling,
 `PooledRowCalibratedAttention` for cls / last pooling), which computes softmax, calibration and the
-product with V in one pass.  The projected-attention placement's rule is the same `find` and
-`rewrite` with `projected=True` (`projected_attention_placement`).
+product with V in one pass; a layer the config does not calibrate, and every layer of an uncalibrated
+export, gets the same op at strength 0, which is plain attention.  The projected-attention placement's
+rule is the same `find` and `rewrite` with `projected=True` (`projected_attention_placement`).
 
 Why: split placement keeps ONNX Runtime's fused attention but runs each calibrated layer's attention
 core twice (the full term, then the baskets), and the softmax placements write every head's [B,H,S,S]
@@ -10,15 +11,20 @@ probabilities to memory.  The native kernel (`plugins/kernels/cpu/calibrated_att
 block of query rows against all keys while the block is in cache and calibrates it there: the cost
 of attention, no second pass, and per-thread scratch instead of a [B,H,S,S] buffer.
 
+Every layer, not only the calibrated ones: ONNX Runtime's CPU `Attention` writes every layer's
+[B,N,S,S] probabilities, so one such layer sets the graph's peak memory however many layers the op
+replaces, and the kernel is as fast as it at long sequences (docs/performance.md).
+
 Only the ORT-optimized graph is rewritten (`com.microsoft::Attention`, one per layer, packed QKV
-weights): uncalibrated layers keep ORT's `Attention` untouched.  The op carries a standard-ONNX
-function body, so the graph still runs without the native library, but that body materialises the
-probabilities; `attncal.graphs.placements.plan` therefore writes this graph only beside the split
-graph, and the runtime picks it where the native library is present (`attncal.runtime.encoder`).
+weights).  The op carries a standard-ONNX function body, so the graph still runs without the native
+library, but that body materialises the probabilities; `attncal.graphs.placements.plan` therefore
+writes this graph only beside the split graph, and the runtime picks it where the native library is
+present (`attncal.runtime.encoder`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -51,20 +57,20 @@ def _check_layer(graph: ir.Graph, att: ir.Node, error: type[ValueError] = Attent
 class AttentionEdits:
     rc: ResolvedCalibration
     projected: bool  # the op computes the Q, K and V projection itself (projected_attention_placement)
-    selected: list[int]
+    selected: list[int]  # the calibrated layers; every other layer's op runs at strength 0
     atts: list[ir.Node]  # one fused Attention node per layer
     mask: ir.Value
     common: dict  # the op's attributes shared by every layer (the result's `attrs`)
-    # What `rewrite` inserts; None when nothing is calibrated (no layer, or strength 0).
-    parts: dict[int, tuple[ir.Value, np.ndarray, np.ndarray, int, float]] | None = None
-    op_type: str | None = None
-    function: ir.Function | None = None
+    parts: dict[int, tuple[ir.Value, np.ndarray, np.ndarray, int, float]]  # per layer, what `rewrite` inserts
+    op_type: str
+    function: ir.Function
 
 
 def find(model: ir.Model, config: CalibrationConfig, num_layers: int, *, projected: bool,
          error: type[ValueError], mask_input: str = "attention_mask") -> AttentionEdits:
-    """Every refusal, for every selected layer of an ORT-optimized graph, raised as `error`; no edit.
-    `projected` picks the op that also computes the Q, K and V projection."""
+    """Every refusal, for every layer of an ORT-optimized graph, raised as `error`; no edit.  `projected`
+    picks the op that also computes the Q, K and V projection; a config of strength 0 (an uncalibrated
+    export) gives the op of its pooling at strength 0 in every layer."""
     rc = config.resolve()
     if not has_fused_attention(model):
         raise error(
@@ -72,31 +78,27 @@ def find(model: ir.Model, config: CalibrationConfig, num_layers: int, *, project
             "none (the portable graph); it applies to the ORT-optimized graph only")
     graph = model.graph
     atts, mask = fused_layers(model, num_layers, mask_input, error, "attention placement needs")
-    selected = config.layer_indices(num_layers)
-    attrs = attention_op_spec(rc, 0, num_heads=1, projected=projected).attrs
-    common = {k: v for k, v in attrs.items() if k not in ("layer", "num_heads", "scale")}
-    if not selected or rc.strength == 0.0:
-        return AttentionEdits(rc, projected, selected, atts, mask, common)
-    parts = {layer: _check_layer(graph, atts[layer], error) for layer in selected}
-    op_type = attention_op_spec(rc, 0, 1, projected=projected).op_type
-    function = ir.serde.deserialize_function(make_function(op_type, model_opset(model)))
-    return AttentionEdits(rc, projected, selected, atts, mask, common, parts, op_type, function)
+    selected = config.layer_indices(num_layers) if rc.strength != 0.0 else []
+    spec = attention_op_spec(rc, 0, num_heads=1, projected=projected)
+    common = {k: v for k, v in spec.attrs.items() if k not in ("layer", "num_heads", "scale")}
+    parts = {layer: _check_layer(graph, att, error) for layer, att in enumerate(atts)}
+    function = ir.serde.deserialize_function(make_function(spec.op_type, model_opset(model)))
+    return AttentionEdits(rc, projected, selected, atts, mask, common, parts, spec.op_type, function)
 
 
 def rewrite(model: ir.Model, edits: AttentionEdits) -> PlacementResult:
-    """Each selected layer's fused `Attention` becomes the calibrated attention op: after its Q, K and V
-    projections (three MatMul + Add), or, `projected`, the op that computes them itself from the fused
-    node's packed weight and bias (`projected_attention_placement`)."""
+    """Each layer's fused `Attention` becomes the calibrated attention op (strength 0 outside the calibrated
+    layers): after its Q, K and V projections (three MatMul + Add), or, `projected`, the op that computes
+    them itself from the fused node's packed weight and bias (`projected_attention_placement`)."""
     rc, projected, selected, atts, mask = edits.rc, edits.projected, edits.selected, edits.atts, edits.mask
-    if edits.parts is None:
-        return PlacementResult(selected, None, edits.common, count_fused_attention(model))
     graph = model.graph
     parts, op_type, function = edits.parts, edits.op_type, edits.function
-    for layer in selected:
+    off = dataclasses.replace(rc, strength=0.0)
+    for layer, att in enumerate(atts):
         x, W, bias, heads, scale = parts[layer]
-        att = atts[layer]
         ops = Ops(graph, f"attncal_attention_layer{layer}")
-        spec = attention_op_spec(rc, layer, num_heads=heads, scale=float(scale), projected=projected)
+        spec = attention_op_spec(rc if layer in selected else off, layer, num_heads=heads, scale=float(scale),
+                                 projected=projected)
         if projected:  # the fused node's own packed weight and bias initializers, in ORT's layout
             inputs = (x, att.inputs[1], att.inputs[2])
         else:

@@ -21,9 +21,10 @@ docs/performance.md and docs/performance-log.md):
   memory than the softmax placements (`ort-split` vs `ort-cal`); `--placement split` writes it for
   runtimes that fuse attention themselves (TensorRT).  A mean-pooling config with an `original`
   isolated token cannot be split on fused attention and uses the softmax placements in both graphs.
-* Beside the optimized graph, every calibrated export where that graph applies also gets the
-  native graph (`onnx/model_optimized_native.onnx`): each calibrated layer's fused attention becomes
-  one calibrated attention op, softmax, calibration and the product with V in one pass (the native
+* Beside the optimized graph, every export where that graph applies, calibrated or not, also gets the
+  native graph (`onnx/model_optimized_native.onnx`): each layer's fused attention becomes one
+  calibrated attention op (strength 0 where the layer is not calibrated), softmax, calibration and
+  the product with V in one pass (the native
   CPU kernel); in float32 exports the op also computes the Q, K and V projection
   (`projected-attention`), in fp16 and int8 exports it follows separate projections (`attention`).
   The runtime runs it where the attncal native library is loaded and the optimized graph (no custom
@@ -108,9 +109,10 @@ def plan(requested: str, rc: ResolvedCalibration, precision: str = "fp32") -> Pl
             return Plan(portable, requested, f"requested: --placement {requested} (the ORT-optimized graph; "
                                              f"{portable} on the portable graph)")
         return Plan(requested, requested, f"requested: --placement {requested}")
-    native = ("; where the attncal native library is loaded, the calibrated attention op computes each calibrated "
-              "layer's " + ("Q/K/V projection, " if native_placement == PROJECTED_ATTENTION else "")
-              + "softmax, calibration and product with V in one pass (onnx/model_optimized_native.onnx)")
+    native = ("; where the attncal native library is loaded, the calibrated attention op computes every layer's "
+              + ("Q/K/V projection, " if native_placement == PROJECTED_ATTENTION else "")
+              + "softmax, calibration (where calibrated) and product with V in one pass "
+              "(onnx/model_optimized_native.onnx)")
     if not rc.all_rows:
         return Plan(ROW, ROW, f"auto: {rc.pooling} pooling calibrates one row; row placement recomputes it "
                               "beside the attention and keeps every fused attention node" + native, native_placement)

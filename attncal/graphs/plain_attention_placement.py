@@ -150,7 +150,7 @@ def find(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_la
     graph = model.graph
     if any(n.domain == DOMAIN for n in graph):
         raise PlainAttentionError("the graph already contains attncal nodes; the rewrite takes the plain export")
-    rc = (config or CalibrationConfig(pooling=pooling, strength=0.0)).resolve()  # type: ignore[arg-type]
+    rc = (config or CalibrationConfig.off(pooling)).resolve()
     selected = config.layer_indices(num_layers) if config is not None and rc.strength != 0.0 else []
     mask_input = graph_input(graph, "attention_mask", PlainAttentionError)
     geometries: dict[int, AttentionGeometry] = {}
