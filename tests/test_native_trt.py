@@ -20,7 +20,8 @@ copied into the repository; without the setting the tests skip and say how to pr
 
 Also here, needing only g++: the host test of the CUDA launchers' shared-memory choices
 (plugins/kernels/cuda/launch_config.h; tests/cpp/launch_config_test.cpp), which both plugins' launchers
-make before every launch."""
+make before every launch; and, with nvcc, the calibrated attention launcher's argument checks for the
+geometry (grouped key/value heads, windows), which run before anything touches a device."""
 
 from __future__ import annotations
 
@@ -134,9 +135,12 @@ def test_trt_attention_plugin_host(version, request, tmp_path):
     assert "OK:" in out
     assert "attention creators: 12 listed" in out
     assert "refused" in out and "round trip" in out
+    assert "GQA and windows accepted, an invalid geometry refused" in out and "the geometry included" in out
     assert "attention malformed fields (2 ops)" in out and "missing attribute 'strength'" in out
     for op in ("PooledRowCalibratedAttention", "AllRowsCalibratedAttention"):
         assert f"{op}: output types (float, half, bf16 -> same), shape [q0, q1, v2], 3 of 8 format combinations" in out
+        assert any(line.startswith(f"{op}: output types") and line.endswith("GQA and window shapes ok")
+                   for line in out.splitlines()), out
         for strength in ("0.5", "0.0"):
             assert f"{op} (strength {strength}): enqueue without a GPU: returned" in out
     assert out.count("clean error") == 4
@@ -155,3 +159,69 @@ def test_cuda_launch_config_host(tmp_path):
     m = re.search(r"^(\d+) choices checked, 0 failure\(s\)$", out, re.M)
     assert m, out
     assert int(m.group(1)) > 4 * 3 * 225 * 2, out  # every device, dtype, head size and block class at least
+
+
+# Calls the calibrated attention launchers with an empty batch (B = 0: checked, then nothing to launch, so no
+# device is touched) for each geometry; prints one line per call: its name, the status and the error message.
+GEOMETRY_CHECKS_CPP = r"""
+#include <cstdio>
+#include "cuda/calibrated_attention_cuda.h"
+
+static void call(const char* what, int kv, int left, int right, long long S_q, int all_rows) {
+  AttncalParams p{};
+  p.all_rows = all_rows;
+  p.basket_size = 2;
+  p.strength = 0.5f;
+  p.num_heads = 4;
+  p.num_kv_heads = kv;
+  p.window_left = left;
+  p.window_right = right;
+  for (int reference = 0; reference < 2; ++reference) {
+    const int rc =
+        reference ? attncal_cuda_calibrated_attention_reference(0, nullptr, nullptr, nullptr, nullptr, nullptr, 0, S_q,
+                                                                8, 4, 16, 16, 0.f, &p, nullptr)
+                  : attncal_cuda_calibrated_attention(0, nullptr, nullptr, nullptr, nullptr, nullptr, 0, S_q, 8, 4, 16,
+                                                      16, 0.f, &p, nullptr, nullptr);
+    std::printf("%s%s: %d %s\n", what, reference ? " (reference)" : "", rc, attncal_cuda_last_error());
+  }
+}
+
+int main() {
+  call("default", 0, -1, -1, 8, 1);
+  call("gqa 2 causal", 2, -1, 0, 8, 1);
+  call("mqa sliding", 1, 3, 2, 8, 0);
+  call("kv == heads one-sided", 4, 5, -1, 8, 0);
+  call("kv 3", 3, -1, -1, 8, 1);
+  call("kv -1", -1, -1, -1, 8, 1);
+  call("window left -2", 0, -2, -1, 8, 1);
+  call("window on one query", 0, -1, 0, 1, 0);
+  return 0;
+}
+"""
+
+
+def test_cuda_launcher_geometry_checks_host(launcher, tmp_path):
+    """The calibrated attention launchers (compiled with nvcc, run without a device) accept grouped key/value
+    heads and windows, and refuse an invalid geometry with a one-line message naming it, as the CPU side does:
+    num_kv_heads not dividing num_heads, a window bound below -1, a window with S_q != S_k."""
+    objs, flags = launcher
+    if not any(o.endswith(".o") for o in objs):
+        pytest.skip("nvcc not found: the launchers are a test stub here")
+    src = tmp_path / "geometry_checks.cpp"
+    src.write_text(GEOMETRY_CHECKS_CPP)
+    exe = tmp_path / "geometry_checks"
+    cmd = ["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-I", str(KERNELS), str(src), *objs, "-o", str(exe), *flags]
+    out = _build_and_run(cmd, exe)
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    for what in ("default", "gqa 2 causal", "mqa sliding", "kv == heads one-sided"):
+        for name in (what, f"{what} (reference)"):
+            assert lines[name].strip() == "0", (name, lines[name])
+    refused = {
+        "kv 3": "1 num_kv_heads must divide num_heads=4 (0 = num_heads), got 3",
+        "kv -1": "1 num_kv_heads must divide num_heads=4 (0 = num_heads), got -1",
+        "window left -2": "1 window_left and window_right must be >= 0, or -1 for no limit; got -2 and -1",
+        "window on one query": "1 a window (window_left, window_right) needs S_q == S_k, got S_q=1, S_k=8",
+    }
+    for what, expect in refused.items():
+        for name in (what, f"{what} (reference)"):
+            assert lines[name] == expect, (name, lines[name])

@@ -2,22 +2,23 @@
 // AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention"): a
 // thin adapter over attncal_cuda_calibrated_attention (kernels/cuda/calibrated_attention_cuda.h).
 //
-//   inputs:  0 query T[B,S_q,N*D], 1 key T[B,S_k,N*D], 2 value T[B,S_k,N*D_v],
+//   inputs:  0 query T[B,S_q,N*D], 1 key T[B,S_k,N_kv*D], 2 value T[B,S_k,N_kv*D_v],
 //            3 attention_mask int64[B,S_k];  T = float, half or bfloat16 (one T for all)
 //   output:  0 context T[B,S_q,N*D_v]
 //   fields:  the calibration op's (pool_last on the pooled op only; layer optional, not kept),
 //            num_heads (1..65535) and scale (finite, >= 0; 0 = 1/sqrt(D)): all required, read by
 //            the shared parser (attncal_trt_fields.h), which refuses missing, duplicated,
-//            ill-typed and foreign fields; the optional geometry (num_kv_heads, window_left,
-//            window_right) is refused unless it is the default: the CUDA kernel has no GQA or
-//            window yet.
+//            ill-typed and foreign fields; the optional geometry, num_kv_heads (N_kv, dividing
+//            num_heads; 0 = num_heads), window_left and window_right (-1 = no bound; a window needs
+//            S_q == S_k), is kept and passed to the kernel.
 //
 // Two creators per op type, version "1", namespaces "" and "ai.attncal" (as the calibration
 // plugin has): 4 creators, listed by attncal_trt_plugin.cpp's getCreators when both files are
 // built into one library with ATTNCAL_TRT_WITH_ATTENTION (CMake does).
 //
 // Why the plugin refuses what it refuses: shapes are checked where TensorRT gives them
-// (getOutputShapes: ranks; onShapeChange: batch, key length, mask, head split, S_q rule), and a
+// (getOutputShapes: ranks; onShapeChange: batch, key length, mask, head split with N_kv key/value
+// heads, S_q rule, a window's S_q == S_k), and a
 // refusal is a non-zero return there, never a bad launch.  The output is never aliased to an
 // input (the build capability is IPluginV3OneBuild, not V2): the context has another shape, and
 // the kernel reads the query after writing rows it hands to its per-row pass.
@@ -51,13 +52,19 @@ constexpr int32_t kMaxHeads = 65535;
 
 bool is_float_type(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16; }
 
-// The run-time shape rules of the contract (the same as the ORT kernels' CheckAttentionShapes).
-bool shapes_ok(Dims const& q, Dims const& k, Dims const& v, Dims const& m, int32_t num_heads, bool all_rows) {
+// The key/value heads (num_kv_heads resolved: 0 = num_heads).
+int64_t kv_heads(AttncalParams const& p) { return p.num_kv_heads > 0 ? p.num_kv_heads : p.num_heads; }
+
+// The run-time shape rules of the contract (the same as the ORT kernels' CheckAttentionShapes): query
+// N heads of D, key N_kv heads of the same D, value N_kv heads; a window needs S_q == S_k.
+bool shapes_ok(Dims const& q, Dims const& k, Dims const& v, Dims const& m, AttncalParams const& p) {
+  const int64_t n = p.num_heads, n_kv = kv_heads(p);
   if (q.nbDims != 3 || k.nbDims != 3 || v.nbDims != 3 || m.nbDims != 2) return false;
   if (k.d[0] != q.d[0] || v.d[0] != q.d[0] || m.d[0] != q.d[0]) return false;  // batch
   if (v.d[1] != k.d[1] || m.d[1] != k.d[1]) return false;                     // key length
-  if (k.d[2] != q.d[2] || q.d[2] % num_heads != 0 || v.d[2] % num_heads != 0) return false;
-  return all_rows ? q.d[1] == k.d[1] : (q.d[1] == k.d[1] || q.d[1] == 1);
+  if (k.d[2] * n != q.d[2] * n_kv || q.d[2] % n != 0 || v.d[2] % n_kv != 0) return false;
+  if ((p.window_left >= 0 || p.window_right >= 0) && q.d[1] != k.d[1]) return false;
+  return p.all_rows ? q.d[1] == k.d[1] : (q.d[1] == k.d[1] || q.d[1] == 1);
 }
 
 // Capabilities, identity, the single output, the fields to serialise and attachToContext:
@@ -84,16 +91,19 @@ class AttentionPlugin : public attncal_trt::PluginBase<IPluginV3OneBuild> {
     outputTypes[0] = inputTypes[0];
     return 0;
   }
-  // context = [query.d0, query.d1, value.d2]: no arithmetic on the dims, so no expression is built.
+  // context = [query.d0, query.d1, value.d2 * N/N_kv]: an expression only under GQA (N_kv < N).
   int32_t getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t, DimsExprs* outputs,
-                          int32_t nbOutputs, IExprBuilder&) noexcept override {
+                          int32_t nbOutputs, IExprBuilder& exprBuilder) noexcept override {
     if (nbInputs != 4 || nbOutputs != 1) return -1;
     if (inputs[0].nbDims != 3 || inputs[1].nbDims != 3 || inputs[2].nbDims != 3 || inputs[3].nbDims != 2) return -1;
     outputs[0].nbDims = 3;
     outputs[0].d[0] = inputs[0].d[0];
     outputs[0].d[1] = inputs[0].d[1];
-    outputs[0].d[2] = inputs[2].d[2];
-    return 0;
+    const int64_t group = p_.num_heads / kv_heads(p_);
+    outputs[0].d[2] = group == 1 ? inputs[2].d[2]
+                                 : exprBuilder.operation(DimensionOperation::kPROD, *inputs[2].d[2],
+                                                         *exprBuilder.constant(group));
+    return outputs[0].d[2] != nullptr ? 0 : -1;
   }
   bool supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
                                  int32_t nbOutputs) noexcept override {
@@ -114,9 +124,11 @@ class AttentionPlugin : public attncal_trt::PluginBase<IPluginV3OneBuild> {
   int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out,
                         int32_t nbOutputs) noexcept override {
     if (nbInputs != 4 || nbOutputs != 1) return -1;
-    if (!shapes_ok(in[0].dims, in[1].dims, in[2].dims, in[3].dims, p_.num_heads, p_.all_rows != 0)) return -1;
+    if (!shapes_ok(in[0].dims, in[1].dims, in[2].dims, in[3].dims, p_)) return -1;
     Dims const& o = out[0].dims;
-    if (o.nbDims != 3 || o.d[0] != in[0].dims.d[0] || o.d[1] != in[0].dims.d[1] || o.d[2] != in[2].dims.d[2]) return -1;
+    const int64_t group = p_.num_heads / kv_heads(p_);
+    if (o.nbDims != 3 || o.d[0] != in[0].dims.d[0] || o.d[1] != in[0].dims.d[1] || o.d[2] != in[2].dims.d[2] * group)
+      return -1;
     return 0;
   }
   int32_t enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*, void const* const* inputs,
@@ -131,11 +143,12 @@ class AttentionPlugin : public attncal_trt::PluginBase<IPluginV3OneBuild> {
                                              : ATTNCAL_DTYPE_FLOAT32;
     return attncal_cuda_calibrated_attention(dtype, inputs[0], inputs[1], inputs[2],
                                              static_cast<int64_t const*>(inputs[3]), outputs[0], q.d[0], q.d[1],
-                                             k.d[1], N, q.d[2] / N, v.d[2] / N, p_.scale, &p_, workspace, stream);
+                                             k.d[1], N, q.d[2] / N, v.d[2] / kv_heads(p_), p_.scale, &p_, workspace,
+                                             stream);
   }
 
  private:
-  AttncalParams p_;  // num_heads and scale included
+  AttncalParams p_;  // num_heads, scale and the geometry included
 };
 
 // Identity, field names (the calibration fields, then num_heads and scale) and parsing:
@@ -151,14 +164,6 @@ class AttentionCreator : public attncal_trt::CreatorBase {
       attncal_trt::report_refusal(op_.c_str(), std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_heads)) +
                                                    " must be <= " + std::to_string(kMaxHeads) + " (the launcher's "
                                                    "grid limit), got " + std::to_string(p.num_heads));
-      return nullptr;
-    }
-    if ((p.num_kv_heads != 0 && p.num_kv_heads != p.num_heads) || p.window_left >= 0 || p.window_right >= 0) {
-      attncal_trt::report_refusal(op_.c_str(), std::string("grouped key/value heads (") +
-                                                   attncal::attr_name(ATTNCAL_ATTR_ID_num_kv_heads) + ") and windows (" +
-                                                   attncal::attr_name(ATTNCAL_ATTR_ID_window_left) + ", " +
-                                                   attncal::attr_name(ATTNCAL_ATTR_ID_window_right) +
-                                                   ") have no CUDA kernel yet; export without them for TensorRT");
       return nullptr;
     }
     return new (std::nothrow) AttentionPlugin(op_, ns_, p);

@@ -98,14 +98,19 @@ inline std::vector<nvinfer1::PluginField> field_names(bool all_rows, bool attent
 }
 
 // The fields a plugin serialises, pointing into p (a member of the plugin): every REQUIRED attribute
-// op takes, in the table's order.  OPTIONAL ones (layer: informational) are not kept; a runtime
-// plugin re-created from these fields gets their defaults.
+// op takes, and every OPTIONAL one whose value is not its default, in the table's order, so that a
+// runtime plugin re-created from these fields computes what the built one did (the attention ops'
+// geometry: num_kv_heads, window_left, window_right).  layer is never kept: it is informational, and a
+// runtime plugin gets its default.
 inline std::vector<nvinfer1::PluginField> fields_of(AttncalParams& p, bool attention) {
   std::vector<nvinfer1::PluginField> v;
   const unsigned family = attncal::op_family(p.all_rows != 0, attention);
   for (int id = 0; id < ATTNCAL_ATTR_COUNT; ++id) {
-    if (!attncal::takes(id, family) || !attncal::kAttributes[id].required) continue;
-    if (float* s = attncal::float_member(p, id)) {
+    const attncal::AttrSpec& a = attncal::kAttributes[id];
+    if (!attncal::takes(id, family) || id == ATTNCAL_ATTR_ID_layer) continue;
+    float* s = attncal::float_member(p, id);
+    if (!a.required && (s != nullptr ? *s : static_cast<double>(*attncal::int_member(p, id))) == a.dflt) continue;
+    if (s != nullptr) {
       v.emplace_back(attncal::attr_name(id), s, nvinfer1::PluginFieldType::kFLOAT32, 1);
     } else {
       v.emplace_back(attncal::attr_name(id), attncal::int_member(p, id), nvinfer1::PluginFieldType::kINT32, 1);

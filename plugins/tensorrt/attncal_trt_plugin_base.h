@@ -52,8 +52,9 @@ class PluginBase : public nvinfer1::IPluginV3,
   // name: the op type; ns: the creator's namespace.
   PluginBase(std::string name, std::string ns) : name_(std::move(name)), ns_(std::move(ns)) {}
 
-  // The fields to serialise (attncal_trt_fields.h, fields_of: the op's REQUIRED attributes, in the
-  // table's order); they point into p, which must be the plugin's member.
+  // The fields to serialise (attncal_trt_fields.h, fields_of: the op's required attributes and the
+  // optional ones set to other than their default, in the table's order); they point into p, which
+  // must be the plugin's member.
   void set_fields(AttncalParams& p, bool attention) {
     fields_ = fields_of(p, attention);
     fc_.nbFields = static_cast<int32_t>(fields_.size());

@@ -103,20 +103,29 @@ void test_field_parsing() {
       std::unique_ptr<IPluginV3> p(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD));
       CHECK(p != nullptr);
     }
-    // The geometry: its defaults are accepted (num_kv_heads == num_heads too); GQA and windows have no CUDA
-    // kernel yet and are refused, never ignored.
-    for (std::vector<Attr> const& extra : std::vector<std::vector<Attr>>{
-             {{"window_left", false, -1}, {"window_right", false, -1}, {"num_kv_heads", false, 4}},
-             {{"window_right", false, 0}}, {{"window_left", false, 7}}, {{"num_kv_heads", false, 2}}}) {
+    // The geometry: GQA (num_kv_heads dividing num_heads = 4) and windows are accepted; a num_kv_heads that
+    // does not divide num_heads, or a window bound below -1, is refused by the shared parser.
+    struct Geometry {
+      std::vector<Attr> attrs;
+      bool ok;
+    };
+    for (Geometry const& g : std::vector<Geometry>{
+             {{{"window_left", false, -1}, {"window_right", false, -1}, {"num_kv_heads", false, 4}}, true},
+             {{{"window_right", false, 0}}, true},
+             {{{"window_left", false, 7}}, true},
+             {{{"num_kv_heads", false, 2}}, true},
+             {{{"num_kv_heads", false, 1}, {"window_left", false, 3}, {"window_right", false, 0}}, true},
+             {{{"num_kv_heads", false, 3}}, false},
+             {{{"window_left", false, -2}}, false}}) {
       std::vector<Attr> attrs = kContract;
-      attrs.insert(attrs.end(), extra.begin(), extra.end());
+      attrs.insert(attrs.end(), g.attrs.begin(), g.attrs.end());
       Fields f = make_fields(attrs, all_rows, false, nullptr, nullptr, 0);
       std::unique_ptr<IPluginV3> p(c->createPlugin("node", f.get(), TensorRTPhase::kBUILD));
-      CHECK((p != nullptr) == (extra.size() == 3));
+      CHECK((p != nullptr) == g.ok);
     }
   }
   std::printf("attention field parsing (2 ops): int32/int64/float32/float64 accepted; missing or invalid num_heads, "
-              "scale and calibration fields refused; the default geometry accepted, GQA and windows refused\n");
+              "scale and calibration fields refused; GQA and windows accepted, an invalid geometry refused\n");
   std::string report;
   for (char const* op : kOps) {
     const std::string r = check_malformed_refusals(op, contract_fields, /*attention=*/true);
@@ -140,7 +149,20 @@ void test_round_trip_and_clone() {
         },
         [&](PluginFieldCollection const* ser_c) { CHECK(lookup(ser_c, "num_heads") == 12); });
   }
-  std::printf("attention attribute round trip (build -> fields -> runtime plugin) and clone ok (2 ops)\n");
+  for (char const* op : kOps) {  // a non-default geometry is serialised, so the runtime plugin computes the same
+    const bool all_rows = all_rows_op(op);
+    std::vector<Attr> attrs = kContract;
+    attrs.insert(attrs.end(), {{"num_kv_heads", false, 2}, {"window_left", false, 3}, {"window_right", false, 0}});
+    Fields f = make_fields(attrs, all_rows, true, nullptr, nullptr, 0);
+    check_round_trip_and_clone(
+        creator(op, "ai.attncal"), op, f, all_rows ? 14 : 15,  // with num_kv_heads, window_left, window_right
+        [&](PluginFieldCollection const* ser) {
+          CHECK(lookup(ser, "num_kv_heads") == 2 && lookup(ser, "window_left") == 3 && lookup(ser, "window_right") == 0);
+        },
+        [&](PluginFieldCollection const* ser_c) { CHECK(lookup(ser_c, "num_kv_heads") == 2); });
+  }
+  std::printf("attention attribute round trip (build -> fields -> runtime plugin) and clone ok (2 ops), "
+              "the geometry included\n");
 }
 
 void test_types_shapes_formats(char const* op) {
@@ -233,8 +255,27 @@ void test_types_shapes_formats(char const* op) {
   CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 9}, {2, 8, 32}));  // mask length
   CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8, 1}, {2, 8, 32}));  // mask rank
   CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 64}));  // context dims
+  {  // GQA (num_kv_heads 2 of num_heads 4) and a causal window: key and value hold 2 heads, S_q == S_k
+    std::vector<Attr> attrs = kContract;
+    attrs.insert(attrs.end(), {{"num_kv_heads", false, 2}, {"window_right", false, 0}});
+    Fields f = make_fields(attrs, all_rows, false, nullptr, nullptr, 0);
+    std::unique_ptr<IPluginV3> g(creator(op, "")->createPlugin("n", f.get(), TensorRTPhase::kBUILD));
+    CHECK(g != nullptr);
+    auto gqa_ok = [&](std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v, std::vector<int64_t> m,
+                      std::vector<int64_t> o) {
+      PluginTensorDesc in[4] = {desc(DataType::kHALF, q), desc(DataType::kHALF, k), desc(DataType::kHALF, v),
+                                desc(DataType::kINT64, m)};
+      PluginTensorDesc out_d[1] = {desc(DataType::kHALF, o)};
+      return runtime_of(g.get())->onShapeChange(in, 4, out_d, 1) == 0;
+    };
+    CHECK(gqa_ok({2, 8, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 8, 32}));    // context N*D_v = 4*8
+    CHECK(!gqa_ok({2, 8, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 8, 16}));   // context of N_kv heads only
+    CHECK(!gqa_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 32}));   // key of N heads
+    CHECK(!gqa_ok({2, 8, 64}, {2, 8, 32}, {2, 8, 15}, {2, 8}, {2, 8, 30}));   // value not N_kv heads
+    CHECK(!gqa_ok({2, 1, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 1, 32}));   // a window needs S_q == S_k
+  }
   std::printf("%s: output types (float, half, bf16 -> same), shape [q0, q1, v2], %d of %zu format combinations "
-              "accepted as expected, workspace %zu bytes, onShapeChange refusals ok\n",
+              "accepted as expected, workspace %zu bytes, onShapeChange refusals ok, GQA and window shapes ok\n",
               op, accepted, sizeof combos / sizeof combos[0], ws);
 }
 

@@ -11,6 +11,9 @@ type by V on the tensor cores, as FlashAttention does: each weight moves by a re
 of the output's own rounding (half an ulp below 2: 4.9e-4 / 3.9e-3).  Hence 3e-3 (float16) and 2e-2
 (bfloat16).
 
+The geometry (grouped key/value heads, windows: attncal.graphs.contract.AttentionGeometry) is checked on random
+cases of both launchers against the same oracle, float32 and float16, with the same tolerances.
+
 The check functions take `device` and `launch`, so that the harness itself can be dry-run on the CPU with a
 stand-in launcher.
 """
@@ -19,15 +22,17 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from attncal.calibration import CalibrationConfig
 from attncal.calibration.oracle import attention_reference
+from attncal.graphs.contract import AttentionGeometry
 from support.cases import random_config
 from support.cuda import attention_launch
 from support.masks import mixed_mask
-from support.oracle_loop import OracleLoop, run_oracle_loop
+from support.oracle_loop import OracleLoop, attention_oracle_errors, kv_heads, random_geometry, run_oracle_loop
 from support.tensors import plain_attention, random_qkv, score_rounding
 
 pytestmark = pytest.mark.gpu
@@ -329,3 +334,93 @@ def check_split_identity(lib, n_cases: int = 12, seed: int = 22, device: str = "
 
 def test_kernel_matches_sdpa_and_the_split_identity(launchers):
     assert set(check_split_identity(launchers)) == {"float32", "float16"}
+
+
+GEOMETRY_DTYPES = ("float32", "float16")
+
+
+def check_geometry_cases(lib, n_cases: int, seed: int = 24, device: str = "cuda", launch=attention_launch) -> OracleLoop:
+    """Random cases (`random_attention_case`) with a random geometry (`random_geometry`: key/value heads a divisor
+    of N, no window, causal, sliding or one-sided windows), float32 and float16: both launchers against the
+    oracle, every context row, with ATTN_TOL plus the float32 rounding of the scores (`attention_oracle_errors`)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    worst = dict.fromkeys(GEOMETRY_DTYPES, 0.0)
+
+    def configure():
+        case = random_attention_case(rng)
+        N = rng.choice([1, 2, 3, 4, 6])
+        return case, N, random_geometry(rng, N)
+
+    def run(config, seen):
+        (rc, B, _, S_q, S_k, D, D_v, scale, exact, dead, mask), N, geo = config
+        if geo.windowed:
+            S_q = S_k  # a window needs self-attention
+        name = rng.choice(GEOMETRY_DTYPES)
+        q, k, v = random_qkv(gen, B, S_q, S_k, N, D, D_v, DTYPES[name], temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
+                             exact=exact)
+        k, v = kv_heads(k, N, geo), kv_heads(v, N, geo)
+        dq, dk, dv, dm = (x.to(device) for x in (q, k, v, mask))
+        what = (f"{name} case ({rc}, {geo}, B={B}, N={N}, S_q={S_q}, S_k={S_k}, D={D}, D_v={D_v}, scale={scale}, "
+                f"dead={dead}, mask={mask.tolist()})")
+        outs = []
+        for reference in TILED_PER_ROW:
+            kernel = "per-row" if reference else "tiled"
+            out = torch.full((B, S_q, N * D_v), float("nan"), dtype=q.dtype, device=device)
+            status = launch(lib, dq, dk, dv, dm, out, rc, N, scale, reference=reference, geometry=geo, check=False)
+            assert status == 0, f"{kernel} {what}: refused ({status}): {lib.attncal_cuda_last_error().decode()}"
+            _sync(device)
+            out = out.cpu().numpy()
+            assert np.all(np.isfinite(out)), f"{kernel} {what}: non-finite output"
+            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, name == "float16", geo)
+            bound = ATTN_TOL[name] + rounding
+            if np.any(err > bound):
+                b = int(np.argmax(err - bound))
+                raise AssertionError(f"{kernel} {what}: item {b} err {err[b]:.3g} > {bound[b]:.3g}")
+            outs.append(float(err.max()) if err.size else 0.0)
+        worst[name] = max(worst[name], outs[0])
+        n_kv = geo.num_kv_heads or N
+        seen[name] += 1
+        seen["mean" if rc.all_rows else "pooled"] += 1
+        seen["gqa"] += n_kv < N
+        seen["causal"] += geo.window_right == 0
+        seen["sliding"] += geo.window_left >= 0 and geo.window_right >= 0
+        seen["one_sided"] += (geo.window_left >= 0) != (geo.window_right >= 0)
+        seen["multi_tile"] += geo.windowed and S_k > 64
+        seen["hd128"] += 64 < max(D, D_v) <= 128
+        seen["per_row_head"] += max(D, D_v) > 128
+        return 1, outs[0]
+
+    loop = run_oracle_loop(n_cases, configure, run, runs_per_config=1,
+                           seen=(*GEOMETRY_DTYPES, "mean", "pooled", "gqa", "causal", "sliding", "one_sided",
+                                 "multi_tile", "hd128", "per_row_head"))
+    print(f"\ncalibrated attention with GQA and windows: {loop.cases} cases, max abs err (tiled) {worst}, {loop.seen}")
+    return loop
+
+
+def test_geometry_matches_oracle_on_random_cases(launchers):
+    loop = check_geometry_cases(launchers, 200)
+    assert loop.cases == 200
+    assert min(v for key, v in loop.seen.items() if key != "per_row_head") > 0, loop.seen
+
+
+def check_geometry_refusals(lib, device: str = "cuda", launch=attention_launch) -> list[str]:
+    """An invalid geometry is refused with a one-line message naming it, before any launch: num_kv_heads not
+    dividing num_heads, a window with S_q != S_k."""
+    rc = CalibrationConfig(pooling="cls", strength=0.5).resolve()
+    messages = []
+    for geo, S_q, expect in ((AttentionGeometry(num_kv_heads=3), 4, "num_kv_heads must divide num_heads=4"),
+                             (AttentionGeometry(window_right=0), 1, "needs S_q == S_k")):
+        q, k, v = torch.zeros(1, S_q, 4 * 8), torch.zeros(1, 4, 4 * 8), torch.zeros(1, 4, 4 * 8)
+        m = torch.ones(1, 4, dtype=torch.long)
+        out = torch.zeros(1, S_q, 4 * 8, device=device)
+        status = launch(lib, q.to(device), k.to(device), v.to(device), m.to(device), out, rc, 4, 0.0, geometry=geo,
+                        check=False)
+        message = lib.attncal_cuda_last_error().decode()
+        assert status == 1 and expect in message, (geo, status, message)  # ATTNCAL_ERR_INVALID_ARGUMENT
+        messages.append(message)
+    return messages
+
+
+def test_invalid_geometry_is_refused(launchers):
+    assert len(check_geometry_refusals(launchers)) == 2

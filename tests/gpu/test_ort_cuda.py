@@ -3,7 +3,8 @@
 * the attncal library's CUDA kernels of the six ai.attncal ops (the calibration ops, separate and
   Softmax-fused, and the calibrated attention ops), float32 and float16, on one-node models without the
   function body and with the CPU fallback disabled, so that the session runs the CUDA kernel or is not
-  created; against the float64 oracle;
+  created; against the float64 oracle; the calibrated attention ops also with grouped key/value heads and
+  windows;
 * the `attncal export --fp16` exports of all-MiniLM-L6-v2 (benchmarks/fp16_exports.py): every graph against
   the fp32 PyTorch reference with `attncal check`'s fp16 tolerances (the Encoder's time is the GPU timing's,
   benchmarks/gpu_check.py).
@@ -26,6 +27,7 @@ from attncal.graphs.contract import (ATTENTION_OP_TYPES, OP_TYPES, attention_op_
 from attncal.graphs.single_op import single_op_model
 from support.cases import random_config
 from support.masks import mixed_mask
+from support.oracle_loop import attention_oracle_errors, random_attention_batch, random_geometry
 from support.tensors import random_probs, random_qkv, random_scores, softmax_reference
 
 from .test_calibrated_attention_cuda import ATTN_TOL
@@ -84,6 +86,36 @@ def test_ort_cuda_kernel_matches_oracle(ort_cuda, ort_cuda_library, op_type, flo
         assert np.all(np.isfinite(out)), (spec, K)
         err = float(np.abs(out.astype(np.float64) - ref.numpy()).max()) if out.size else 0.0
         assert err <= tol, (err, spec, B, Q, K, mask.tolist())
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("op_type", ATTENTION_OP_TYPES)
+def test_ort_cuda_attention_geometry_matches_oracle(ort_cuda, ort_cuda_library, op_type, float16):
+    """Eight random attribute sets and batches per op and dtype with a random geometry (`random_geometry`:
+    grouped key/value heads, causal, sliding and one-sided windows), on exact float32 scores (scale 1/8), so
+    the bound is the kernel's own: the CUDA op's shape checks accept K and V of N_kv heads and the kernel
+    reads them and applies the window."""
+    seed = 300 + 10 * ATTENTION_OP_TYPES.index(op_type) + float16
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    name = "float16" if float16 else "float32"
+    dtype = torch.float16 if float16 else torch.float32
+    for _ in range(8):
+        pooling = "mean" if is_all_rows(op_type) else rng.choice(["cls", "last"])
+        S = rng.choice([1, 2, 4, 8, 16, 64])
+        rc = CalibrationConfig(**{**random_config(rng, S).to_dict(), "pooling": pooling}).resolve()
+        N, D = rng.choice([2, 3, 4]), rng.choice([8, 16, 32, 64])
+        geo = random_geometry(rng, N)
+        B, K = rng.randint(2, 6), rng.randint(1, 160 if rc.all_rows else 300)  # as random_attention_case
+        mask, _, _, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D, True, dtype, B, K, 0.2, geo)
+        spec = attention_op_spec(rc, 0, num_heads=N, scale=0.125, geometry=geo)
+        assert spec.op_type == op_type
+        feeds = {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(), "attention_mask": mask.numpy()}
+        sess = cuda_session(ort_cuda, single_op_model(spec, float16=float16, with_function=False), ort_cuda_library)
+        (out,) = sess.run(None, feeds)
+        assert np.all(np.isfinite(out)), (spec, K)
+        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, 0.125, True, float16, geo)
+        assert np.all(err <= ATTN_TOL[name] + rounding), (err, spec, B, q.shape[1], K, mask.tolist())
 
 
 def test_fp16_exports_on_the_cuda_provider(ort_cuda, ort_cuda_library, tmp_path):

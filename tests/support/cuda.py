@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from attncal.graphs.contract import op_spec
+from attncal.graphs.contract import FULL_ATTENTION, AttentionGeometry, op_spec
 from attncal.runtime import attributes_def, oplib
 
 CUDA_SOURCES = ("calibration_cuda.cu", "calibrated_attention_cuda.cu")
@@ -119,21 +119,30 @@ def launch(lib, probs, out, mask, p, workspace=None, softmax: bool = False) -> N
 
 
 def attention_launch(lib, q, k, v, mask, out, rc, num_heads: int, scale: float, workspace=None,
-                     reference: bool = False) -> None:
+                     reference: bool = False, geometry: AttentionGeometry = FULL_ATTENTION, check: bool = True) -> int:
     """attncal_cuda_calibrated_attention (or, with reference=True, the exact per-row launcher) for resolved
-    calibration `rc`: q [B,S_q,N*D], k [B,S_k,N*D], v [B,S_k,N*D_v], mask int64 [B,S_k] -> out [B,S_q,N*D_v]."""
+    calibration `rc` and `geometry`: q [B,S_q,N*D], k [B,S_k,N_kv*D], v [B,S_k,N_kv*D_v] (N_kv: the geometry's
+    key/value heads, N by default), mask int64 [B,S_k] -> out [B,S_q,N*D_v].  Returns the launcher's status;
+    with `check` a non-zero one raises with the library's message (without, a refusal can be examined)."""
     import torch
 
     B, S_q, hidden = q.shape
     S_k = k.shape[1]
     stream = torch.cuda.current_stream().cuda_stream
     p = params_of(rc)
+    for name, value in geometry.attrs().items():
+        setattr(p, name, value)
+    n_kv = geometry.num_kv_heads or num_heads
     args = (DTYPE_CODE[dtype_name(q.dtype)], q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(),
-            out.data_ptr(), B, S_q, S_k, num_heads, hidden // num_heads, v.shape[2] // num_heads, float(scale),
+            out.data_ptr(), B, S_q, S_k, num_heads, hidden // num_heads, v.shape[2] // n_kv, float(scale),
             ctypes.byref(p))
     if reference:
-        _check(lib, lib.attncal_cuda_calibrated_attention_reference(*args, stream),
-               "attncal_cuda_calibrated_attention_reference")
+        name = "attncal_cuda_calibrated_attention_reference"
+        status = lib.attncal_cuda_calibrated_attention_reference(*args, stream)
     else:
-        _check(lib, lib.attncal_cuda_calibrated_attention(*args, None if workspace is None else workspace.data_ptr(),
-                                                          stream), "attncal_cuda_calibrated_attention")
+        name = "attncal_cuda_calibrated_attention"
+        status = lib.attncal_cuda_calibrated_attention(*args, None if workspace is None else workspace.data_ptr(),
+                                                       stream)
+    if check:
+        _check(lib, status, name)
+    return status

@@ -32,10 +32,21 @@ struct Args {
   uint32_t* queue_count;  // rows queued for the per-row kernel
   uint32_t* queue;        // (b*N + h)*S_q + row
   int64_t B, S_q, S_k, N, D, D_v;
+  int64_t N_kv;  // key/value heads, resolved (divides N): K is [B,S_k,N_kv*D], V [B,S_k,N_kv*D_v]
   float scale;  // resolved (never 0 unless D == 0)
   int vec16;    // 16-byte cp.async loads allowed (aligned pointers, D and D_v rows of 16-byte multiples)
   AttncalParams p;
 };
+
+// The key/value head that query head h reads (AttentionShape::kv_head, which is host-only).
+__device__ __forceinline__ int64_t kv_head(const Args& a, int64_t h) { return h / (a.N / a.N_kv); }
+
+// Whether query row q sees key k: q - window_left <= k <= q + window_right, a bound of -1 absent
+// (AttentionShape's window; a window needs S_q == S_k).  A key it hides gets the contract's additive
+// mask bias, kLowest, as a padding key does (once: a padding key already holds it).
+__device__ __forceinline__ bool in_window(const Args& a, int64_t q, int64_t k) {
+  return (a.p.window_left < 0 || k >= q - a.p.window_left) && (a.p.window_right < 0 || k <= q + a.p.window_right);
+}
 
 // Item b's plan (common/span_geometry.h): which query rows are calibrated, its span and baskets.
 __device__ __forceinline__ ItemPlan item_plan(const Args& a, int64_t b) {

@@ -4,7 +4,8 @@
 //   out = (1-lambda)*O/l + (coef/t)*acc + w_first*v[start] + w_last*v[end]
 // coef, w_first, w_last from common/row_scalars.h (the scalars every implementation shares) with the
 // non-empty basket count and z_first/z_last = exp(s - LSE) at the first/last valid key; the isolated
-// keys' scores are recomputed by one dot product per row (needed only for `original` shares), their
+// keys' scores are recomputed by one dot product per row, with the window's bias where the row does
+// not see the key (needed only for `original` shares), their
 // values read from global memory.  A calibration block's rows that the tiled pass cannot decide
 // exactly in float32 are queued for the per-row kernel (cuda/attention_rows.cuh), which overwrites
 // them.  A block of the other launch skips the rows the calibration launch writes (skip).
@@ -28,7 +29,7 @@ __device__ __forceinline__ void write_context(const TiledBlock<T>& blk, const Ar
                                               const RowRange& skip) {
   using R = TileRegions<T, HD, NW, STAGES>;
   constexpr int LD = R::LD, NV = HD / 8, NTHREADS = R::NTHREADS;
-  const int64_t N = a.N, D = a.D, Dv = a.D_v;
+  const int64_t N = a.N, N_kv = a.N_kv, D = a.D, Dv = a.D_v;
   const int64_t b = blockIdx.z, h = blockIdx.y;
   const int tid = blk.tid, tq = blk.tq;
   const float4* Of = R::Of();
@@ -60,10 +61,11 @@ __device__ __forceinline__ void write_context(const TiledBlock<T>& blk, const Ar
           const bool need = w == 0 ? (p.isolate_first && p.first_mode == ATTNCAL_MODE_ORIGINAL)
                                    : (p.isolate_last && p.last_mode == ATTNCAL_MODE_ORIGINAL);
           if (!need) continue;
-          const T* kr = blk.kg + (w == 0 ? it.s.start : it.s.end) * N * D;
+          const int64_t key = w == 0 ? it.s.start : it.s.end;
+          const T* kr = blk.kg + key * N_kv * D;
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot = fmaf(to_f(Qrow[i][d]), to_f(kr[d]), dot);
-          const float z = expf(dot * a.scale - st.m_r[i]) / st.l_r[i];
+          const float sc = dot * a.scale, z = expf((in_window(a, r, key) ? sc : sc + kLowest) - st.m_r[i]) / st.l_r[i];
           (w == 0 ? z_first : z_last) = z;
         }
         const double t = it.rp.t;
@@ -82,8 +84,8 @@ __device__ __forceinline__ void write_context(const TiledBlock<T>& blk, const Ar
     }
     if (!live) continue;
     T* orow = og + ((b * a.S_q + r) * N + h) * Dv;
-    const T* vf = blk.vg + (calibrated ? it.s.start : 0) * N * Dv;
-    const T* vl = blk.vg + (calibrated ? it.s.end : 0) * N * Dv;
+    const T* vf = blk.vg + (calibrated ? it.s.start : 0) * N_kv * Dv;
+    const T* vl = blk.vg + (calibrated ? it.s.end : 0) * N_kv * Dv;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       if (j >= nv) break;

@@ -53,17 +53,17 @@ __device__ __forceinline__ void run_tiles(const TiledBlock<T>& blk, const Args& 
   using R = TileRegions<T, HD, NW, STAGES>;
   constexpr int LD = R::LD, BC = kKeyTile, BR = R::BR, NTHREADS = R::NTHREADS, NT = BC / 8, NV = HD / 8;
   constexpr bool kF32 = std::is_same<T, float>::value;
-  const int64_t S_k = a.S_k, N = a.N, D = a.D, Dv = a.D_v, S = a.p.basket_size;
+  const int64_t S_k = a.S_k, N = a.N, N_kv = a.N_kv, D = a.D, Dv = a.D_v, S = a.p.basket_size;
   const int tid = blk.tid, lane = blk.lane, warp = blk.warp, tq = blk.tq;
-  const bool vec16 = a.vec16 != 0, calib = blk.calib;
+  const bool vec16 = a.vec16 != 0, calib = blk.calib, windowed = a.p.window_left >= 0 || a.p.window_right >= 0;
   T* Qs = R::Qs();
   T* Ks = R::Ks();
   T* Vs = R::Vs();
   unsigned char* Ms = R::Ms();
 
   auto issue = [&](const Tile& t, int buf) {
-    load_rows<T, HD, LD, NTHREADS>(Ks + buf * BC * LD, blk.kg + t.pos * N * D, N * D, BC, t.len, D, vec16);
-    load_rows<T, HD, LD, NTHREADS>(Vs + buf * BC * LD, blk.vg + t.pos * N * Dv, N * Dv, BC, t.len, Dv, vec16);
+    load_rows<T, HD, LD, NTHREADS>(Ks + buf * BC * LD, blk.kg + t.pos * N_kv * D, N_kv * D, BC, t.len, D, vec16);
+    load_rows<T, HD, LD, NTHREADS>(Vs + buf * BC * LD, blk.vg + t.pos * N_kv * Dv, N_kv * Dv, BC, t.len, Dv, vec16);
     for (int c = tid; c < BC; c += NTHREADS) Ms[buf * BC + c] = (c < t.len && blk.mg[t.pos + c] != 0) ? 1 : 0;
   };
 
@@ -164,7 +164,8 @@ __device__ __forceinline__ void run_tiles(const TiledBlock<T>& blk, const Args& 
       }
     }
 
-    // ---- scale, mask, tile row max
+    // ---- scale, mask, tile row max.  A key outside the row's window is masked as a padding key is
+    // (in_window); every tile is computed: none is skipped for the window.
     float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -174,9 +175,11 @@ __device__ __forceinline__ void run_tiles(const TiledBlock<T>& blk, const Args& 
         float s = Sc[j][e] * a.scale;
         if (c >= cur.len) {
           s = -INFINITY;  // not a key of this tile
-        } else if (!Mt[c]) {
+        } else if (!Mt[c] || (windowed && !in_window(a, blk.q0 + blk.rloc[e >> 1], cur.pos + c))) {
           const float sb = s + kLowest;  // the contract's additive mask
-          // Calibration blocks exclude masked keys from their statistics, keeping NaN/+inf as NaN.
+          // Calibration blocks exclude masked keys (padding or window) from their statistics, keeping
+          // NaN/+inf as NaN: their float32 probability is 0 in a row with a valid score above the lowest
+          // value, and a row without one is queued for the per-row kernel (the epilogue's check).
           s = calib ? ((sb == sb && sb != INFINITY) ? -INFINITY : nan_f()) : sb;
         }
         Sc[j][e] = s;

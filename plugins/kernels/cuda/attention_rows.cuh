@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
   extern __shared__ __align__(16) float rsm[];
   __shared__ float s_red[kRowThreads / 32];
   __shared__ float s_w[kRowThreads];
-  const int64_t S_k = a.S_k, N = a.N, D = a.D, Dv = a.D_v, S_q = a.S_q;
+  const int64_t S_k = a.S_k, N = a.N, N_kv = a.N_kv, D = a.D, Dv = a.D_v, S_q = a.S_q;
   const AttncalParams& p = a.p;
   const int64_t total = l.queue ? static_cast<int64_t>(*l.queue_count) : a.B * N * S_q;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = kRowThreads / 32;
@@ -59,16 +59,16 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
     const ItemPlan it = item_plan(a, b);
     const bool cal = it.active && r >= it.q_lo && r <= it.q_hi;
     if (l.calibrated_only && !cal) continue;  // uniform across the block
-    const T* kg = static_cast<const T*>(a.k) + (b * S_k * N + h) * D;
-    const T* vg = static_cast<const T*>(a.v) + (b * S_k * N + h) * Dv;
+    const T* kg = static_cast<const T*>(a.k) + (b * S_k * N_kv + kv_head(a, h)) * D;
+    const T* vg = static_cast<const T*>(a.v) + (b * S_k * N_kv + kv_head(a, h)) * Dv;
     const int64_t* mg = a.mask + b * S_k;
     const T* qg = static_cast<const T*>(a.q) + ((b * S_q + r) * N + h) * D;
     __syncthreads();  // the previous row's readers of shared memory are done
     if (q_kept)
       for (int64_t d = tid; d < D; d += kRowThreads) qs[d] = to_f(qg[d]);
     __syncthreads();
-    auto score = [&](int64_t j) {  // the contract's score: scale*q.k + the additive mask
-      const T* kr = kg + j * N * D;
+    auto score = [&](int64_t j) {  // the contract's score: scale*q.k + the additive mask (padding or window)
+      const T* kr = kg + j * N_kv * D;
       float dot = 0.f;
       if (q_kept) {
         for (int64_t d = 0; d < D; ++d) dot = fmaf(qs[d], to_f(kr[d]), dot);
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
         for (int64_t d = 0; d < D; ++d) dot = fmaf(to_f(qg[d]), to_f(kr[d]), dot);
       }
       const float s = dot * a.scale;
-      return mg[j] != 0 ? s : s + kLowest;
+      return mg[j] != 0 && in_window(a, r, j) ? s : s + kLowest;
     };
 
     // Pass 1: the row max (NaN ignored, as the softmax's max; a NaN still reaches the sum).
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
         const int cn = static_cast<int>(imin(kRowThreads, S_k - j0));
         for (int64_t d = tid; d < dn; d += kRowThreads) {
           float o = oacc[d];
-          for (int jj = 0; jj < cn; ++jj) o = fmaf(s_w[jj], to_f(vg[(j0 + jj) * N * Dv + d0 + d]), o);
+          for (int jj = 0; jj < cn; ++jj) o = fmaf(s_w[jj], to_f(vg[(j0 + jj) * N_kv * Dv + d0 + d]), o);
           oacc[d] = o;
         }
       }

@@ -2,7 +2,8 @@
 // ai.attncal::AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention"; the
 // float64 spec is attncal.calibration.oracle.attention_reference; the arithmetic is
 // ../shared/notes/one-pass-attention.md).  Semantics: per item b and head h, in float32,
-//   scores = scale*q*k^T + (0 at valid keys, float32's lowest finite value at masked keys, added)
+//   scores = scale*q*k^T + (0 at valid keys, float32's lowest finite value at masked keys and at keys
+//            outside the row's window, added once)   (k, v: key/value head h / (N / N_kv))
 //   probs  = Softmax-fused calibration op of the scores (same attributes, same calibrated rows)
 //   context = probs * v
 // Flash attention with the calibration folded in, in three pieces: the main loop over K/V tiles
@@ -128,8 +129,8 @@ __global__ void __launch_bounds__(NW * 32) attention_kernel(Args a, TiledLaunch 
   blk.rloc[0] = 16 * blk.warp + blk.g;
   blk.rloc[1] = 16 * blk.warp + blk.g + 8;
   blk.qg = static_cast<const T*>(a.q) + ((b * a.S_q + q0) * a.N + h) * a.D;
-  blk.kg = static_cast<const T*>(a.k) + (b * a.S_k * a.N + h) * a.D;
-  blk.vg = static_cast<const T*>(a.v) + (b * a.S_k * a.N + h) * a.D_v;
+  blk.kg = static_cast<const T*>(a.k) + (b * a.S_k * a.N_kv + kv_head(a, h)) * a.D;
+  blk.vg = static_cast<const T*>(a.v) + (b * a.S_k * a.N_kv + kv_head(a, h)) * a.D_v;
   blk.mg = a.mask + b * a.S_k;
   blk.q0 = q0;
   blk.calib = l.calibration != 0;

@@ -16,8 +16,8 @@
 //
 // Compiled with nvcc for sm_80 and sm_90 wherever it is found; it has not run on a GPU (none where the
 // library is built and tested): the choice of configuration is host-tested
-// (tests/cpp/launch_config_test.cpp), the kernels' correctness on a device rests on
-// benchmarks/gpu_check.py.
+// (tests/cpp/launch_config_test.cpp), and so are check()'s refusals (tests/test_native_trt.py); the
+// kernels' correctness on a device, the geometry's included, rests on tests/gpu and benchmarks/gpu_check.py.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -163,11 +163,26 @@ int check(int dtype, const AttncalParams* params, int64_t B, int64_t S_q, int64_
              (long long)S_q, (long long)S_k);
     return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
   }
-  // The geometry attributes (contract.py) run on the CPU kernel only so far: refused, never ignored.
-  if ((params->num_kv_heads != 0 && params->num_kv_heads != N) || params->window_left >= 0 ||
-      params->window_right >= 0)
-    return fail(ATTNCAL_ERR_UNSUPPORTED, "calibrated attention: grouped key/value heads (num_kv_heads) and windows "
-                                         "(window_left, window_right) have no CUDA kernel yet; the CPU kernel runs them");
+  // The geometry (contract.py): grouped key/value heads and the window, refused where invalid with the
+  // CPU side's messages (common/attncal_attribute_parser.h, the ORT shape checks).
+  const char* const* n = attncal_attr_names;
+  const int64_t kv = params->num_kv_heads;
+  if (kv < 0 || (kv > 0 && N % kv != 0)) {
+    snprintf(msg, sizeof msg, "%s must divide %s=%lld (0 = %s), got %lld", n[ATTNCAL_ATTR_ID_num_kv_heads],
+             n[ATTNCAL_ATTR_ID_num_heads], (long long)N, n[ATTNCAL_ATTR_ID_num_heads], (long long)kv);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
+  if (params->window_left < -1 || params->window_right < -1) {
+    snprintf(msg, sizeof msg, "%s and %s must be >= 0, or -1 for no limit; got %d and %d",
+             n[ATTNCAL_ATTR_ID_window_left], n[ATTNCAL_ATTR_ID_window_right], (int)params->window_left,
+             (int)params->window_right);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
+  if ((params->window_left >= 0 || params->window_right >= 0) && S_q != S_k) {
+    snprintf(msg, sizeof msg, "a window (%s, %s) needs S_q == S_k, got S_q=%lld, S_k=%lld",
+             n[ATTNCAL_ATTR_ID_window_left], n[ATTNCAL_ATTR_ID_window_right], (long long)S_q, (long long)S_k);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
   if (B > 65535 || N > 65535 || S_q > 0x7fffffff || S_k > 0x7fffffff || B * N * S_q >= (int64_t(1) << 32))
     return fail(ATTNCAL_ERR_UNSUPPORTED, "calibrated attention: B and N must be <= 65535, S_q and S_k < 2^31, "
                                          "B*N*S_q < 2^32");
@@ -197,6 +212,7 @@ int run(int dtype, const void* q, const void* k, const void* v, const int64_t* m
   a.S_q = S_q;
   a.S_k = S_k;
   a.N = N;
+  a.N_kv = params->num_kv_heads > 0 ? params->num_kv_heads : N;
   a.D = D;
   a.D_v = D_v;
   // scale 0 means 1/sqrt(D); with D == 0 every dot product is 0 and so is every score.

@@ -34,8 +34,11 @@ ATTNCAL_EXPORT size_t attncal_cuda_attention_workspace_bytes(int64_t B, int64_t 
  * (a cudaStream_t; NULL = the legacy default stream).
  *   dtype: ATTNCAL_DTYPE_FLOAT32, _FLOAT16 or _BFLOAT16 (q, k, v and out alike;
  *          computed in float32, only the context is rounded)
- *   q [B,S_q,N*D], k [B,S_k,N*D], v [B,S_k,N*D_v], mask int64 [B,S_k] (1 = valid key),
+ *   q [B,S_q,N*D], k [B,S_k,N_kv*D], v [B,S_k,N_kv*D_v], mask int64 [B,S_k] (1 = valid key),
  *   out [B,S_q,N*D_v]: device memory, out must not overlap q, k, v or mask.
+ *   The geometry is params': N_kv = num_kv_heads (0 = N; it must divide N; query head h reads
+ *   key/value head h / (N / N_kv)), and the window window_left, window_right (-1 = no bound; a
+ *   window needs S_q == S_k): a key outside a query's window gets the mask's additive bias.
  *   scale: 0 means 1/sqrt(D).
  *   S_q == S_k for AllRows; S_q == S_k or 1 for PooledRow (1: the single query is the
  *   pooling token's).

@@ -63,7 +63,8 @@ bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 }
 
 // PooledRowCalibratedAttention / AllRowsCalibratedAttention: shapes and attributes are checked as
-// the CPU kernels check them (ReadAttentionAttributes, CheckAttention), then one launcher call.
+// the CPU kernels check them (ReadAttentionAttributes, CheckAttention: key and value with num_kv_heads
+// heads, a window only with S_q == S_k), then one launcher call, which reads the geometry from the params.
 // The workspace (about 4 bytes per query row and head) is allocated stream-ordered by the
 // launcher, as the calibration ops' is.
 template <typename T, bool AllRows>
@@ -82,9 +83,10 @@ struct CudaCalibratedAttention {
     T* dst = out.Allocate({sh.B, sh.S_q, sh.N * sh.D_v});
     const size_t es = sizeof(T);
     const size_t out_bytes = static_cast<size_t>(sh.B * sh.S_q * sh.N * sh.D_v) * es;
+    const int64_t kv = sh.kv_heads();  // key and value hold N_kv heads (GQA)
     if (Overlaps(dst, out_bytes, query.Data(), static_cast<size_t>(sh.B * sh.S_q * sh.N * sh.D) * es) ||
-        Overlaps(dst, out_bytes, key.Data(), static_cast<size_t>(sh.B * sh.S_k * sh.N * sh.D) * es) ||
-        Overlaps(dst, out_bytes, value.Data(), static_cast<size_t>(sh.B * sh.S_k * sh.N * sh.D_v) * es)) {
+        Overlaps(dst, out_bytes, key.Data(), static_cast<size_t>(sh.B * sh.S_k * kv * sh.D) * es) ||
+        Overlaps(dst, out_bytes, value.Data(), static_cast<size_t>(sh.B * sh.S_k * kv * sh.D_v) * es)) {
       return Ort::Status((std::string("attncal ") + op + " (CUDA): the context buffer overlaps an input; this op "
                                                         "must not run in place")
                              .c_str(),
