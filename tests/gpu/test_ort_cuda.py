@@ -45,17 +45,19 @@ def cuda_session(ort, model, library):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
 
 
+def draws(seed: int, float16: bool):
+    """A test's random streams and dtype: (random.Random, torch.Generator, dtype name, torch dtype)."""
+    return (random.Random(seed), torch.Generator().manual_seed(seed), "float16" if float16 else "float32",
+            torch.float16 if float16 else torch.float32)
+
+
 @pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("op_type", OP_TYPES + ATTENTION_OP_TYPES)
 def test_ort_cuda_kernel_matches_oracle(ort_cuda, ort_cuda_library, op_type, float16):
     """Eight random attribute sets and batches per op and dtype: both padding sides, holes, items with no
     valid key, Q = 1 for the pooled ops; the attention ops on exact float32 scores (q and k on a grid,
     scale 1/8), so the bound is the kernel's own."""
-    seed = 100 * (OP_TYPES + ATTENTION_OP_TYPES).index(op_type) + float16
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    name = "float16" if float16 else "float32"
-    dtype = torch.float16 if float16 else torch.float32
+    rng, gen, name, dtype = draws(100 * (OP_TYPES + ATTENTION_OP_TYPES).index(op_type) + float16, float16)
     for _ in range(8):
         pooling = "mean" if is_all_rows(op_type) else rng.choice(["cls", "last"])
         rc = CalibrationConfig(**{**random_config(rng, rng.choice([1, 2, 4, 8, 16, 64])).to_dict(),
@@ -95,11 +97,7 @@ def test_ort_cuda_attention_geometry_matches_oracle(ort_cuda, ort_cuda_library, 
     grouped key/value heads, causal, sliding and one-sided windows), on exact float32 scores (scale 1/8), so
     the bound is the kernel's own: the CUDA op's shape checks accept K and V of N_kv heads and the kernel
     reads them and applies the window."""
-    seed = 300 + 10 * ATTENTION_OP_TYPES.index(op_type) + float16
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    name = "float16" if float16 else "float32"
-    dtype = torch.float16 if float16 else torch.float32
+    rng, gen, name, dtype = draws(300 + 10 * ATTENTION_OP_TYPES.index(op_type) + float16, float16)
     for _ in range(8):
         pooling = "mean" if is_all_rows(op_type) else rng.choice(["cls", "last"])
         S = rng.choice([1, 2, 4, 8, 16, 64])
