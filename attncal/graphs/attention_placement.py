@@ -13,7 +13,7 @@ of attention, no second pass, and per-thread scratch instead of a [B,H,S,S] buff
 
 Every layer, not only the calibrated ones: ONNX Runtime's CPU `Attention` writes every layer's
 [B,N,S,S] probabilities, so one such layer sets the graph's peak memory however many layers the op
-replaces, and the kernel is as fast as it at long sequences (docs/performance.md).
+replaces, and the kernel is about as fast at long sequences (docs/performance.md).
 
 Only the ORT-optimized graph is rewritten (`com.microsoft::Attention`, one per layer, packed QKV
 weights).  The op carries a standard-ONNX function body, so the graph still runs without the native
