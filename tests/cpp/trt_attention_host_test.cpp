@@ -237,42 +237,35 @@ void test_types_shapes_formats(char const* op) {
   CHECK(ws == attncal_cuda_attention_workspace_bytes(2, 8, 4) && ws >= 2 * 8 * 4 * sizeof(uint32_t));
 
   // Run-time shapes (num_heads = 4): accepted and refused.
-  auto shape_ok = [&](std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v, std::vector<int64_t> m,
-                      std::vector<int64_t> o) {
+  auto shapes_ok = [&](IPluginV3* plugin, std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v,
+                       std::vector<int64_t> m, std::vector<int64_t> o) {
     PluginTensorDesc in[4] = {desc(DataType::kHALF, q), desc(DataType::kHALF, k), desc(DataType::kHALF, v),
                               desc(DataType::kINT64, m)};
     PluginTensorDesc out_d[1] = {desc(DataType::kHALF, o)};
-    return runtime_of(p.get())->onShapeChange(in, 4, out_d, 1) == 0;
+    return runtime_of(plugin)->onShapeChange(in, 4, out_d, 1) == 0;
   };
-  CHECK(shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 32}));
-  CHECK(shape_ok({2, 1, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 1, 32}) == !all_rows);  // S_q = 1: pooled only
-  CHECK(!shape_ok({2, 3, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 3, 32}));  // S_q neither S_k nor 1
-  CHECK(!shape_ok({2, 8, 66}, {2, 8, 66}, {2, 8, 32}, {2, 8}, {2, 8, 32}));  // hidden not divisible by 4 heads
-  CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 30}, {2, 8}, {2, 8, 30}));  // value hidden not divisible
-  CHECK(!shape_ok({2, 8, 64}, {2, 8, 32}, {2, 8, 32}, {2, 8}, {2, 8, 32}));  // query/key hidden differ
-  CHECK(!shape_ok({2, 8, 64}, {3, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 32}));  // batch differs
-  CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 7, 32}, {2, 8}, {2, 8, 32}));  // key/value length differ
-  CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 9}, {2, 8, 32}));  // mask length
-  CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8, 1}, {2, 8, 32}));  // mask rank
-  CHECK(!shape_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 64}));  // context dims
+  CHECK(shapes_ok(p.get(), {2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 32}));
+  CHECK(shapes_ok(p.get(), {2, 1, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 1, 32}) == !all_rows);  // S_q 1: pooled only
+  CHECK(!shapes_ok(p.get(), {2, 3, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 3, 32}));  // S_q neither S_k nor 1
+  CHECK(!shapes_ok(p.get(), {2, 8, 66}, {2, 8, 66}, {2, 8, 32}, {2, 8}, {2, 8, 32}));  // hidden not divisible by 4
+  CHECK(!shapes_ok(p.get(), {2, 8, 64}, {2, 8, 64}, {2, 8, 30}, {2, 8}, {2, 8, 30}));  // value hidden not divisible
+  CHECK(!shapes_ok(p.get(), {2, 8, 64}, {2, 8, 32}, {2, 8, 32}, {2, 8}, {2, 8, 32}));  // query/key hidden differ
+  CHECK(!shapes_ok(p.get(), {2, 8, 64}, {3, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 32}));  // batch differs
+  CHECK(!shapes_ok(p.get(), {2, 8, 64}, {2, 8, 64}, {2, 7, 32}, {2, 8}, {2, 8, 32}));  // key/value length differ
+  CHECK(!shapes_ok(p.get(), {2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 9}, {2, 8, 32}));  // mask length
+  CHECK(!shapes_ok(p.get(), {2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8, 1}, {2, 8, 32}));  // mask rank
+  CHECK(!shapes_ok(p.get(), {2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 64}));  // context dims
   {  // GQA (num_kv_heads 2 of num_heads 4) and a causal window: key and value hold 2 heads, S_q == S_k
     std::vector<Attr> attrs = kContract;
     attrs.insert(attrs.end(), {{"num_kv_heads", false, 2}, {"window_right", false, 0}});
     Fields f = make_fields(attrs, all_rows, false, nullptr, nullptr, 0);
     std::unique_ptr<IPluginV3> g(creator(op, "")->createPlugin("n", f.get(), TensorRTPhase::kBUILD));
     CHECK(g != nullptr);
-    auto gqa_ok = [&](std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v, std::vector<int64_t> m,
-                      std::vector<int64_t> o) {
-      PluginTensorDesc in[4] = {desc(DataType::kHALF, q), desc(DataType::kHALF, k), desc(DataType::kHALF, v),
-                                desc(DataType::kINT64, m)};
-      PluginTensorDesc out_d[1] = {desc(DataType::kHALF, o)};
-      return runtime_of(g.get())->onShapeChange(in, 4, out_d, 1) == 0;
-    };
-    CHECK(gqa_ok({2, 8, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 8, 32}));    // context N*D_v = 4*8
-    CHECK(!gqa_ok({2, 8, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 8, 16}));   // context of N_kv heads only
-    CHECK(!gqa_ok({2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 32}));   // key of N heads
-    CHECK(!gqa_ok({2, 8, 64}, {2, 8, 32}, {2, 8, 15}, {2, 8}, {2, 8, 30}));   // value not N_kv heads
-    CHECK(!gqa_ok({2, 1, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 1, 32}));   // a window needs S_q == S_k
+    CHECK(shapes_ok(g.get(), {2, 8, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 8, 32}));    // context N*D_v = 4*8
+    CHECK(!shapes_ok(g.get(), {2, 8, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 8, 16}));   // context of N_kv heads only
+    CHECK(!shapes_ok(g.get(), {2, 8, 64}, {2, 8, 64}, {2, 8, 32}, {2, 8}, {2, 8, 32}));   // key of N heads
+    CHECK(!shapes_ok(g.get(), {2, 8, 64}, {2, 8, 32}, {2, 8, 15}, {2, 8}, {2, 8, 30}));   // value not N_kv heads
+    CHECK(!shapes_ok(g.get(), {2, 1, 64}, {2, 8, 32}, {2, 8, 16}, {2, 8}, {2, 1, 32}));   // a window needs S_q == S_k
   }
   std::printf("%s: output types (float, half, bf16 -> same), shape [q0, q1, v2], %d of %zu format combinations "
               "accepted as expected, workspace %zu bytes, onShapeChange refusals ok, GQA and window shapes ok\n",
