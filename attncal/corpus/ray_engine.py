@@ -423,14 +423,17 @@ class RayEngine:
         Killing is not that fence by itself: Ray reports a killed actor's task failed once the actor is
         marked dead, which can be before its process has stopped, and a piece between its last shard's
         upload and its return would leave that shard behind the driver's cleanup.  A cancelled piece
-        stops at its next batch, deletes its shards and returns, and its result resolves only then."""
+        stops at its next batch, deletes its shards and returns.  Nor is the cancelled ref the fence
+        (Ray may resolve it as cancelled while the piece still runs): a call queued behind the piece on
+        the same actor, which runs its calls one at a time, returns only once the piece has."""
         import ray
 
         busy = list(self._busy)
         for ref in busy:
             ray.cancel(ref)
+        behind = [actor.ready.remote() for actor, _, _ in self._busy.values()]
         if busy:
-            ray.wait(busy, num_returns=len(busy), timeout=STOP_TIMEOUT_S)
+            ray.wait(busy + behind, num_returns=len(busy) + len(behind), timeout=STOP_TIMEOUT_S)
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._starting, self._idle, self._busy, self._actors = {}, [], {}, []
