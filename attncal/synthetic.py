@@ -83,13 +83,17 @@ def make_config(
     kv_heads: int | None = None,
     window: int | None = None,
     global_every: int = 2,
+    buckets: int | None = None,
+    max_distance: int | None = None,
 ):
     """A transformers config for a model of `arch` with eager attention: small by default; `vocab` (the
     embedding table's rows; the synthetic tokenizer uses the first `vocab_size()`) and `head_dim` (Qwen3's and
     Gemma3's, which need not be hidden / heads) let benchmarks build deployed models' real sizes, and so do
     `kv_heads` (Qwen3's and Gemma3's key/value heads; default heads // 2), `window` (Gemma3's sliding window,
     default 24; ModernBERT's local attention, default 64) and `global_every` (every how many layers Gemma3 and
-    ModernBERT attend globally)."""
+    ModernBERT attend globally); `buckets` and `max_distance` set the relative position bias of T5 (default 8 and
+    64, so that a tiny model's bias varies across the test lengths) and MPNet (`buckets`; default 32, and MPNet's
+    distance is always 128)."""
     from transformers import (BertConfig, DistilBertConfig, Gemma3TextConfig, ModernBertConfig, MPNetConfig,
                               Qwen3Config, RobertaConfig, T5Config, XLMRobertaConfig)
 
@@ -112,7 +116,8 @@ def make_config(
     elif arch in ("xlm-roberta", "roberta", "mpnet"):
         # Position ids start at padding_idx + 1 (RoBERTa family, MPNet).
         cls = {"xlm-roberta": XLMRobertaConfig, "roberta": RobertaConfig, "mpnet": MPNetConfig}[arch]
-        cfg = cls(**common, max_position_embeddings=max_positions + common["pad_token_id"] + 2)
+        extra = {"relative_attention_num_buckets": buckets} if arch == "mpnet" and buckets else {}
+        cfg = cls(**common, max_position_embeddings=max_positions + common["pad_token_id"] + 2, **extra)
     elif arch == "distilbert":
         cfg = DistilBertConfig(vocab_size=rows, dim=hidden, n_layers=layers, n_heads=heads,
                                hidden_dim=intermediate or 2 * hidden, max_position_embeddings=max_positions,
@@ -121,8 +126,8 @@ def make_config(
         # The T5 encoder as sentence-t5 / GTR use it: relative position bias (few buckets, so a tiny model's
         # bias varies across the test lengths), no score scaling, gated-GELU feed-forward.
         cfg = T5Config(vocab_size=rows, d_model=hidden, d_kv=hidden // heads, d_ff=intermediate or 2 * hidden,
-                       num_layers=layers, num_heads=heads, relative_attention_num_buckets=8,
-                       relative_attention_max_distance=64, feed_forward_proj="gated-gelu", pad_token_id=v["[PAD]"],
+                       num_layers=layers, num_heads=heads, relative_attention_num_buckets=buckets or 8,
+                       relative_attention_max_distance=max_distance or 64, feed_forward_proj="gated-gelu", pad_token_id=v["[PAD]"],
                        eos_token_id=v["[EOS]"], use_cache=False,
                        architectures=["T5EncoderModel"])
     elif arch == "gemma3_text":
@@ -189,6 +194,15 @@ SYNTHETIC_SHAPES = {
                            max_positions=8192),
         "ModernBERT-base's layer, 6 layers, hidden 768, 12 heads, local attention 128 in 2 of 3 layers, "
         "8192 positions"),
+    "mpnet": SyntheticShape(
+        "mpnet", dict(layers=6, hidden=768, heads=12, intermediate=3072, buckets=32, max_positions=512),
+        "MPNet-base's layer (all-mpnet-base-v2), 6 layers, hidden 768, 12 heads, relative position bias of 32 "
+        "buckets, 512 positions"),
+    "t5": SyntheticShape(
+        "t5", dict(layers=6, hidden=768, heads=12, intermediate=2048, buckets=32, max_distance=128,
+                   max_positions=512),
+        "the T5-base encoder's layer (sentence-T5, GTR), 6 layers, d_model 768, 12 heads, gated-GELU 2048, "
+        "relative position bias of 32 buckets up to 128, 512 tokens"),
 }
 
 

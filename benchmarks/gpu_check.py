@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # support: the launchers, shared with t
 sys.path.insert(0, str(ROOT / "benchmarks"))  # fp16_exports (section 6)
 
 from attncal.runtime import oplib  # noqa: E402
-from support.cuda import attention_launch, compile_launchers, launch, load, params_of  # noqa: E402
+from support.cuda import (attention_launch, attention_workspace_bytes, compile_launchers, launch, load,  # noqa: E402
+                          params_of)
 
 MIN_ARCH = 50
 """The lowest SM architecture --arch takes (nvcc's oldest targets are above it)."""
@@ -191,7 +192,7 @@ def attention_bench(lib, B: int = 8, S: int = 8192, N: int = 12, D: int = 64, it
     def ours(rc, mask):
         def call():
             out = torch.empty(B, S, N * D, dtype=dt, device="cuda")
-            ws = torch.empty(lib.attncal_cuda_attention_workspace_bytes(B, S, N), dtype=torch.uint8, device="cuda")
+            ws = torch.empty(attention_workspace_bytes(lib, B, S, N), dtype=torch.uint8, device="cuda")
             attention_launch(lib, q, k, v, mask, out, rc, N, 0.0, workspace=ws)
             return out
         return call

@@ -50,7 +50,7 @@ def test_def_matches_the_contract():
     assert {r.name: r.default for r in optional[1:]} == contract.GEOMETRY_DEFAULTS
     # Every exported node carries exactly the attributes the table gives its op, the geometry where it
     # differs from the defaults.
-    geo = contract.AttentionGeometry(num_kv_heads=2, window_left=3, window_right=0)
+    geo = contract.AttentionGeometry(num_kv_heads=2, window_left=3, window_right=0, relative_max_distance=128)
     for rc in (CalibrationConfig(pooling="cls").resolve(), CalibrationConfig(pooling="mean").resolve()):
         for spec, full in ((op_spec(rc, 3), True), (op_spec(rc, 3, fused_softmax=True), True),
                            (attention_op_spec(rc, 3, 4), False), (attention_op_spec(rc, 3, 4, projected=True), False),

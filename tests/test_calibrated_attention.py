@@ -24,12 +24,14 @@ from attncal.graphs.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTI
                                      SOFTMAX_POOLED_OP, VERSION, attention_op_spec, attribute_names, calibration_of,
                                      input_names, is_all_rows, is_attention, op_spec, resolved_from_attrs,
                                      takes_scores, with_attention)
-from attncal.graphs.contract import FULL_ATTENTION, GEOMETRY_DEFAULTS, AttentionGeometry, geometry_from_attrs
+from attncal.graphs.contract import (FULL_ATTENTION, GEOMETRY_DEFAULTS, RELATIVE_BIAS_INPUT, AttentionGeometry,
+                                     geometry_from_attrs)
 from attncal.graphs.function_body import make_function
 from attncal.graphs.single_op import single_op_model
 from support.cases import random_config
 from support.masks import mixed_mask
-from support.oracle_loop import attention_oracle_errors, random_attention_batch, random_geometry
+from support.oracle_loop import (attention_oracle_errors, random_attention_batch, random_geometry,
+                                 random_relative_bias, relative_table)
 from support.tensors import plain_attention, random_qkv
 
 LOWEST = float(np.finfo(np.float32).min)
@@ -41,14 +43,20 @@ def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def feeds(q, k, v, mask) -> dict:
-    return {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(), "attention_mask": mask.numpy()}
+def feeds(q, k, v, mask, table=None) -> dict:
+    """The calibrated attention op's inputs (with the relative position bias table where there is one)."""
+    out = {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(), "attention_mask": mask.numpy()}
+    if table is not None:
+        out[RELATIVE_BIAS_INPUT] = table.numpy()
+    return out
 
 
-def random_attention_spec(rng: random.Random, baskets: list[int], max_heads: int, geometry: bool = False):
-    """(S, N, D, D_v, exact, scale, rc, spec): one random attribute set of a calibrated attention op, with a
-    random GQA / window geometry (`random_geometry`; `geometry_from_attrs(spec.attrs)` reads it back) when
-    `geometry`.  `exact`: q and k on a grid with a power-of-two scale (or 1/sqrt(D) for D in 1, 4), so the
+def random_attention_spec(rng: random.Random, baskets: list[int], max_heads: int, geometry: bool = False,
+                          relative: bool = False):
+    """(S, N, D, D_v, exact, scale, rc, spec, buckets): one random attribute set of a calibrated attention op, with
+    a random GQA / window geometry (`random_geometry`; `geometry_from_attrs(spec.attrs)` reads it back) when
+    `geometry`, and a relative position bias of `buckets` buckets (`random_relative_bias`; 0 = none) when
+    `relative`.  `exact`: q and k on a grid with a power-of-two scale (or 1/sqrt(D) for D in 1, 4), so the
     float32 scores are exact (see `random_qkv`)."""
     S = rng.choice(baskets)
     N, D, D_v = rng.randint(1, max_heads), rng.randint(1, 8), rng.randint(1, 6)
@@ -56,8 +64,9 @@ def random_attention_spec(rng: random.Random, baskets: list[int], max_heads: int
     scale = rng.choice([0.0, 0.125, 0.5, 1.0] if not exact or D in (1, 4) else [0.125, 0.5, 1.0])
     rc = random_config(rng, S).resolve()
     geo = random_geometry(rng, N) if geometry else FULL_ATTENTION
+    geo, buckets = random_relative_bias(rng, geo) if relative else (geo, 0)
     spec = attention_op_spec(rc, layer=rng.randint(0, 30), num_heads=N, scale=scale, geometry=geo)
-    return S, N, D, D_v, exact, scale, resolved_from_attrs(spec.op_type, spec.attrs), spec
+    return S, N, D, D_v, exact, scale, resolved_from_attrs(spec.op_type, spec.attrs), spec, buckets
 
 
 def tally(seen: dict, rc, mask: torch.Tensor, S: int, dead, q1: bool, scale: float) -> None:
@@ -133,22 +142,28 @@ def _op_types(nodes) -> list[str]:
     return [n.op_type for n in nodes]
 
 
+@pytest.mark.parametrize("relative", [False, True], ids=["plain", "relative_bias"])
 @pytest.mark.parametrize("op_type", ATTENTION_OP_TYPES)
 @pytest.mark.parametrize("opset", [18, 20, 21])
-def test_function_body_is_standard_onnx_reads_attributes_and_reuses_the_fused_body(op_type, opset):
+def test_function_body_is_standard_onnx_reads_attributes_and_reuses_the_fused_body(op_type, opset, relative):
     pooling = "mean" if is_all_rows(op_type) else "cls"
-    model = single_op_model(attention_op_spec(CalibrationConfig(pooling=pooling).resolve(), 0, 2), opset=opset)
+    geo = AttentionGeometry(relative_max_distance=128 if relative else 0)
+    model = single_op_model(attention_op_spec(CalibrationConfig(pooling=pooling).resolve(), 0, 2, geometry=geo),
+                            opset=opset)
     onnx.checker.check_model(model, full_check=True)
     (fn,) = model.functions
     assert (fn.domain, fn.name) == (DOMAIN, op_type)
-    assert list(fn.input) == ["query", "key", "value", "attention_mask"] and list(fn.output) == ["context"]
+    assert list(fn.input) == ["query", "key", "value", "attention_mask"] + [RELATIVE_BIAS_INPUT] * relative
+    assert list(fn.output) == ["context"]
     assert {o.domain: o.version for o in fn.opset_import} == {"": opset}
     assert all(n.domain == "" for n in fn.node)  # standard ONNX only
     refs = {a.ref_attr_name for n in fn.node for a in n.attribute if a.ref_attr_name}
-    # The geometry attributes are optional: the function carries their defaults.
+    # The geometry attributes are optional: the function carries their defaults.  The body without the bias
+    # input has no use for its attribute.
     defaults = {a.name: helper.get_attribute_value(a) for a in fn.attribute_proto}
     assert defaults == GEOMETRY_DEFAULTS
-    assert refs == (set(fn.attribute) | set(defaults)) - {"layer"} and {"num_heads", "scale"} <= refs
+    unread = {"layer"} | ({"relative_max_distance"} if not relative else set())
+    assert refs == (set(fn.attribute) | set(defaults)) - unread and {"num_heads", "scale"} <= refs
     # The middle of the body is the Softmax-fused op's body, node for node (minus its final Identity).
     fused = _op_types(make_function(SOFTMAX_ALL_ROWS_OP if is_all_rows(op_type) else SOFTMAX_POOLED_OP,
                                     opset).node)[:-1]
@@ -157,11 +172,16 @@ def test_function_body_is_standard_onnx_reads_attributes_and_reuses_the_fused_bo
     assert ops.count("Softmax") == 1 and ops[start:start + len(fused)] == fused
     tail = [o for o in ops[start + len(fused):] if o != "Constant"]
     assert tail == ["MatMul", "Transpose", "Mul", "Concat", "Reshape", "CastLike", "Identity"]  # ·V, merge (N·D_v)
-    # The Softmax reads the float32 masked scores: Add(MatMul(Mul(q, scale), kᵀ), bias).
+    # The Softmax reads the float32 masked scores: Add(MatMul(Mul(q, scale), kᵀ), bias), with the relative
+    # position bias (a Gather of the table) added between them.
     producer = {o: n for n in fn.node for o in n.output}
     softmax = fn.node[start]
-    assert producer[softmax.input[0]].op_type == "Add"
-    assert producer[producer[softmax.input[0]].input[0]].op_type == "MatMul"
+    add = producer[softmax.input[0]]
+    assert add.op_type == "Add"
+    if relative:
+        add = producer[add.input[0]]
+        assert add.op_type == "Add" and "Gather" in _op_types(fn.node)
+    assert producer[add.input[0]].op_type == "MatMul"
 
 
 # ------------------------------------------------------------------ against the oracle
@@ -184,10 +204,10 @@ def test_function_body_matches_oracle(float16, n_configs, tol):
     seen = {k: 0 for k in ("cls", "last", "mean", "left", "right", "empty_item", "partial", "empty_basket", "q1",
                            "lambda0", "lambda1", "skip_short", "no_iso", "iso_first", "iso_last", "equal",
                            "original", "fixed", "scale0", "exact_scores")}
-    seen.update(gqa=0, window=0)
+    seen.update(gqa=0, window=0, relative=0)
     for _ in range(n_configs):
-        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8], max_heads=4,
-                                                                     geometry=rng.random() < 0.5)
+        S, N, D, D_v, exact, scale, rc, spec, buckets = random_attention_spec(
+            rng, [1, 2, 3, 4, 5, 8], max_heads=4, geometry=rng.random() < 0.5, relative=rng.random() < 0.3)
         geo = geometry_from_attrs(spec.attrs)
         sess = plain_session(single_op_model(spec, opset=rng.choice([18, 20]), float16=float16))
         for _ in range(3):
@@ -195,10 +215,12 @@ def test_function_body_matches_oracle(float16, n_configs, tol):
             B = rng.randint(4, 12)
             mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.0,
                                                              geometry=geo)
-            (out,) = sess.run(None, feeds(q, k, v, mask))
-            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16, geo)
+            table = relative_table(gen, buckets, N, dtype) if geo.relative else None
+            (out,) = sess.run(None, feeds(q, k, v, mask, table))
+            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16, geo, table)
             seen["gqa"] += B * (geo.num_kv_heads not in (0, N))
             seen["window"] += B * geo.windowed
+            seen["relative"] += B * geo.relative
             bound = tol + rounding
             assert np.all(err <= bound), (float(err.max()), spec, K, int(np.argmax(err / bound)), bound.max())
             worst, cases, runs = max(worst, float(err.max())), cases + B, runs + 1

@@ -21,7 +21,8 @@ from attncal.calibration.oracle import attention_reference
 from attncal.graphs.contract import AttentionGeometry, attention_op_spec, geometry_from_attrs
 from attncal.graphs.single_op import single_op_model
 from support.masks import mixed_mask
-from support.oracle_loop import attention_oracle_errors, kv_heads, random_attention_batch, run_oracle_loop
+from support.oracle_loop import (attention_oracle_errors, kv_heads, random_attention_batch, relative_table,
+                                 run_oracle_loop)
 from support.tensors import random_qkv
 from test_calibrated_attention import feeds, random_attention_spec, tally
 from test_native_kernel import library  # noqa: F401  (the built-library fixture)
@@ -49,33 +50,38 @@ def tally_geometry(seen: dict, geo: AttentionGeometry, N: int, B: int) -> None:
     kind = {(True, True): "sliding", (False, True): "one_bound", (True, False): "one_bound"}
     seen["gqa"] += B * (1 < n_kv < N)
     seen["mqa"] += B * (n_kv == 1 < N)
+    if geo.relative:
+        seen["relative"] += B
     if geo.windowed:
         left, right = geo.window_left >= 0, geo.window_right >= 0
         name = ("causal" if not left else "sliding_causal") if geo.window_right == 0 else kind[(left, right)]
         seen[name] += B
 
 
-@pytest.mark.parametrize("geometry", [False, True], ids=["mha", "geometry"])
+@pytest.mark.parametrize("geometry", [False, True, "relative"], ids=["mha", "geometry", "relative_bias"])
 @pytest.mark.parametrize("float16,tol", [(False, 1e-6), (True, 2e-3)], ids=["fp32", "fp16"])
 def test_kernel_matches_oracle_on_20000_cases(library, attention_count, float16, tol, geometry):
     """The bound is `tol` plus the float32 rounding of the scores (`score_rounding`, as for the
     function body: the contract computes the scores in float32, so their rounding is part of the op;
     zero for the half of the attribute sets whose scores are exact in float32).  `geometry`: every
-    attribute set also draws grouped key/value heads and a window (`random_geometry`)."""
-    rng = random.Random(2201 + float16 + 10 * geometry)
+    attribute set also draws grouped key/value heads and a window (`random_geometry`); "relative": those and a
+    relative position bias (`random_relative_bias`)."""
+    rng = random.Random(2201 + float16 + 10 * bool(geometry) + 20 * (geometry == "relative"))
     gen = torch.Generator().manual_seed(22)
     dtype = torch.float16 if float16 else torch.float32
     before = attention_count()
     worst_exact = 0.0
 
     def configure():
-        S, N, D, D_v, exact, scale, rc, spec = random_attention_spec(rng, [1, 2, 3, 4, 5, 8, 16],
-                                                                     max_heads=4 if geometry else 2, geometry=geometry)
-        return S, N, D, D_v, exact, scale, rc, spec, session(single_op_model(spec, float16=float16), library, threads=2)
+        S, N, D, D_v, exact, scale, rc, spec, buckets = random_attention_spec(
+            rng, [1, 2, 3, 4, 5, 8, 16], max_heads=4 if geometry else 2, geometry=geometry,
+            relative=geometry == "relative")
+        sess = session(single_op_model(spec, float16=float16), library, threads=2)
+        return S, N, D, D_v, exact, scale, rc, spec, buckets, sess
 
     def run(config, seen):
         nonlocal worst_exact
-        S, N, D, D_v, exact, scale, rc, spec, sess = config
+        S, N, D, D_v, exact, scale, rc, spec, buckets, sess = config
         geo = geometry_from_attrs(spec.attrs)
         # Long rows now and then: more than one block of query rows per head (the kernel's unit; the
         # per-row float64 oracle makes them slow, and test_threads_give_identical_bits has more).
@@ -84,8 +90,9 @@ def test_kernel_matches_oracle_on_20000_cases(library, attention_count, float16,
         B = rng.randint(8, 24) if K < 100 else 1
         mask, q1, dead, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D_v, exact, dtype, B, K, holes=0.15,
                                                          geometry=geo)
-        (out,) = sess.run(None, feeds(q, k, v, mask))
-        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16, geo)
+        table = relative_table(gen, buckets, N, dtype) if geo.relative else None
+        (out,) = sess.run(None, feeds(q, k, v, mask, table))
+        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, float16, geo, table)
         assert np.all(err <= tol + rounding), (float(err.max()), spec, K, int(np.argmax(err - rounding)))
         if exact:
             worst_exact = max(worst_exact, float(err.max()))
@@ -99,12 +106,14 @@ def test_kernel_matches_oracle_on_20000_cases(library, attention_count, float16,
     loop = run_oracle_loop(20000, configure, run, runs_per_config=3, seen=(
         "cls", "last", "mean", "left", "right", "holes", "empty_item", "partial", "empty_basket", "q1", "lambda0",
         "skip_short", "iso_first", "iso_last", "equal", "original", "fixed", "scale0", "exact_scores", "multi_block",
-        *(GEOMETRY_TALLIES if geometry else ())))
+        *(GEOMETRY_TALLIES if geometry else ()), *(("relative",) if geometry == "relative" else ())))
     assert attention_count() - before == loop.runs, "every run must execute the native kernel"
     print(f"\ncalibrated attention kernel {'fp16' if float16 else 'fp32'}: {loop.cases} cases in {loop.runs} runs, max "
           f"abs err {loop.worst:.3g} ({worst_exact:.3g} with exact float32 scores), {loop.seen}")
     seen = loop.seen
     multi_block = seen.pop("multi_block")
+    if geometry == "relative":
+        assert seen.pop("q1") == 0  # a relative position bias needs S_q == S_k
     assert min(seen.values()) >= 40 and multi_block >= 10, (seen, multi_block)
 
 
@@ -232,13 +241,16 @@ def test_long_rows_over_key_tiles_match_the_oracle(library, pooling):
     ("cls", AttentionGeometry(num_kv_heads=1, window_left=300, window_right=300)),  # sliding both sides, MQA
     ("last", AttentionGeometry(window_left=500, window_right=0)),  # causal sliding window
     ("cls", AttentionGeometry(window_left=-1, window_right=700)),  # one bound only
-], ids=["causal-gqa", "sliding-mqa", "causal-sliding", "right-bound"])
+    ("cls", AttentionGeometry(relative_max_distance=128)),  # T5 / MPNet: the relative position bias
+    ("mean", AttentionGeometry(window_left=300, window_right=300, relative_max_distance=128)),
+], ids=["causal-gqa", "sliding-mqa", "causal-sliding", "right-bound", "relative", "relative-sliding"])
 def test_long_rows_with_windows_and_gqa_match_the_oracle(library, pooling, geometry):
     """Key tiles under a window: tiles outside every row's window are skipped, the others masked key by key;
     right and left padding (padding rows that see no valid key in their window: uniform over all keys), and
     an item whose query carries a component large enough that no skip can be bounded (its rows are computed
-    again without skipping and must equal the skipped item's bit for bit).  Against the float64 oracle, at 1
-    and 2 threads bit for bit."""
+    again without skipping and must equal the skipped item's bit for bit).  A relative position bias (32
+    buckets) is added in the tiles and the whole-row blocks alike, its largest value part of the skip bound.
+    Against the float64 oracle, at 1 and 2 threads bit for bit."""
     rc = CalibrationConfig(pooling=pooling, basket_size=128).resolve()
     N = 4
     spec = attention_op_spec(rc, 0, num_heads=N, geometry=geometry)
@@ -252,8 +264,9 @@ def test_long_rows_with_windows_and_gqa_match_the_oracle(library, pooling, geome
     mask = torch.ones(B, K, dtype=torch.int64)
     mask[1, 1500:] = 0
     mask[2, :1700] = 0
-    ref = attention_reference(q, k, v, mask, rc, N, 0.0, **vars(geometry)).numpy()
-    outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask))[0] for t in (1, 2)]
+    table = relative_table(gen, 32, N, torch.float32) * 4 if geometry.relative else None
+    ref = attention_reference(q, k, v, mask, rc, N, 0.0, **vars(geometry), relative_bias=table).numpy()
+    outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask, table))[0] for t in (1, 2)]
     assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
     out = outs[0]
     assert np.isfinite(out).all() and np.array_equal(out[0], out[3])

@@ -125,19 +125,18 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
     # Rotary embeddings, relative bias or grouped KV heads: ORT's BERT fusion cannot match, so it is not tried.
     assert ("was not tried" in meta["optimizer"]) == (arch in ("qwen3", "modernbert", "gemma3_text", "t5", "mpnet"))
     # Without it, the native graph is the plain export with the calibrated attention op in every layer, its
-    # window read from the exported mask; T5's and MPNet's relative position bias is not in the op.
+    # window read from the exported mask, T5's and MPNet's relative position bias passed as its table.
     native = meta["graphs"].get("onnx/model_optimized_native.onnx")
-    assert (native is None) == (arch in ("t5", "mpnet"))
-    if native is None:  # the log says why (a relative position bias is added to the scores)
-        log = (out / "attncal-export.log").read_text()
-        assert "the calibrated attention op does not replace this model's attention" in log
-        assert "not a padding or window mask" in log or "not this (a relative position bias" in log
+    assert native is not None
     if arch in PLAIN_NATIVE_GEOMETRY:
         assert native["any_padding"] and native["parity"]["ok"] and native["parity"]["max_abs"] <= 1e-5
         assert native["attention_geometry"] == PLAIN_NATIVE_GEOMETRY[arch]
         model = onnx.load(str(out / "onnx" / "model_optimized_native.onnx"), load_external_data=False)
         ops = [n.op_type for n in model.graph.node]
         assert "Softmax" not in ops and sum(n.domain == DOMAIN for n in model.graph.node) == 4
+        # The bias is the model's table itself (one per model), and its [B,N,S,S] subgraph is gone.
+        tables = {n.input[4] for n in model.graph.node if n.domain == DOMAIN and len(n.input) == 5}
+        assert len(tables) == (arch in ("t5", "mpnet")) and "Log" not in ops
         strengths = [next(a.f for a in n.attribute if a.name == "strength") for n in model.graph.node
                      if n.domain == DOMAIN]
         assert strengths == pytest.approx([0.0, 0.0, 0.8, 0.8])  # calibration off in the layers it does not select
@@ -150,13 +149,16 @@ PLAIN_NATIVE_GEOMETRY = {
     "qwen3": [{"num_kv_heads": 2, "window_right": 0}] * 4,
     "gemma3_text": [{"num_kv_heads": 2, "window_left": 12, "window_right": 12}, {"num_kv_heads": 2}] * 2,
     "modernbert": [{}, {"window_left": 32, "window_right": 32}] * 2,
+    "t5": [{"relative_max_distance": 64}] * 4,  # the tiny T5's config (8 buckets up to 64)
+    "mpnet": [{"relative_max_distance": 128}] * 4,  # MPNet's fixed distance, read off the bias by the probe
 }
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "t5", "mpnet"])
 def test_uncalibrated_native_graph_runs_either_padding_side(arch, tiny_models, tmp_path, library):
     """An uncalibrated export gets the native graph too (every layer the op with strength 0); the runtime
-    picks it where the library is loaded, and it equals the portable graph on both padding sides."""
+    picks it where the library is loaded, and it equals the portable graph on both padding sides (T5, MPNet:
+    texts up to 256 tokens, past the relative position bias's max distance, so every bucket is read)."""
     out = tmp_path / "out"
     meta = export(tiny_models[arch], out, ExportOptions(calibrate=False), quiet=True)
     assert meta["graphs"]["onnx/model_optimized_native.onnx"]["parity"]["ok"]

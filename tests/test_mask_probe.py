@@ -11,6 +11,7 @@ from onnx import TensorProto, helper
 
 from attncal.graphs.contract import AttentionGeometry
 from attncal.graphs.mask_probe import MaskProbeError, fit_geometry, probe_batch, probe_geometry
+from support.probe_graphs import position_nodes, probe_model
 
 LOWEST = np.finfo(np.float32).min
 
@@ -71,12 +72,8 @@ def chunked(m: np.ndarray) -> np.ndarray:
 def _mask_model(window: int) -> ir.Model:
     """A graph whose output is a causal sliding-window mask of `window` keys built from attention_mask the way
     transformers' exports build it (Range, comparisons, And, Where), plus a reader of the mask."""
-    nodes = [
-        helper.make_node("Shape", ["attention_mask"], ["S"], start=1, end=2),
-        helper.make_node("Squeeze", ["S"], ["s"]),
-        helper.make_node("Range", ["zero", "s", "one"], ["r"]),
-        helper.make_node("Unsqueeze", ["r", "ax0"], ["k"]),
-        helper.make_node("Unsqueeze", ["r", "ax1"], ["q"]),
+    nodes, consts = position_nodes()
+    nodes += [
         helper.make_node("LessOrEqual", ["k", "q"], ["causal"]),
         helper.make_node("Sub", ["q", "w"], ["lo"]),
         helper.make_node("Greater", ["k", "lo"], ["inside"]),
@@ -87,15 +84,11 @@ def _mask_model(window: int) -> ir.Model:
         helper.make_node("Where", ["visible", "zero_f", "lowest"], ["mask"]),
         helper.make_node("Identity", ["mask"], ["out"]),
     ]
-    inits = [helper.make_tensor("zero", TensorProto.INT64, [], [0]), helper.make_tensor("one", TensorProto.INT64, [], [1]),
-             helper.make_tensor("w", TensorProto.INT64, [], [window]),
-             helper.make_tensor("ax0", TensorProto.INT64, [1], [0]), helper.make_tensor("ax1", TensorProto.INT64, [1], [1]),
-             helper.make_tensor("ax12", TensorProto.INT64, [2], [1, 2]),
-             helper.make_tensor("zero_f", TensorProto.FLOAT, [], [0.0]),
-             helper.make_tensor("lowest", TensorProto.FLOAT, [], [float(LOWEST)])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
-    return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    consts += [helper.make_tensor("w", TensorProto.INT64, [], [window]),
+               helper.make_tensor("ax12", TensorProto.INT64, [2], [1, 2]),
+               helper.make_tensor("zero_f", TensorProto.FLOAT, [], [0.0]),
+               helper.make_tensor("lowest", TensorProto.FLOAT, [], [float(LOWEST)])]
+    return probe_model(nodes, consts, "out")
 
 
 def test_the_probe_runs_the_mask_subgraph():

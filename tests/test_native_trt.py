@@ -14,14 +14,17 @@ PooledRowCalibratedAttention and AllRowsCalibratedAttention) is built as CMake b
 with the calibration plugin and ATTNCAL_TRT_WITH_ATTENTION (one getCreators, 12 creators), and host
 tested by tests/cpp/trt_attention_host_test.cpp: creators and field names, attribute parsing and
 refusals (num_heads, scale), the attribute round trip, output types (float, half, bfloat16) and
-shapes, format combinations, run-time shape refusals, workspace size, a clean enqueue error.  No
+shapes, format combinations, run-time shape refusals, workspace size, a clean enqueue error; and the
+relative position bias (relative_max_distance and the fifth input, the bias table): accepted, refused,
+serialised, and the table's type, shape, format and workspace checks.  No
 libnvinfer: the test binaries provide getPluginRegistry.  The headers are read in place, never
 copied into the repository; without the setting the tests skip and say how to provide them.
 
 Also here, needing only g++: the host test of the CUDA launchers' shared-memory choices
 (plugins/kernels/cuda/launch_config.h; tests/cpp/launch_config_test.cpp), which both plugins' launchers
 make before every launch; and, with nvcc, the calibrated attention launcher's argument checks for the
-geometry (grouped key/value heads, windows), which run before anything touches a device."""
+geometry (grouped key/value heads, windows, the relative position bias), which run before anything
+touches a device."""
 
 from __future__ import annotations
 
@@ -135,7 +138,8 @@ def test_trt_attention_plugin_host(version, request, tmp_path):
     assert "OK:" in out
     assert "attention creators: 12 listed" in out
     assert "refused" in out and "round trip" in out
-    assert "GQA and windows accepted, an invalid geometry refused" in out and "the geometry included" in out
+    assert "GQA, windows and relative_max_distance accepted, an invalid geometry refused" in out
+    assert "the geometry included (relative_max_distance too)" in out
     assert "attention malformed fields (2 ops)" in out and "missing attribute 'strength'" in out
     for op in ("PooledRowCalibratedAttention", "AllRowsCalibratedAttention"):
         assert f"{op}: output types (float, half, bf16 -> same), shape [q0, q1, v2], 3 of 8 format combinations" in out
@@ -143,7 +147,10 @@ def test_trt_attention_plugin_host(version, request, tmp_path):
                    for line in out.splitlines()), out
         for strength in ("0.5", "0.0"):
             assert f"{op} (strength {strength}): enqueue without a GPU: returned" in out
-    assert out.count("clean error") == 4
+        assert f"{op} (relative bias): enqueue without a GPU: returned" in out
+        assert (f"{op} relative_bias: the fifth input exactly with relative_max_distance, of query's type (float, "
+                "half, bf16), shape [num_buckets, N], workspace") in out
+    assert out.count("clean error") == 6
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++)")
@@ -163,11 +170,14 @@ def test_cuda_launch_config_host(tmp_path):
 
 # Calls the calibrated attention launchers with an empty batch (B = 0: checked, then nothing to launch, so no
 # device is touched) for each geometry; prints one line per call: its name, the status and the error message.
+# The relative position bias: `md` is relative_max_distance, `buckets` the table's rows (0 = no table; the
+# table pointer is NULL, which an empty batch never reads).
 GEOMETRY_CHECKS_CPP = r"""
 #include <cstdio>
 #include "cuda/calibrated_attention_cuda.h"
 
-static void call(const char* what, int kv, int left, int right, long long S_q, int all_rows) {
+static void call(const char* what, int kv, int left, int right, long long S_q, int all_rows, int md = 0,
+                 long long buckets = 0) {
   AttncalParams p{};
   p.all_rows = all_rows;
   p.basket_size = 2;
@@ -176,12 +186,13 @@ static void call(const char* what, int kv, int left, int right, long long S_q, i
   p.num_kv_heads = kv;
   p.window_left = left;
   p.window_right = right;
+  p.relative_max_distance = md;
   for (int reference = 0; reference < 2; ++reference) {
     const int rc =
         reference ? attncal_cuda_calibrated_attention_reference(0, nullptr, nullptr, nullptr, nullptr, nullptr, 0, S_q,
-                                                                8, 4, 16, 16, 0.f, &p, nullptr)
+                                                                8, 4, 16, 16, 0.f, nullptr, buckets, &p, nullptr)
                   : attncal_cuda_calibrated_attention(0, nullptr, nullptr, nullptr, nullptr, nullptr, 0, S_q, 8, 4, 16,
-                                                      16, 0.f, &p, nullptr, nullptr);
+                                                      16, 0.f, nullptr, buckets, &p, nullptr, nullptr);
     std::printf("%s%s: %d %s\n", what, reference ? " (reference)" : "", rc, attncal_cuda_last_error());
   }
 }
@@ -195,6 +206,14 @@ int main() {
   call("kv -1", -1, -1, -1, 8, 1);
   call("window left -2", 0, -2, -1, 8, 1);
   call("window on one query", 0, -1, 0, 1, 0);
+  call("relative 32 buckets", 0, -1, -1, 8, 1, 20, 32);
+  call("relative pooled gqa causal", 2, -1, 0, 8, 0, 2, 4);
+  call("relative 2 buckets", 0, -1, -1, 8, 1, 20, 2);
+  call("relative distance 8 of 32 buckets", 0, -1, -1, 8, 1, 8, 32);
+  call("relative on one query", 0, -1, -1, 1, 0, 20, 32);
+  call("table without attribute", 0, -1, -1, 8, 1, 0, 32);
+  call("attribute without table", 0, -1, -1, 8, 1, 20, 0);
+  call("relative distance -1", 0, -1, -1, 8, 1, -1, 0);
   return 0;
 }
 """
@@ -202,8 +221,10 @@ int main() {
 
 def test_cuda_launcher_geometry_checks_host(launcher, tmp_path):
     """The calibrated attention launchers (compiled with nvcc, run without a device) accept grouped key/value
-    heads and windows, and refuse an invalid geometry with a one-line message naming it, as the CPU side does:
-    num_kv_heads not dividing num_heads, a window bound below -1, a window with S_q != S_k."""
+    heads, windows and a relative position bias, and refuse an invalid geometry with a one-line message naming
+    it, as the CPU side does: num_kv_heads not dividing num_heads, a window bound below -1, a window with
+    S_q != S_k; a bias table with too few buckets or a max distance not above num_buckets / 4, with S_q != S_k,
+    without relative_max_distance, or relative_max_distance without a table or below 0."""
     objs, flags = launcher
     if not any(o.endswith(".o") for o in objs):
         pytest.skip("nvcc not found: the launchers are a test stub here")
@@ -213,7 +234,8 @@ def test_cuda_launcher_geometry_checks_host(launcher, tmp_path):
     cmd = ["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-I", str(KERNELS), str(src), *objs, "-o", str(exe), *flags]
     out = _build_and_run(cmd, exe)
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
-    for what in ("default", "gqa 2 causal", "mqa sliding", "kv == heads one-sided"):
+    for what in ("default", "gqa 2 causal", "mqa sliding", "kv == heads one-sided", "relative 32 buckets",
+                 "relative pooled gqa causal"):
         for name in (what, f"{what} (reference)"):
             assert lines[name].strip() == "0", (name, lines[name])
     refused = {
@@ -221,6 +243,14 @@ def test_cuda_launcher_geometry_checks_host(launcher, tmp_path):
         "kv -1": "1 num_kv_heads must divide num_heads=4 (0 = num_heads), got -1",
         "window left -2": "1 window_left and window_right must be >= 0, or -1 for no limit; got -2 and -1",
         "window on one query": "1 a window (window_left, window_right) needs S_q == S_k, got S_q=1, S_k=8",
+        "relative 2 buckets": "1 a relative position bias needs at least 4 buckets and relative_max_distance above "
+                              "num_buckets / 4; got 2 buckets and 20",
+        "relative distance 8 of 32 buckets": "1 a relative position bias needs at least 4 buckets and "
+                                             "relative_max_distance above num_buckets / 4; got 32 buckets and 8",
+        "relative on one query": "1 a relative position bias needs S_q == S_k (self-attention); got S_q=1, S_k=8",
+        "table without attribute": "1 the relative_bias input needs relative_max_distance > 0",
+        "attribute without table": "1 relative_max_distance=20 needs the relative_bias input (the bias table)",
+        "relative distance -1": "1 relative_max_distance must be >= 1, or 0 for no relative position bias; got -1",
     }
     for what, expect in refused.items():
         for name in (what, f"{what} (reference)"):

@@ -57,7 +57,7 @@ def packed_count(library) -> int:
 
 def random_case(rng: random.Random, np_rng: np.random.Generator):
     """(projected spec, unprojected spec, feeds, q, k, v): one random item batch under one attribute set."""
-    S, N, D, _, _, scale, rc, _ = random_attention_spec(rng, [1, 2, 3, 5, 8, 16], max_heads=4)
+    S, N, D, _, _, scale, rc, _, _ = random_attention_spec(rng, [1, 2, 3, 5, 8, 16], max_heads=4)
     layer = rng.randint(0, 30)
     proj = attention_op_spec(rc, layer, num_heads=N, scale=scale, projected=True)
     plain = attention_op_spec(rc, layer, num_heads=N, scale=scale)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+from .relative_position import relative_bias as position_bias
 
 
 def reference(
@@ -133,10 +134,13 @@ def attention_reference(
     num_kv_heads: int = 0,
     window_left: int = -1,
     window_right: int = -1,
+    relative_max_distance: int = 0,
+    relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The calibrated attention ops' contract (attncal.graphs.contract) in float64: `reference` applied
-    to the softmax of scale·Q·Kᵀ plus float32's lowest finite value at keys that are masked or outside
-    the query's window, times V.
+    to the softmax of scale·Q·Kᵀ plus the relative position bias (`relative_bias` [num_buckets,N] at
+    `attncal.calibration.relative_position`'s buckets, where `relative_max_distance` > 0) plus float32's
+    lowest finite value at keys that are masked or outside the query's window, times V.
 
     `query` [B,S_q,N*D], `key` [B,S_k,N_kv*D], `value` [B,S_k,N_kv*D_v], `attention_mask` [B,S_k]
     (N_kv = `num_kv_heads`, 0 meaning N; query head h reads key/value head h // (N / N_kv)); returns
@@ -159,6 +163,10 @@ def attention_reference(
     if window_right >= 0:
         visible = visible & (offset <= window_right)
     bias = torch.where(visible, 0.0, float(np.finfo(np.float32).min)).double()
-    probs = torch.softmax(s * (q @ k.transpose(-1, -2)) + bias, -1)
+    scores = s * (q @ k.transpose(-1, -2))
+    if relative_max_distance > 0:
+        table = relative_bias.detach().cpu().float().numpy()
+        scores = scores + torch.from_numpy(position_bias(table, S_q, S_k, relative_max_distance)).double()
+    probs = torch.softmax(scores + bias, -1)
     out = reference(probs, attention_mask.cpu(), config) @ v  # [B,N,S_q,D_v]
     return out.transpose(1, 2).reshape(B, S_q, -1)

@@ -78,12 +78,22 @@ never run on a GPU yet).
   - `window_left`, `window_right` (-1 = no limit): query row q sees key k only
     when q - window_left <= k <= q + window_right (window_right 0 is causal
     attention; both are sliding windows).  Needs S_q == S_k.
+  - `relative_max_distance` (0 = none): a relative position bias (T5's encoder,
+    MPNet), with the optional fifth input `relative_bias` T[num_buckets,N], the
+    model's bias table: every score of head h at query q and key k gets
+    relative_bias[bucket(k - q), h], the bucket function being T5's bidirectional
+    one with `num_buckets` (>= 4) and this max distance (above num_buckets // 4;
+    written once, in `attncal.calibration.relative_position`).  Needs S_q == S_k.
+    The op computes the buckets itself, so no [N,S_q,S_k] bias tensor exists.  A
+    node takes the input exactly when the attribute is set; the model's function
+    for the op then has the five inputs (`make_function(..., relative_bias=True)`).
 * Output: `context` T[B,S_q,N*D_v], heads merged in the same layout.
 * Semantics, per batch item b and head h (q, k, v: that head's D or D_v
   columns), computed in float32 for both T (float16 inputs are cast to float32
   exactly, only the context is rounded to float16; the calibration math is in
   float32 for float16 inputs as in every body):
-      scores[b,h] = scale·q·kᵀ + mask_bias[b]            float32 [S_q,S_k]
+      scores[b,h] = scale·q·kᵀ + rel_bias[h] + mask_bias[b]   float32 [S_q,S_k]
+      rel_bias[h,q,k] = float32(relative_bias[bucket(k - q), h]), or 0 without it
       mask_bias[b,q,k] = 0 for a valid key inside q's window, float32's
                        lowest finite value (-3.4028235e38) for a masked key
                        or one outside the window (once, not twice), added
@@ -158,6 +168,7 @@ _WITH_ATTENTION = {POOLED_OP: ATTENTION_POOLED_OP, ALL_ROWS_OP: ATTENTION_ALL_RO
 _WITH_PROJECTED = {POOLED_OP: PROJECTED_POOLED_OP, ALL_ROWS_OP: PROJECTED_ALL_ROWS_OP}
 _CALIBRATION_OF = {v: k for k, v in (*_WITH_SOFTMAX.items(), *_WITH_ATTENTION.items(), *_WITH_PROJECTED.items())}
 ATTENTION_INPUTS = ("query", "key", "value", "attention_mask")
+RELATIVE_BIAS_INPUT = "relative_bias"  # the attention ops' optional fifth input (with `relative_max_distance`)
 PROJECTED_INPUTS = ("input", "weight", "bias", "attention_mask")
 
 # name -> ("int" | "float", meaning); `pool_last` only on the pooled-row ops, `num_heads` and `scale`
@@ -180,11 +191,14 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     "window_left": ("int", "keys at most this many positions before the query; -1 = no limit; attention ops only"),
     "window_right": ("int", "keys at most this many positions after the query; -1 = no limit, 0 = causal; "
                             "attention ops only"),
+    "relative_max_distance": ("int", "relative position bias: the bucket function's max distance, with the "
+                                     "relative_bias input; 0 = no bias; attention ops only"),
 }
 # The attention geometry: optional, with these defaults (plain multi-head attention over every key), and
 # written only where a node differs from them, so that graphs without a window or GQA stay what they were
 # and run on libraries built before these attributes.
-GEOMETRY_DEFAULTS: dict[str, int] = {"num_kv_heads": 0, "window_left": -1, "window_right": -1}
+GEOMETRY_DEFAULTS: dict[str, int] = {"num_kv_heads": 0, "window_left": -1, "window_right": -1,
+                                     "relative_max_distance": 0}
 _ATTENTION_ONLY = ("num_heads", "scale", *GEOMETRY_DEFAULTS)
 
 
@@ -238,11 +252,17 @@ def first_input(op_type: str) -> str:
     return "scores" if takes_scores(op_type) else "probs"
 
 
-def input_names(op_type: str) -> list[str]:
-    """The op's inputs in order."""
+def input_names(op_type: str, relative_bias: bool = False) -> list[str]:
+    """The op's inputs in order (with the attention ops' optional `relative_bias` where asked)."""
     if is_projected(op_type):
-        return list(PROJECTED_INPUTS)
-    return list(ATTENTION_INPUTS) if is_attention(op_type) else [first_input(op_type), "attention_mask"]
+        names = list(PROJECTED_INPUTS)
+    else:
+        names = list(ATTENTION_INPUTS) if is_attention(op_type) else [first_input(op_type), "attention_mask"]
+    if relative_bias:
+        if not is_attention(op_type) or is_projected(op_type):
+            raise ValueError(f"{op_type} takes no {RELATIVE_BIAS_INPUT} input (only the calibrated attention ops do)")
+        names.append(RELATIVE_BIAS_INPUT)
+    return names
 
 
 def attribute_names(op_type: str) -> list[str]:
@@ -286,18 +306,24 @@ def op_spec(rc: ResolvedCalibration, layer: int, *, fused_softmax: bool = False)
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """Which keys a query row sees, and how many key/value heads there are: the attention ops' optional
-    attributes.  A key k is visible to the query at position q when q - window_left <= k <= q +
-    window_right (a bound of -1 is no bound; window_right 0 is causal attention).  Windows need
-    self-attention (S_q == S_k)."""
+    """Which keys a query row sees, how many key/value heads there are, and the relative position bias:
+    the attention ops' optional attributes.  A key k is visible to the query at position q when
+    q - window_left <= k <= q + window_right (a bound of -1 is no bound; window_right 0 is causal
+    attention).  `relative_max_distance` > 0: the node takes the `relative_bias` table.  Windows and the
+    bias need self-attention (S_q == S_k)."""
 
     num_kv_heads: int = 0  # 0 = num_heads (multi-head attention)
     window_left: int = -1
     window_right: int = -1
+    relative_max_distance: int = 0  # 0 = no relative position bias
 
     @property
     def windowed(self) -> bool:
         return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def relative(self) -> bool:
+        return self.relative_max_distance > 0
 
     def attrs(self) -> dict[str, int]:
         """The attributes that differ from the defaults (`GEOMETRY_DEFAULTS`)."""
@@ -309,6 +335,9 @@ class AttentionGeometry:
         if self.window_left < -1 or self.window_right < -1:
             raise ValueError(f"window_left and window_right must be >= 0, or -1 for no limit; got "
                              f"{self.window_left} and {self.window_right}")
+        if self.relative_max_distance < 0:
+            raise ValueError(f"relative_max_distance must be >= 1, or 0 for no relative position bias; got "
+                             f"{self.relative_max_distance}")
 
 
 FULL_ATTENTION = AttentionGeometry()
@@ -325,6 +354,8 @@ def attention_op_spec(rc: ResolvedCalibration, layer: int, num_heads: int, scale
     if projected and geometry.num_kv_heads not in (0, int(num_heads)):
         raise ValueError("the projected attention ops take ONNX Runtime's packed Q|K|V weight, which has as many "
                          f"key/value heads as query heads; got num_kv_heads={geometry.num_kv_heads}")
+    if projected and geometry.relative:
+        raise ValueError("the projected attention ops take no relative position bias")
     spec = op_spec(rc, layer)
     return OpSpec(with_attention(spec.op_type, projected),
                   {**spec.attrs, "num_heads": int(num_heads), "scale": float(scale), **geometry.attrs()})

@@ -22,7 +22,8 @@ Softmax-fused bodies start with ONNX Softmax, which gives NaN for a row of
 
 The calibrated attention bodies (`_attention_body`) split the heads (repeating
 each key/value head for its query heads under GQA), compute the float32 scores
-scale·Q·Kᵀ + mask bias (padding and the window, one [B,1,S_q,S_k] bias), run the
+scale·Q·Kᵀ (+ the relative position bias, gathered from its table at the buckets of
+the key-minus-query offsets) + mask bias (padding and the window, one [B,1,S_q,S_k] bias), run the
 Softmax-fused body on them (`_softmax_body`, the same nodes as the Softmax-fused
 ops'), multiply by V and merge the heads.
 """
@@ -240,14 +241,34 @@ def _softmax_body(b: _Builder, scores: str, all_rows: bool) -> str:
     return _body(b, all_rows)
 
 
-def _attention_body(b: _Builder, all_rows: bool) -> str:
+def _relative_bias_body(b: _Builder, offset: str) -> str:
+    """[1,N,S_q,S_k] float32: the `relative_bias` table at T5's bidirectional buckets of the key-minus-query
+    offsets `offset` [S_q,S_k] (attncal.calibration.relative_position: the same float32 steps)."""
+    f32, i64, f64 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.DOUBLE
+    table = b.op("Cast", "relative_bias", to=f32)  # [num_buckets, N]
+    one, two = b.const_i(1), b.const_i(2)
+    half = b.op("Div", b.op("Squeeze", b.op("Slice", b.op("Shape", table), b.axes(0), b.axes(1))), two)
+    exact = b.op("Div", half, two)
+    n = b.op("Abs", offset)
+    side = b.op("Mul", b.op("Cast", b.op("Greater", offset, b.const_i(0)), to=i64), half)  # keys after the query
+    ratio = b.op("Div", b.op("Cast", b.op("Max", n, one), to=f32), b.op("Cast", exact, to=f32))
+    span = b.op("Cast", b.op("Log", b.op("Div", b.op("Cast", b.attr("relative_max_distance", "int"), to=f64),
+                                          b.op("Cast", exact, to=f64))), to=f32)
+    steps = b.op("Mul", b.op("Div", b.op("Log", ratio), span), b.op("Cast", b.op("Sub", half, exact), to=f32))
+    large = b.op("Min", b.op("Add", exact, b.op("Cast", steps, to=i64)), b.op("Sub", half, one))
+    bucket = b.op("Add", side, b.op("Where", b.op("Less", n, exact), n, large))  # [S_q,S_k]
+    return b.op("Unsqueeze", b.op("Transpose", b.op("Gather", table, bucket), perm=[2, 0, 1]), b.axes(0))
+
+
+def _attention_body(b: _Builder, all_rows: bool, relative_bias: bool = False) -> str:
     """The calibrated attention ops' body (contract.py).  Inputs `query` [B,S_q,N*D], `key`
     [B,S_k,N*D], `value` [B,S_k,N*D_v], `attention_mask` [B,S_k]; returns the context
     [B,S_q,N*D_v] in the inputs' type.
 
     Everything is float32 (float16 inputs are cast exactly): the scores scale·Q·Kᵀ plus the additive
-    mask bias (float32's lowest finite value at masked keys), then `_softmax_body` on them, the
-    product with V, and the heads merged; only the context is cast back to the inputs' type."""
+    mask bias (float32's lowest finite value at masked keys), with the relative position bias between
+    them where the op takes `relative_bias`, then `_softmax_body` on them, the product with V, and the
+    heads merged; only the context is cast back to the inputs' type."""
     f32 = TensorProto.FLOAT
     N = b.op("Unsqueeze", b.attr("num_heads", "int"), b.axes(0))  # [1]
     zero_i = b.const_i(0)
@@ -296,7 +317,10 @@ def _attention_body(b: _Builder, all_rows: bool) -> str:
                   else b.op("LessOrEqual", offset, bound(w)))
         valid = b.op("And", valid, b.op("Or", b.op("Less", w, zero_i), inside))
     bias = b.op("Where", valid, zero_f, b.const_f(float(-3.4028234663852886e38)))
-    scores = b.op("Add", b.op("MatMul", b.op("Mul", q, scale), k_t), bias)  # [B,N,S_q,S_k]
+    scores = b.op("MatMul", b.op("Mul", q, scale), k_t)  # [B,N,S_q,S_k]
+    if relative_bias:
+        scores = b.op("Add", scores, _relative_bias_body(b, offset))
+    scores = b.op("Add", scores, bias)
     probs = _softmax_body(b, scores, all_rows)  # the Softmax-fused ops' body, float32
     context = b.op("Transpose", b.op("MatMul", probs, v), perm=[0, 2, 1, 3])  # [B,S_q,N,D_v]
     out_shape = b.op("Concat", bs_q, b.op("Mul", D_v, N), axis=0)
@@ -311,8 +335,9 @@ def _projected_body(b: _Builder, all_rows: bool) -> str:
     return _attention_body(b, all_rows)
 
 
-def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
-    """The model-local FunctionProto for `op_type`, using ONNX domain opset `opset`.
+def make_function(op_type: str, opset: int, relative_bias: bool = False) -> onnx.FunctionProto:
+    """The model-local FunctionProto for `op_type`, using ONNX domain opset `opset`; with the fifth input
+    `relative_bias` where the model's nodes of the op take it (a calibrated attention op).
 
     The Softmax-fused ops are `Softmax(scores, axis=-1)` followed by the same body, so a runtime
     without the native kernel runs exactly the graph of a separate Softmax and calibration op.  The
@@ -325,7 +350,7 @@ def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
     if is_projected(op_type):
         out = _projected_body(b, all_rows=is_all_rows(op_type))
     elif is_attention(op_type):
-        out = _attention_body(b, all_rows=is_all_rows(op_type))
+        out = _attention_body(b, all_rows=is_all_rows(op_type), relative_bias=relative_bias)
     elif takes_scores(op_type):
         out = _softmax_body(b, "scores", all_rows=is_all_rows(op_type))
     else:
@@ -338,7 +363,7 @@ def make_function(op_type: str, opset: int) -> onnx.FunctionProto:
     return helper.make_function(
         DOMAIN,
         op_type,
-        inputs=input_names(op_type),
+        inputs=input_names(op_type, relative_bias),
         outputs=[output],
         nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)],

@@ -89,11 +89,16 @@ def _probe_constant(c: ir.Value, nodes: list[ir.Node], mask: str) -> onnx.Tensor
     return onnx.numpy_helper.from_array(np.asarray(tensor.numpy()), c.name)  # in the proto, not external data
 
 
-def evaluate(model: ir.Model, value: ir.Value, batch: dict[str, np.ndarray]) -> np.ndarray:
-    """`value` computed by ONNX Runtime from the graph inputs in `batch` (the ones its subgraph reads)."""
+def evaluate(model: ir.Model, value: ir.Value, batch: dict[str, np.ndarray],
+             replace: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """`value` computed by ONNX Runtime from the graph inputs in `batch` (the ones its subgraph reads), with the
+    constants named in `replace` (initializers or Constant outputs) given those values instead."""
     import onnxruntime as ort
 
+    replace = replace or {}
     nodes, inputs, consts = _subgraph(value)
+    nodes = [n for n in nodes if not (n.op_type == "Constant" and all(o.name in replace for o in n.outputs))]
+    consts = [c for c in consts if c.name not in replace]
     missing = [v.name for v in inputs if v.name not in batch]
     if missing:
         raise MaskProbeError(f"the mask {value.name} reads graph input(s) {', '.join(missing)}, which the probe "
@@ -102,7 +107,8 @@ def evaluate(model: ir.Model, value: ir.Value, batch: dict[str, np.ndarray]) -> 
         [ir.serde.serialize_node(n) for n in nodes], "attncal_mask_probe",
         [onnx.helper.make_tensor_value_info(v.name, onnx.TensorProto.INT64, ["B", "S"]) for v in inputs],
         [onnx.helper.make_empty_tensor_value_info(value.name)],
-        [_probe_constant(c, nodes, value.name) for c in consts])
+        [_probe_constant(c, nodes, value.name) for c in consts]
+        + [onnx.numpy_helper.from_array(np.asarray(a), name) for name, a in replace.items()])
     proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v)
                                                          for d, v in model.opset_imports.items()])
     proto.ir_version = model.ir_version

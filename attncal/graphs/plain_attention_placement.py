@@ -1,6 +1,6 @@
 """The calibrated attention op in every layer of a plain graph: the native graph of the models that ONNX
-Runtime's optimizer does not fuse (Qwen3, Gemma3 / EmbeddingGemma, ModernBERT, and any plain graph of
-the same shape).
+Runtime's optimizer does not fuse (Qwen3, Gemma3 / EmbeddingGemma, ModernBERT, T5's encoder, MPNet, and any
+plain graph of the same shape).
 
 Glossary: B batch, S sequence, N query heads, N_kv key/value heads, D head size, D_v value head size.
 
@@ -14,8 +14,11 @@ Each layer's explicit attention (`attention_chain`: Q·Kᵀ MatMul -> scale and 
     context = <calibrated attention op>(query, key, value, attention_mask)   (heads merged)
     [B,N,S,D_v] = Transpose(Reshape(context)) in place of the ·V MatMul's output
 
-with the chain's constant scale as `scale` (1 where the chain has none) and its mask read as padding
-plus a window (`mask_probe`: the mask subgraph is run, and must be exactly that).  Calibrated layers get
+with the chain's constant scale as `scale` (1 where the chain has none), its mask read as padding
+plus a window (`mask_probe`: the mask subgraph is run, and must be exactly that), and a relative position
+bias added to the scores (T5, MPNet) passed as its table, the op's fifth input, with the max distance
+`position_bias_probe` reads off the bias subgraph: the op computes the buckets, so the [B,N,S,S] bias the
+graph built is gone with the rest of the chain.  Calibrated layers get
 the calibration's attributes; every other layer the same op with strength 0, which is plain attention.
 
 Why every layer: on these graphs every layer otherwise writes its [B,N,S,S] probabilities (and the
@@ -43,6 +46,7 @@ from .contract import DOMAIN, VERSION, AttentionGeometry, attention_op_spec
 from .function_body import make_function
 from .mask_probe import MaskProbeError, probe_geometry
 from .placement_base import PlacementResult, count_fused_attention
+from .position_bias_probe import PositionBiasError, find_table, probe_relative
 from .rewrite import model_opset
 from .softmax_pattern import SoftmaxPatternError, find_attention_softmaxes
 
@@ -61,6 +65,8 @@ class ModelShape:
     num_kv_heads: int  # = num_heads without GQA
     max_length: int  # the longest sequence the export takes: how far the mask's window must be known
     declared_window: int | None = None  # the config's widest window, or None (see `mask_probe.probe_geometry`)
+    # The config's relative position max distance, tried first by the bias probe (`probe_relative`), or None.
+    relative_max_distance: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class LayerEdit:
     query: ir.Value  # [B,N,S,D]
     key: tuple[ir.Value, tuple[int, ...]]  # the value, and the Transpose to [B,S,heads,D]
     value: ir.Value  # [B,heads,S,D_v]
+    table: ir.Value | None = None  # the relative position bias table [num_buckets,N], or None
 
 
 @dataclass(frozen=True)
@@ -82,10 +89,34 @@ class PlainAttentionEdits:
     shape: ModelShape
 
 
-def _chain_parts(walk: PlainAttention) -> tuple[float, ir.Value]:
-    """(scale, mask) of a layer's scale/mask chain; refuses anything else in it."""
+@dataclass(frozen=True)
+class ChainParts:
+    scale: float
+    mask: ir.Value
+    bias: ir.Value | None = None  # the relative position bias added to the scores, or None
+    table: ir.Value | None = None  # its table (`position_bias_probe.find_table`)
+
+
+def _split_bias(x: ir.Value, num_heads: int) -> tuple[ir.Value | None, ir.Value | None, ir.Value | None]:
+    """(bias, table, mask) of a value the chain adds: a relative position bias, a mask, or their sum."""
+    table = find_table(x, num_heads)
+    if table is not None:
+        return x, table, None
+    node = x.producer()
+    if node is not None and node.op_type == "Add" and len(node.inputs) == 2:
+        for i in (0, 1):
+            table = find_table(node.inputs[i], num_heads)
+            if table is not None:
+                return node.inputs[i], table, node.inputs[1 - i]
+    return None, None, x
+
+
+def _chain_parts(walk: PlainAttention, num_heads: int) -> ChainParts:
+    """The scale, mask and relative position bias of a layer's scale/mask chain; refuses anything else in it."""
     scale: float | None = None
     mask: ir.Value | None = None
+    bias: ir.Value | None = None
+    table: ir.Value | None = None
     prev = walk.scores_mm.outputs[0]
     for node in walk.chain:
         others = [v for v in node.inputs if v is not prev]
@@ -99,18 +130,23 @@ def _chain_parts(walk: PlainAttention) -> tuple[float, ir.Value]:
             if node.op_type == "Div" and node.inputs[0] is not prev:
                 raise PlainAttentionError(f"{where} divides a constant by the scores")
             scale = c if node.op_type == "Mul" else 1.0 / c
-        elif node.op_type == "Add" and len(others) == 1 and const_array(others[0]) is None and mask is None:
-            mask = others[0]
+        elif node.op_type == "Add" and len(others) == 1 and const_array(others[0]) is None:
+            b, t, m = _split_bias(others[0], num_heads)
+            if (b is not None and bias is not None) or (m is not None and mask is not None):
+                raise PlainAttentionError(f"{where}: a second {'position bias' if b is not None else 'mask'} in the "
+                                          "chain")
+            bias, table = (b, t) if b is not None else (bias, table)
+            mask = m if m is not None else mask
         else:
             raise PlainAttentionError(
-                f"{where}: the op takes a constant scale and one padding/window mask in the chain, not this "
-                "(a relative position bias or a soft-cap is not in the op yet)")
+                f"{where}: the op takes a constant scale, one padding/window mask and a relative position bias in "
+                "the chain, not this (a soft-cap is not in the op yet)")
         prev = node.outputs[0]
     if mask is None:
         raise PlainAttentionError(f"layer {walk.layer}: no mask is added to the scores; the op always masks padding")
     if scale is not None and not (np.isfinite(scale) and scale > 0):
         raise PlainAttentionError(f"layer {walk.layer}: score scale {scale} is not a finite positive number")
-    return (1.0 if scale is None else scale), mask
+    return ChainParts(1.0 if scale is None else scale, mask, bias, table)
 
 
 def _before_repeat(x: ir.Value) -> ir.Value | None:
@@ -154,18 +190,33 @@ def find(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_la
     selected = config.layer_indices(num_layers) if config is not None and rc.strength != 0.0 else []
     mask_input = graph_input(graph, "attention_mask", PlainAttentionError)
     geometries: dict[int, AttentionGeometry] = {}
+    distances: dict[int, int] = {}
     layers = []
     for att in find_attention_softmaxes(graph, num_layers):
         walk = walk_layer(att, PlainAttentionError)
-        scale, mask = _chain_parts(walk)
+        parts = _chain_parts(walk, shape.num_heads)
+        mask = parts.mask
         if id(mask) not in geometries:
             try:
                 geometries[id(mask)] = probe_geometry(model, mask, shape.max_length, shape.declared_window)
             except MaskProbeError as exc:
                 raise PlainAttentionError(f"layer {walk.layer}: {exc}") from None
+        distance = 0
+        if parts.bias is not None:
+            if id(parts.bias) not in distances:
+                try:
+                    distances[id(parts.bias)] = probe_relative(model, parts.bias, parts.table, shape.num_heads,
+                                                               shape.max_length, shape.relative_max_distance).max_distance
+                except PositionBiasError as exc:
+                    raise PlainAttentionError(f"layer {walk.layer}: {exc}") from None
+            distance = distances[id(parts.bias)]
         key, value, heads = _key_value(walk, shape)
-        geometry = dataclasses.replace(geometries[id(mask)], num_kv_heads=0 if heads == shape.num_heads else heads)
-        layers.append(LayerEdit(walk, scale, geometry, walk.scores_mm.inputs[0], key, value))
+        geometry = dataclasses.replace(geometries[id(mask)], num_kv_heads=0 if heads == shape.num_heads else heads,
+                                       relative_max_distance=distance)
+        layers.append(LayerEdit(walk, parts.scale, geometry, walk.scores_mm.inputs[0], key, value, parts.table))
+    if len({e.table is None for e in layers}) > 1:
+        raise PlainAttentionError("some layers add a relative position bias and others do not; the op's function "
+                                  "takes it in every layer or in none")
     return PlainAttentionEdits(rc, selected, layers, mask_input, shape)
 
 
@@ -194,7 +245,8 @@ def rewrite(model: ir.Model, edits: PlainAttentionEdits) -> PlainAttentionResult
         spec = attention_op_spec(rc if layer in edits.selected else off, layer, num_heads=N, scale=e.scale,
                                  geometry=e.geometry)
         op_type = spec.op_type
-        context = ops(spec.op_type, q, k, v, edits.mask, domain=DOMAIN, **spec.attrs)
+        inputs = (q, k, v, edits.mask) + ((e.table,) if e.table is not None else ())
+        context = ops(spec.op_type, *inputs, domain=DOMAIN, **spec.attrs)
         context.name = f"{ops.prefix}/context"
         heads = ops("Transpose", ops("Reshape", context, split), perm=[0, 2, 1, 3])  # [B,N,S,D_v]
         old = e.walk.value_mm.outputs[0]
@@ -202,7 +254,8 @@ def rewrite(model: ir.Model, edits: PlainAttentionEdits) -> PlainAttentionResult
         old.replace_all_uses_with(heads)
         ops.insert_after(e.walk.value_mm)
     RemoveUnusedNodesPass()(model)
-    function = ir.serde.deserialize_function(make_function(op_type, model_opset(model)))
+    relative = any(e.table is not None for e in edits.layers)
+    function = ir.serde.deserialize_function(make_function(op_type, model_opset(model), relative))
     model.functions[function.identifier()] = function
     model.opset_imports[DOMAIN] = VERSION
     common = {k: v for k, v in attention_op_spec(rc, 0, N).attrs.items() if k not in ("layer", "num_heads", "scale")}

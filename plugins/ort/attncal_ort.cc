@@ -19,6 +19,7 @@
 #include <mutex>
 #include <vector>
 
+#include "common/relative_position.h"
 #include "cpu/gemm.h"  // kGemmBackend
 #include "ort_common.h"
 
@@ -88,6 +89,16 @@ ATTNCAL_ORT_EXPORT uint64_t attncal_debug_packed_projection_count(void) {
 
 // The GEMM the CPU calibrated attention kernel was built with ("openblas", "eigen" or "builtin").
 ATTNCAL_ORT_EXPORT const char* attncal_gemm_backend(void) { return attncal::kGemmBackend; }
+
+// The relative position buckets the kernels use, for offsets first, first + 1, ..., first + count - 1 (the
+// tests compare them with torch's and the Python twin's); -1 when the bucket function has no value there.
+ATTNCAL_ORT_EXPORT int attncal_relative_buckets(int64_t buckets, int64_t max_distance, int64_t first, int64_t count,
+                                                int64_t* out) {
+  if (!attncal::relative_buckets_valid(buckets, max_distance)) return -1;
+  const float span = attncal::relative_log_span(buckets, max_distance);
+  for (int64_t i = 0; i < count; ++i) out[i] = attncal::relative_bucket(first + i, buckets, span);
+  return 0;
+}
 
 ATTNCAL_ORT_EXPORT int attncal_has_cuda(void) { return attncal_ort::cuda::kBuilt ? 1 : 0; }
 

@@ -78,6 +78,13 @@ Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vecto
                                  const std::vector<int64_t>& b, const std::vector<int64_t>& mask, const AttncalParams& p,
                                  attncal::AttentionShape* shape, int64_t* hidden_in);
 
+// The calibrated attention ops' optional relative position bias: `table` (the relative_bias input's shape,
+// or nullptr when the node has none) against the relative_max_distance attribute and the checked `shape`:
+// [num_buckets, N] with a valid bucket function (common/relative_position.h), self-attention, and the input
+// present exactly when the attribute is set.  `op` names the op in the message.
+Ort::Status CheckRelativeBias(const AttncalParams& p, const std::vector<int64_t>* table,
+                              const attncal::AttentionShape& shape, const char* op);
+
 // What every kernel checks before it computes, in this order: the node's attributes (the error
 // ReadAttributes recorded), then the shapes.  The message names the op (OpName, AttentionOpName).
 Ort::Status CheckCalibration(const Attributes& attrs, bool all_rows, bool softmax, const std::vector<int64_t>& input,

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/attncal_attribute_parser.h"  // attr_name, for messages
+#include "common/relative_position.h"
 #include "ort_common.h"
 
 namespace attncal_ort {
@@ -212,12 +213,43 @@ Ort::Status CheckAttentionShapes(const std::vector<int64_t>& q, const std::vecto
   return Ort::Status{nullptr};
 }
 
+Ort::Status CheckRelativeBias(const AttncalParams& p, const std::vector<int64_t>* table,
+                              const attncal::AttentionShape& shape, const char* op) {
+  auto bad = [op](const std::string& why) {
+    return Ort::Status((std::string("attncal ") + op + ": " + why).c_str(), ORT_INVALID_ARGUMENT);
+  };
+  const char* attr = attncal::attr_name(ATTNCAL_ATTR_ID_relative_max_distance);
+  const int64_t md = p.relative_max_distance;
+  if (table == nullptr) {
+    if (md == 0) return Ort::Status{nullptr};
+    return bad(std::string(attr) + "=" + std::to_string(md) + " needs the relative_bias input (the bias table)");
+  }
+  if (md == 0) return bad(std::string("the relative_bias input needs ") + attr + " > 0");
+  if (table->size() != 2 || (*table)[1] != shape.N) {
+    return bad("relative_bias must be [num_buckets, N] with N = num_heads = " + std::to_string(shape.N) + ", got " +
+               Dims(*table));
+  }
+  if (!attncal::relative_buckets_valid((*table)[0], md)) {
+    return bad("a relative position bias needs at least 4 buckets and " + std::string(attr) +
+               " above num_buckets / 4; got " + std::to_string((*table)[0]) + " buckets and " + std::to_string(md));
+  }
+  if (shape.S_q != shape.S_k) {
+    return bad("a relative position bias needs S_q == S_k (self-attention); got S_q=" + std::to_string(shape.S_q) +
+               ", S_k=" + std::to_string(shape.S_k));
+  }
+  return Ort::Status{nullptr};
+}
+
 Ort::Status CheckProjectedShapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                  const std::vector<int64_t>& b, const std::vector<int64_t>& mask, const AttncalParams& p,
                                  attncal::AttentionShape* shape, int64_t* hidden_in) {
   const auto dims = Dims;
   const int64_t num_heads = p.num_heads;
   auto bad = [](const std::string& why) { return Ort::Status(("attncal: " + why).c_str(), ORT_INVALID_ARGUMENT); };
+  if (p.relative_max_distance != 0) {
+    return bad(std::string(attncal::attr_name(ATTNCAL_ATTR_ID_relative_max_distance)) +
+               " must be 0: the projected attention ops take no relative position bias");
+  }
   if (p.num_kv_heads != 0 && p.num_kv_heads != p.num_heads) {
     return bad(std::string(attncal::attr_name(ATTNCAL_ATTR_ID_num_kv_heads)) + " must be 0 or num_heads: the packed " +
                "Q|K|V weight holds as many key/value heads as query heads; got " + std::to_string(p.num_kv_heads));

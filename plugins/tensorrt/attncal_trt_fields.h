@@ -100,8 +100,8 @@ inline std::vector<nvinfer1::PluginField> field_names(bool all_rows, bool attent
 // The fields a plugin serialises, pointing into p (a member of the plugin): every REQUIRED attribute
 // op takes, and every OPTIONAL one whose value is not its default, in the table's order, so that a
 // runtime plugin re-created from these fields computes what the built one did (the attention ops'
-// geometry: num_kv_heads, window_left, window_right).  layer is never kept: it is informational, and a
-// runtime plugin gets its default.
+// geometry: num_kv_heads, window_left, window_right, relative_max_distance).  layer is never kept: it is
+// informational, and a runtime plugin gets its default.
 inline std::vector<nvinfer1::PluginField> fields_of(AttncalParams& p, bool attention) {
   std::vector<nvinfer1::PluginField> v;
   const unsigned family = attncal::op_family(p.all_rows != 0, attention);

@@ -163,10 +163,11 @@ void test_baskets() {
 }
 
 // The attention workspace: the span records first, then the 16-byte-aligned queue counter, then a slot per
-// (item, head, query row).
+// (item, head, query row); with a relative position bias, then its float32 rows, 16-byte aligned, one per head
+// of 2 * S_q - 1 offsets (the layout without the bias unchanged by it).
 void test_workspace() {
   for (int64_t B : {0LL, 1LL, 3LL, 65535LL})
-    for (int64_t S_q : {0LL, 1LL, 512LL})
+    for (int64_t S_q : {0LL, 1LL, 7LL, 512LL})
       for (int64_t N : {1LL, 12LL}) {
         const attncal::AttentionWorkspace w = attncal::attention_workspace(B, S_q, N);
         const size_t spans = attncal::span_workspace_bytes(B);
@@ -176,6 +177,13 @@ void test_workspace() {
               "the queue counter", B, S_q, N);
         const size_t rows = static_cast<size_t>(B * S_q * N);
         check(w.bytes == w.queue_offset + sizeof(uint32_t) * (rows > 0 ? rows : 1), "the queue", B, S_q, N);
+        const attncal::AttentionWorkspace r = attncal::attention_workspace(B, S_q, N, true);
+        check(r.queue_count_offset == w.queue_count_offset && r.queue_offset == w.queue_offset,
+              "the relative bias leaves the queue in place", B, S_q, N);
+        const size_t offsets = static_cast<size_t>(S_q > 0 ? 2 * S_q - 1 : 0);
+        check(r.relative_offset >= w.bytes && r.relative_offset < w.bytes + 16 && r.relative_offset % 16 == 0 &&
+                  r.bytes == r.relative_offset + sizeof(float) * static_cast<size_t>(N) * offsets,
+              "the relative bias rows", B, S_q, N);
       }
 }
 

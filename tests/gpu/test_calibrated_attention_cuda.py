@@ -11,8 +11,9 @@ type by V on the tensor cores, as FlashAttention does: each weight moves by a re
 of the output's own rounding (half an ulp below 2: 4.9e-4 / 3.9e-3).  Hence 3e-3 (float16) and 2e-2
 (bfloat16).
 
-The geometry (grouped key/value heads, windows: attncal.graphs.contract.AttentionGeometry) is checked on random
-cases of both launchers against the same oracle, float32 and float16, with the same tolerances.
+The geometry (grouped key/value heads, windows, the relative position bias: attncal.graphs.contract.AttentionGeometry)
+is checked on random cases of both launchers against the same oracle, float32 and float16, with the same
+tolerances (plus, for a bias, the rounding of its addition to the float32 score).
 
 The check functions take `device` and `launch`, so that the harness itself can be dry-run on the CPU with a
 stand-in launcher.
@@ -32,7 +33,8 @@ from attncal.graphs.contract import AttentionGeometry
 from support.cases import random_config
 from support.cuda import attention_launch
 from support.masks import mixed_mask
-from support.oracle_loop import OracleLoop, attention_oracle_errors, kv_heads, random_geometry, run_oracle_loop
+from support.oracle_loop import (OracleLoop, attention_oracle_errors, kv_heads, random_geometry, random_relative_bias,
+                                 relative_table, run_oracle_loop)
 from support.tensors import plain_attention, random_qkv, score_rounding
 
 pytestmark = pytest.mark.gpu
@@ -341,8 +343,11 @@ GEOMETRY_DTYPES = ("float32", "float16")
 
 def check_geometry_cases(lib, n_cases: int, seed: int = 24, device: str = "cuda", launch=attention_launch) -> OracleLoop:
     """Random cases (`random_attention_case`) with a random geometry (`random_geometry`: key/value heads a divisor
-    of N, no window, causal, sliding or one-sided windows), float32 and float16: both launchers against the
-    oracle, every context row, with ATTN_TOL plus the float32 rounding of the scores (`attention_oracle_errors`)."""
+    of N, no window, causal, sliding or one-sided windows; about a third of them with a relative position bias,
+    `random_relative_bias`: 4 to 32 buckets, a max distance up to 40, a random table), float32 and float16: both
+    launchers against the oracle, every context row, with ATTN_TOL plus the float32 rounding of the scores
+    (`attention_oracle_errors`) and, with a bias, of its addition to them (one more rounding of a score,
+    2^-24·max|table| beyond what `score_rounding` counts, weighted as it weights the scores')."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     worst = dict.fromkeys(GEOMETRY_DTYPES, 0.0)
@@ -350,30 +355,39 @@ def check_geometry_cases(lib, n_cases: int, seed: int = 24, device: str = "cuda"
     def configure():
         case = random_attention_case(rng)
         N = rng.choice([1, 2, 3, 4, 6])
-        return case, N, random_geometry(rng, N)
+        geo = random_geometry(rng, N)
+        geo, buckets = random_relative_bias(rng, geo) if rng.random() < 0.35 else (geo, 0)
+        return case, N, geo, buckets
 
     def run(config, seen):
-        (rc, B, _, S_q, S_k, D, D_v, scale, exact, dead, mask), N, geo = config
-        if geo.windowed:
-            S_q = S_k  # a window needs self-attention
+        (rc, B, _, S_q, S_k, D, D_v, scale, exact, dead, mask), N, geo, buckets = config
+        if geo.windowed or geo.relative:
+            S_q = S_k  # a window and the relative position bias need self-attention
         name = rng.choice(GEOMETRY_DTYPES)
         q, k, v = random_qkv(gen, B, S_q, S_k, N, D, D_v, DTYPES[name], temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
                              exact=exact)
         k, v = kv_heads(k, N, geo), kv_heads(v, N, geo)
+        table = relative_table(gen, buckets, N, DTYPES[name]) if geo.relative else None
         dq, dk, dv, dm = (x.to(device) for x in (q, k, v, mask))
-        what = (f"{name} case ({rc}, {geo}, B={B}, N={N}, S_q={S_q}, S_k={S_k}, D={D}, D_v={D_v}, scale={scale}, "
-                f"dead={dead}, mask={mask.tolist()})")
+        dt = None if table is None else table.to(device)
+        what = (f"{name} case ({rc}, {geo}, buckets={buckets}, B={B}, N={N}, S_q={S_q}, S_k={S_k}, D={D}, D_v={D_v}, "
+                f"scale={scale}, dead={dead}, mask={mask.tolist()})")
+        # The bias table is on a grid of 1/8 (exact in either dtype); adding it rounds the float32 score once more.
+        bias_rounding = (0.0 if exact or table is None
+                         else 12 * 2.0 ** -24 * float(table.abs().max()) * float(v.abs().max()))
         outs = []
         for reference in TILED_PER_ROW:
             kernel = "per-row" if reference else "tiled"
             out = torch.full((B, S_q, N * D_v), float("nan"), dtype=q.dtype, device=device)
-            status = launch(lib, dq, dk, dv, dm, out, rc, N, scale, reference=reference, geometry=geo, check=False)
+            status = launch(lib, dq, dk, dv, dm, out, rc, N, scale, reference=reference, geometry=geo, check=False,
+                            relative_bias=dt)
             assert status == 0, f"{kernel} {what}: refused ({status}): {lib.attncal_cuda_last_error().decode()}"
             _sync(device)
             out = out.cpu().numpy()
             assert np.all(np.isfinite(out)), f"{kernel} {what}: non-finite output"
-            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, name == "float16", geo)
-            bound = ATTN_TOL[name] + rounding
+            err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, scale, exact, name == "float16", geo,
+                                                    table)
+            bound = ATTN_TOL[name] + rounding + bias_rounding
             if np.any(err > bound):
                 b = int(np.argmax(err - bound))
                 raise AssertionError(f"{kernel} {what}: item {b} err {err[b]:.3g} > {bound[b]:.3g}")
@@ -389,12 +403,17 @@ def check_geometry_cases(lib, n_cases: int, seed: int = 24, device: str = "cuda"
         seen["multi_tile"] += geo.windowed and S_k > 64
         seen["hd128"] += 64 < max(D, D_v) <= 128
         seen["per_row_head"] += max(D, D_v) > 128
+        seen["relative"] += geo.relative
+        seen["relative_multi_tile"] += geo.relative and S_k > 64  # offsets across tiles, the log buckets, the clamp
+        seen["relative_calibrated"] += geo.relative and rc.strength != 0
         return 1, outs[0]
 
     loop = run_oracle_loop(n_cases, configure, run, runs_per_config=1,
                            seen=(*GEOMETRY_DTYPES, "mean", "pooled", "gqa", "causal", "sliding", "one_sided",
-                                 "multi_tile", "hd128", "per_row_head"))
-    print(f"\ncalibrated attention with GQA and windows: {loop.cases} cases, max abs err (tiled) {worst}, {loop.seen}")
+                                 "multi_tile", "hd128", "per_row_head", "relative", "relative_multi_tile",
+                                 "relative_calibrated"))
+    print(f"\ncalibrated attention with GQA, windows and relative position bias: {loop.cases} cases, max abs err "
+          f"(tiled) {worst}, {loop.seen}")
     return loop
 
 
@@ -406,16 +425,24 @@ def test_geometry_matches_oracle_on_random_cases(launchers):
 
 def check_geometry_refusals(lib, device: str = "cuda", launch=attention_launch) -> list[str]:
     """An invalid geometry is refused with a one-line message naming it, before any launch: num_kv_heads not
-    dividing num_heads, a window with S_q != S_k."""
+    dividing num_heads, a window with S_q != S_k; a relative position bias table of too few buckets, one with
+    S_q != S_k, a table without relative_max_distance and relative_max_distance without a table."""
     rc = CalibrationConfig(pooling="cls", strength=0.5).resolve()
+    relative = AttentionGeometry(relative_max_distance=20)
     messages = []
-    for geo, S_q, expect in ((AttentionGeometry(num_kv_heads=3), 4, "num_kv_heads must divide num_heads=4"),
-                             (AttentionGeometry(window_right=0), 1, "needs S_q == S_k")):
+    for geo, S_q, buckets, expect in (
+            (AttentionGeometry(num_kv_heads=3), 4, 0, "num_kv_heads must divide num_heads=4"),
+            (AttentionGeometry(window_right=0), 1, 0, "needs S_q == S_k"),
+            (relative, 4, 2, "at least 4 buckets and relative_max_distance above num_buckets / 4; got 2 buckets"),
+            (relative, 1, 32, "a relative position bias needs S_q == S_k (self-attention); got S_q=1, S_k=4"),
+            (AttentionGeometry(), 4, 32, "the relative_bias input needs relative_max_distance > 0"),
+            (relative, 4, 0, "relative_max_distance=20 needs the relative_bias input")):
         q, k, v = torch.zeros(1, S_q, 4 * 8), torch.zeros(1, 4, 4 * 8), torch.zeros(1, 4, 4 * 8)
         m = torch.ones(1, 4, dtype=torch.long)
         out = torch.zeros(1, S_q, 4 * 8, device=device)
+        table = torch.zeros(buckets, 4, device=device) if buckets else None
         status = launch(lib, q.to(device), k.to(device), v.to(device), m.to(device), out, rc, 4, 0.0, geometry=geo,
-                        check=False)
+                        check=False, relative_bias=table)
         message = lib.attncal_cuda_last_error().decode()
         assert status == 1 and expect in message, (geo, status, message)  # ATTNCAL_ERR_INVALID_ARGUMENT
         messages.append(message)
@@ -423,4 +450,4 @@ def check_geometry_refusals(lib, device: str = "cuda", launch=attention_launch) 
 
 
 def test_invalid_geometry_is_refused(launchers):
-    assert len(check_geometry_refusals(launchers)) == 2
+    assert len(check_geometry_refusals(launchers)) == 6

@@ -3,8 +3,8 @@
 * the attncal library's CUDA kernels of the six ai.attncal ops (the calibration ops, separate and
   Softmax-fused, and the calibrated attention ops), float32 and float16, on one-node models without the
   function body and with the CPU fallback disabled, so that the session runs the CUDA kernel or is not
-  created; against the float64 oracle; the calibrated attention ops also with grouped key/value heads and
-  windows;
+  created; against the float64 oracle; the calibrated attention ops also with grouped key/value heads,
+  windows and a relative position bias (the fifth input, the bias table);
 * the `attncal export --fp16` exports of all-MiniLM-L6-v2 (benchmarks/fp16_exports.py): every graph against
   the fp32 PyTorch reference with `attncal check`'s fp16 tolerances (the Encoder's time is the GPU timing's,
   benchmarks/gpu_check.py).
@@ -22,12 +22,13 @@ import torch
 
 from attncal.calibration import CalibrationConfig, reference
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import (ATTENTION_OP_TYPES, OP_TYPES, attention_op_spec, is_all_rows, is_attention,
-                                     op_spec, takes_scores)
+from attncal.graphs.contract import (ATTENTION_OP_TYPES, OP_TYPES, RELATIVE_BIAS_INPUT, attention_op_spec, is_all_rows,
+                                     is_attention, op_spec, takes_scores)
 from attncal.graphs.single_op import single_op_model
 from support.cases import random_config
 from support.masks import mixed_mask
-from support.oracle_loop import attention_oracle_errors, random_attention_batch, random_geometry
+from support.oracle_loop import (attention_oracle_errors, random_attention_batch, random_geometry, random_relative_bias,
+                                 relative_table)
 from support.tensors import random_probs, random_qkv, random_scores, softmax_reference
 
 from .test_calibrated_attention_cuda import ATTN_TOL
@@ -93,27 +94,35 @@ def test_ort_cuda_kernel_matches_oracle(ort_cuda, ort_cuda_library, op_type, flo
 @pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("op_type", ATTENTION_OP_TYPES)
 def test_ort_cuda_attention_geometry_matches_oracle(ort_cuda, ort_cuda_library, op_type, float16):
-    """Eight random attribute sets and batches per op and dtype with a random geometry (`random_geometry`:
-    grouped key/value heads, causal, sliding and one-sided windows), on exact float32 scores (scale 1/8), so
-    the bound is the kernel's own: the CUDA op's shape checks accept K and V of N_kv heads and the kernel
-    reads them and applies the window."""
+    """Twelve random attribute sets and batches per op and dtype with a random geometry (`random_geometry`:
+    grouped key/value heads, causal, sliding and one-sided windows; every other one with a relative position
+    bias, `random_relative_bias`, its random table fed as the op's fifth input), on exact float32 scores
+    (scale 1/8, the table on a grid of 1/8), so the bound is the kernel's own: the CUDA op's shape checks
+    accept K and V of N_kv heads and the table, and the kernel reads them and applies the window and the bias."""
     rng, gen, name, dtype = draws(300 + 10 * ATTENTION_OP_TYPES.index(op_type) + float16, float16)
-    for _ in range(8):
+    relative_cases = 0
+    for i in range(12):
         pooling = "mean" if is_all_rows(op_type) else rng.choice(["cls", "last"])
         S = rng.choice([1, 2, 4, 8, 16, 64])
         rc = CalibrationConfig(**{**random_config(rng, S).to_dict(), "pooling": pooling}).resolve()
         N, D = rng.choice([2, 3, 4]), rng.choice([8, 16, 32, 64])
         geo = random_geometry(rng, N)
+        geo, buckets = random_relative_bias(rng, geo) if i % 2 else (geo, 0)
         B, K = rng.randint(2, 6), rng.randint(1, 160 if rc.all_rows else 300)  # as random_attention_case
         mask, _, _, q, k, v = random_attention_batch(rng, gen, rc, S, N, D, D, True, dtype, B, K, 0.2, geo)
+        table = relative_table(gen, buckets, N, dtype) if geo.relative else None
         spec = attention_op_spec(rc, 0, num_heads=N, scale=0.125, geometry=geo)
         assert spec.op_type == op_type
         feeds = {"query": q.numpy(), "key": k.numpy(), "value": v.numpy(), "attention_mask": mask.numpy()}
+        if table is not None:
+            feeds[RELATIVE_BIAS_INPUT] = table.numpy()
+            relative_cases += 1
         sess = cuda_session(ort_cuda, single_op_model(spec, float16=float16, with_function=False), ort_cuda_library)
         (out,) = sess.run(None, feeds)
         assert np.all(np.isfinite(out)), (spec, K)
-        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, 0.125, True, float16, geo)
-        assert np.all(err <= ATTN_TOL[name] + rounding), (err, spec, B, q.shape[1], K, mask.tolist())
+        err, rounding = attention_oracle_errors(out, q, k, v, mask, rc, N, 0.125, True, float16, geo, table)
+        assert np.all(err <= ATTN_TOL[name] + rounding), (err, spec, buckets, B, q.shape[1], K, mask.tolist())
+    assert relative_cases == 6
 
 
 def test_fp16_exports_on_the_cuda_provider(ort_cuda, ort_cuda_library, tmp_path):

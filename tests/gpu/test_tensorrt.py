@@ -1,7 +1,8 @@
 """The TensorRT plugin (libattncal_trt_plugin.so) in a real engine: each of the six ai.attncal ops as a
 one-node ONNX model (no function body, so that ONNX-TensorRT routes the node to the plugin's creator by op
 type), parsed, built for the shapes of one random batch, run on torch CUDA tensors, against the float64
-oracle; float32 and float16.  The plugin is built with CMake (attncal.runtime.oplib.build_library) against
+oracle; float32 and float16; the calibrated attention ops also with a relative position bias (its table a
+fifth engine input).  The plugin is built with CMake (attncal.runtime.oplib.build_library) against
 the installed TensorRT, whose headers come from TensorRT_ROOT, the system or $ATTNCAL_TENSORRT_HEADERS.
 The host tests without TensorRT's runtime are tests/test_native_trt.py."""
 
@@ -16,12 +17,13 @@ import torch
 
 from attncal.calibration import CalibrationConfig, reference
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import (ATTENTION_OP_TYPES, OP_TYPES, attention_op_spec, input_names, is_all_rows,
-                                     is_attention, op_spec, takes_scores)
+from attncal.graphs.contract import (ATTENTION_OP_TYPES, OP_TYPES, AttentionGeometry, attention_op_spec, input_names,
+                                     is_all_rows, is_attention, op_spec, takes_scores)
 from attncal.graphs.single_op import single_op_model
 from attncal.runtime import oplib
 from support import cuda
 from support.masks import mixed_mask
+from support.oracle_loop import relative_table
 from support.tensors import random_probs, random_qkv, random_scores, softmax_reference
 
 from .conftest import require_cuda_device
@@ -92,10 +94,14 @@ def run_engine(trt, logger, model, inputs: dict[str, torch.Tensor], float16: boo
 
 
 @pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("op_type", OP_TYPES + ATTENTION_OP_TYPES)
-def test_plugin_engine_matches_oracle(trt_plugin, op_type, float16):
+@pytest.mark.parametrize("op_type,relative", [(op, False) for op in OP_TYPES + ATTENTION_OP_TYPES]
+                         + [(op, True) for op in ATTENTION_OP_TYPES])
+def test_plugin_engine_matches_oracle(trt_plugin, op_type, relative, float16):
+    """Each op through an engine against the oracle; `relative`: the calibrated attention ops with a relative
+    position bias (relative_max_distance as a plugin field, the table T[num_buckets, N] as the plugin's fifth
+    input; 200 keys reach every bucket of 32 with max distance 40)."""
     trt, logger = trt_plugin
-    seed = 200 + 10 * (OP_TYPES + ATTENTION_OP_TYPES).index(op_type) + float16
+    seed = 200 + 10 * (OP_TYPES + ATTENTION_OP_TYPES).index(op_type) + float16 + 200 * relative
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     name = "float16" if float16 else "float32"
@@ -106,9 +112,12 @@ def test_plugin_engine_matches_oracle(trt_plugin, op_type, float16):
     mask = mixed_mask(rng, B, K, holes=0.2, min_len=1)
     if is_attention(op_type):
         N, D = 2, 32
-        spec = attention_op_spec(rc, 0, num_heads=N, scale=0.125)
+        geo = AttentionGeometry(relative_max_distance=40 if relative else 0)
+        spec = attention_op_spec(rc, 0, num_heads=N, scale=0.125, geometry=geo)
         q, k, v = random_qkv(gen, B, K, K, N, D, D, dtype, temp=1.0, exact=True)
-        tensors, ref, tol = (q, k, v, mask), attention_reference(q, k, v, mask, rc, N, 0.125), ATTN_TOL[name]
+        table = relative_table(gen, 32, N, dtype) if relative else None
+        ref = attention_reference(q, k, v, mask, rc, N, 0.125, **vars(geo), relative_bias=table)
+        tensors, tol = (q, k, v, mask) + ((table,) if relative else ()), ATTN_TOL[name]
     else:
         spec = op_spec(rc, 0, fused_softmax=takes_scores(op_type))
         if takes_scores(op_type):
@@ -119,9 +128,9 @@ def test_plugin_engine_matches_oracle(trt_plugin, op_type, float16):
             ref = reference(x.double(), mask, rc)
         tensors, tol = (x, mask), TOL[name]
     assert spec.op_type == op_type
-    inputs = {n: t.cuda() for n, t in zip(input_names(op_type), tensors)}
+    inputs = {n: t.cuda() for n, t in zip(input_names(op_type, relative), tensors)}
     out = run_engine(trt, logger, single_op_model(spec, float16=float16, with_function=False), inputs, float16)
     out = out.cpu().double()
     assert bool(torch.isfinite(out).all()), f"{op_type}: non-finite output"
     err = float((out - ref).abs().max())
-    assert err <= tol, f"{op_type} {name}: err {err:.3g} > {tol}"
+    assert err <= tol, f"{op_type} {name}{' relative bias' if relative else ''}: err {err:.3g} > {tol}"

@@ -31,8 +31,11 @@ DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def params_of(rc) -> ctypes.Structure:
-    """The launchers' AttncalParams for resolved calibration `rc`: its node's attributes (op_spec)."""
-    return attributes_def.make_params(rc.all_rows, op_spec(rc, 0).attrs)
+    """The launchers' AttncalParams for resolved calibration `rc`: its node's attributes (op_spec).  An instance
+    of `Params` itself, the class the launchers' argtypes name: make_params' class is built from the same table
+    but may be another class object (params_structure is cached on its arguments as passed), which ctypes
+    refuses for a POINTER(Params) argument; the bytes are the same."""
+    return Params.from_buffer_copy(attributes_def.make_params(rc.all_rows, op_spec(rc, 0).attrs))
 
 
 def dtype_name(dtype) -> str:
@@ -90,13 +93,14 @@ def load(path: str | os.PathLike) -> ctypes.CDLL:
     lib.attncal_cuda_workspace_bytes.argtypes = [i64]
     # The calibrated attention launchers (calibrated_attention_cuda.h).
     lib.attncal_cuda_calibrated_attention.restype = ctypes.c_int
+    # (dtype, q, k, v, mask, out, B, S_q, S_k, N, D, D_v, scale, relative_bias, num_buckets, params, ...)
     lib.attncal_cuda_calibrated_attention.argtypes = [ctypes.c_int] + [ptr] * 5 + [i64] * 6 + [
-        ctypes.c_float, ctypes.POINTER(Params), ptr, ptr]
+        ctypes.c_float, ptr, i64, ctypes.POINTER(Params), ptr, ptr]
     lib.attncal_cuda_calibrated_attention_reference.restype = ctypes.c_int
     lib.attncal_cuda_calibrated_attention_reference.argtypes = [ctypes.c_int] + [ptr] * 5 + [i64] * 6 + [
-        ctypes.c_float, ctypes.POINTER(Params), ptr]
+        ctypes.c_float, ptr, i64, ctypes.POINTER(Params), ptr]
     lib.attncal_cuda_attention_workspace_bytes.restype = ctypes.c_size_t
-    lib.attncal_cuda_attention_workspace_bytes.argtypes = [i64, i64, i64]
+    lib.attncal_cuda_attention_workspace_bytes.argtypes = [i64, i64, i64, i64]  # B, S_q, N, num_buckets
     return lib
 
 
@@ -118,24 +122,36 @@ def launch(lib, probs, out, mask, p, workspace=None, softmax: bool = False) -> N
     _check(lib, rc, "attncal_cuda_softmax_calibrate" if softmax else "attncal_cuda_calibrate")
 
 
+def attention_workspace_bytes(lib, B: int, S_q: int, num_heads: int, num_buckets: int = 0) -> int:
+    """attncal_cuda_attention_workspace_bytes: the launcher's workspace for B items of S_q query rows and
+    `num_heads` heads, with a relative position bias table of `num_buckets` rows (0 = none)."""
+    return lib.attncal_cuda_attention_workspace_bytes(B, S_q, num_heads, num_buckets)
+
+
 def attention_launch(lib, q, k, v, mask, out, rc, num_heads: int, scale: float, workspace=None,
-                     reference: bool = False, geometry: AttentionGeometry = FULL_ATTENTION, check: bool = True) -> int:
+                     reference: bool = False, geometry: AttentionGeometry = FULL_ATTENTION, check: bool = True,
+                     relative_bias=None) -> int:
     """attncal_cuda_calibrated_attention (or, with reference=True, the exact per-row launcher) for resolved
     calibration `rc` and `geometry`: q [B,S_q,N*D], k [B,S_k,N_kv*D], v [B,S_k,N_kv*D_v] (N_kv: the geometry's
-    key/value heads, N by default), mask int64 [B,S_k] -> out [B,S_q,N*D_v].  Returns the launcher's status;
-    with `check` a non-zero one raises with the library's message (without, a refusal can be examined)."""
+    key/value heads, N by default), mask int64 [B,S_k] -> out [B,S_q,N*D_v]; `relative_bias`: the relative
+    position bias table [num_buckets,N] of q's dtype, on the device, for a geometry with relative_max_distance
+    (None: no table, num_buckets 0).  Returns the launcher's status; with `check` a non-zero one raises with the
+    library's message (without, a refusal can be examined)."""
     import torch
 
     B, S_q, hidden = q.shape
     S_k = k.shape[1]
     stream = torch.cuda.current_stream().cuda_stream
     p = params_of(rc)
-    for name, value in geometry.attrs().items():
+    # Every geometry field, defaults included: params_of leaves the fields of attributes the calibration op does
+    # not take at 0, and a window bound of 0 is a window (the default is -1).
+    for name, value in vars(geometry).items():
         setattr(p, name, value)
     n_kv = geometry.num_kv_heads or num_heads
+    table, buckets = (None, 0) if relative_bias is None else (relative_bias.data_ptr(), relative_bias.shape[0])
     args = (DTYPE_CODE[dtype_name(q.dtype)], q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(),
-            out.data_ptr(), B, S_q, S_k, num_heads, hidden // num_heads, v.shape[2] // n_kv, float(scale),
-            ctypes.byref(p))
+            out.data_ptr(), B, S_q, S_k, num_heads, hidden // num_heads, v.shape[2] // n_kv, float(scale), table,
+            buckets, ctypes.byref(p))
     if reference:
         name = "attncal_cuda_calibrated_attention_reference"
         status = lib.attncal_cuda_calibrated_attention_reference(*args, stream)

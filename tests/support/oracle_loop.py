@@ -12,6 +12,7 @@ batches and errors (`random_attention_batch`, `attention_oracle_errors`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
 
@@ -91,6 +92,20 @@ def random_geometry(rng, N: int) -> AttentionGeometry:
     return AttentionGeometry(0 if n_kv == N and rng.random() < 0.5 else n_kv, left, right)
 
 
+def random_relative_bias(rng, geometry: AttentionGeometry) -> tuple[AttentionGeometry, int]:
+    """(geometry with a relative position bias, its number of buckets): 4 to 32 buckets, a max distance from just
+    past the exact buckets to 40 (the loops' rows hold up to 32 keys, now and then about 300: the exact, the
+    logarithmic and the clamped last buckets are all reached)."""
+    buckets = rng.choice([4, 5, 8, 32])
+    return dataclasses.replace(geometry, relative_max_distance=rng.randint(buckets // 4 + 1, 40)), buckets
+
+
+def relative_table(gen: torch.Generator, buckets: int, N: int, dtype) -> torch.Tensor:
+    """A random bias table [buckets, N]: values of either sign up to 2 on a grid of 1/8, so that a score stays
+    exact where `random_qkv` makes it exact."""
+    return (torch.randint(-16, 17, (buckets, N), generator=gen) / 8).to(dtype)
+
+
 def kv_heads(x: torch.Tensor, N: int, geometry: AttentionGeometry) -> torch.Tensor:
     """[B,S,N*d] -> [B,S,N_kv*d]: the first N_kv heads, as a GQA op's key or value."""
     n_kv = geometry.num_kv_heads or N
@@ -101,11 +116,12 @@ def kv_heads(x: torch.Tensor, N: int, geometry: AttentionGeometry) -> torch.Tens
 def random_attention_batch(rng, gen: torch.Generator, rc, S: int, N: int, D: int, D_v: int, exact: bool, dtype,
                            B: int, K: int, holes: float, geometry: AttentionGeometry = FULL_ATTENTION):
     """(mask, q1, dead, q, k, v): one batch of a calibrated attention op's random comparison: `mixed_mask` with
-    `holes`; for the pooled op without a window sometimes a single query row (q1: the pooling token's);
-    sometimes two baskets of keys whose scores are far below the others' (`dead`: empty baskets); Q, K, V from
-    `random_qkv`, K and V with the geometry's key/value heads (`kv_heads`)."""
+    `holes`; for the pooled op without a window or a relative position bias (both need S_q == S_k) sometimes a
+    single query row (q1: the pooling token's); sometimes two baskets of keys whose scores are far below the
+    others' (`dead`: empty baskets); Q, K, V from `random_qkv`, K and V with the geometry's key/value heads
+    (`kv_heads`)."""
     mask = mixed_mask(rng, B, K, holes=holes)
-    q1 = not rc.all_rows and not geometry.windowed and rng.random() < 0.3
+    q1 = not rc.all_rows and not geometry.windowed and not geometry.relative and rng.random() < 0.3
     lo = rng.randrange(K)
     dead = (lo, lo + 2 * S) if rng.random() < 0.25 and D >= 2 else None
     q, k, v = random_qkv(gen, B, 1 if q1 else K, K, N, D, D_v, dtype, temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
@@ -114,12 +130,12 @@ def random_attention_batch(rng, gen: torch.Generator, rc, S: int, N: int, D: int
 
 
 def attention_oracle_errors(out, q, k, v, mask, rc, N: int, scale: float, exact: bool, float16: bool,
-                            geometry: AttentionGeometry = FULL_ATTENTION):
+                            geometry: AttentionGeometry = FULL_ATTENTION, table: torch.Tensor | None = None):
     """(err, rounding), each [B] (numpy): an ONNX Runtime output's largest error per item against the float64
     oracle, and the float32 rounding of the scores the bound adds (12·δ·max|v|, `score_rounding` over every
-    valid key, windows ignored: an upper bound; 0 where the scores are exact).  Asserts the output's shape and
-    dtype."""
-    ref = attention_reference(q, k, v, mask, rc, N, scale, **vars(geometry)).numpy()
+    valid key, windows ignored: an upper bound; 0 where the scores are exact).  `table`: the relative position
+    bias of a geometry that has one.  Asserts the output's shape and dtype."""
+    ref = attention_reference(q, k, v, mask, rc, N, scale, **vars(geometry), relative_bias=table).numpy()
     assert out.shape == ref.shape and out.dtype == (np.float16 if float16 else np.float32)
     err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2))
     B = mask.shape[0]

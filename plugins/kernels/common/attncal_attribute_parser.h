@@ -196,6 +196,12 @@ class AttributeParser {
                  std::to_string(params_.window_left) + " and " + std::to_string(params_.window_right);
         return false;
       }
+      if (params_.relative_max_distance < 0) {
+        error_ = std::string(attr_name(ATTNCAL_ATTR_ID_relative_max_distance)) +
+                 " must be >= 1, or 0 for no relative position bias; got " +
+                 std::to_string(params_.relative_max_distance);
+        return false;
+      }
     }
     *out = params_;
     return true;

@@ -4,7 +4,9 @@
 //
 // Per work unit (batch item b, head h, a block of R query rows):
 //   1. scores[R,S_k] = scale * Q_blk * K_h^T          one GEMM (cpu/gemm.h) into per-thread scratch
-//   2. + the mask bias (float32's lowest finite value at masked keys, added as the contract says)
+//   2. + the relative position bias where the op has one (per head, a row indexed by k - q, built once per
+//      call from the table: no [N,S_q,S_k] tensor), + the mask bias (float32's lowest finite value at masked
+//      keys), added as the contract says
 //   3. per row: softmax, and for the rows the calibration selects, the calibration, in place while
 //      the row is in cache: the Softmax-fused op's own routines (cpu/row_calibration.h), so the
 //      arithmetic, the fully-masked and non-finite rules are the ones that op already proves
@@ -34,6 +36,7 @@
 #include <vector>
 
 #include "common/attention_shape.h"
+#include "common/relative_position.h"
 #include "common/span_geometry.h"
 #include "cpu/batch_plan.h"
 #include "cpu/gemm.h"
@@ -83,9 +86,13 @@ class AttentionPlan {
   // Masked scores are float32's lowest value plus a score far smaller than it: at or below half of it.
   static constexpr float kMaskedFloor = std::numeric_limits<float>::lowest() / 2;
 
-  AttentionPlan(const int64_t* mask, const AttentionShape& shape, const AttncalParams& p) : sh_(shape) {
+  // `rel`: the relative position bias (needs S_q == S_k; the ORT op checks it), or none.
+  AttentionPlan(const int64_t* mask, const AttentionShape& shape, const AttncalParams& p,
+                const RelativeBias& rel = RelativeBias{})
+      : sh_(shape) {
     const int64_t B = sh_.B, Q = sh_.S_q, K = sh_.S_k;
     if (B * Q * K * sh_.N == 0) return;
+    if (rel.enabled()) plan_relative(rel);
     plan_items(mask, B, Q, K, p, &items_, &keep_, &keep_of_);
     // The additive mask bias, one row per item: 0 at valid keys, float32's lowest at masked ones.
     bias_.assign(static_cast<size_t>(B * K), 0.f);
@@ -190,6 +197,7 @@ class AttentionPlan {
     }
     const float lowest = std::numeric_limits<float>::lowest();
     gemm_nt(R, k_hi - k_lo, D, sh_.scale, qf, lq, kf + k_lo * lk, lk, s + k_lo, K);
+    const float* rel = relative_row(u.h, r0);  // at key k_lo of row r0; row r0 + r starts r entries earlier
     const float* bias = bias_.data() + u.b * K;
     const int64_t c0 = it.active ? std::max(r0, it.q_lo) : r1;
     const int64_t c1 = it.active ? std::min(r1, it.q_hi + 1) : r1;
@@ -200,6 +208,7 @@ class AttentionPlan {
       float* row = s + r * K;
       std::fill(row, row + k_lo, lowest);
       std::fill(row + k_hi, row + K, lowest);
+      if (rel != nullptr) add_row(row + k_lo, rel + k_lo - r, k_hi - k_lo);
       if (add_bias) add_row(row + k_lo, bias + k_lo, k_hi - k_lo);
       const int64_t q = r0 + r;
       if (sh_.windowed()) mask_window(row + k_lo, q, k_lo, k_hi - k_lo, bias + k_lo);
@@ -226,7 +235,8 @@ class AttentionPlan {
   // Whether the scores of keys outside [k_lo, k_hi) would all be exactly float32's lowest value, and their
   // values finite (so that probability 0 times V adds exactly 0): K and V rows there finite, the block's
   // queries finite, and |scale| * D * max|q| * max|k| at most 1e30, far below half a unit in the last place of
-  // the lowest value (about 1.01e31), so that score + lowest rounds to lowest.
+  // the lowest value (about 1.01e31), so that score + lowest rounds to lowest (a relative position bias adds
+  // its largest |value| to the bound).
   bool outside_is_lowest(const float* q, int64_t lq, int64_t R, const float* k, int64_t lk, const float* v, int64_t lv,
                          int64_t k_lo, int64_t k_hi) const {
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v;
@@ -236,7 +246,7 @@ class AttentionPlan {
         !finite_abs_max(v + k_hi * lv, K - k_hi, Dv, lv, nullptr))
       return false;
     const double bound = std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * std::max(ka, kb);
-    return bound <= 1e30;
+    return bound + rel_max_ <= 1e30;
   }
 
   static bool all_zero(const float* x, int64_t n) {
@@ -299,8 +309,10 @@ class AttentionPlan {
         continue;
       }
       gemm_nt(R, n, D, sh_.scale, q, ldq, k + k0 * ldk, ldk, s, n);
+      const float* rel = relative_row(u.h, r0);
       for (int64_t r = 0; r < R; ++r) {
         float* row = s + r * n;
+        if (rel != nullptr) add_row(row, rel + k0 - r, n);
         if (add_bias) add_row(row, bias + k0, n);
         if (sh_.windowed()) mask_window(row, r0 + r, k0, n, bias + k0);
         const float mt = row_max(row, n);
@@ -324,7 +336,8 @@ class AttentionPlan {
       if (skipped_k >= 0.f) {
         float qmax = 0.f;
         const bool finite_q = finite_abs_max(q + r * ldq, 1, D, ldq, &qmax);
-        const double bound = 2.0 * std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * skipped_k;
+        const double bound =
+            2.0 * std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * skipped_k + rel_max_;
         const double lowest = std::numeric_limits<float>::lowest();
         // Against the first real maximum: what came before it, the unskipped pass rescaled away (by
         // exp(m_old - m0) = 0) when it arrived.
@@ -367,6 +380,33 @@ class AttentionPlan {
         if (bias[k - k0] == 0.f) row[k - k0] += lowest;
   }
 
+  // The relative position bias of every head at every offset: rel_[h * (2K - 1) + (k - q + K - 1)], built once
+  // per call (O(N * S_k)) so that a score row adds a contiguous run of it; rel_max_ its largest |value|
+  // (infinity when the table is not finite: then no key is skipped, and a NaN reaches its rows as the contract
+  // says).
+  void plan_relative(const RelativeBias& rel) {
+    const int64_t K = sh_.S_k, width = 2 * K - 1, N = sh_.N;
+    const float span = relative_log_span(rel.buckets, rel.max_distance);
+    rel_.assign(static_cast<size_t>(N * width), 0.f);
+    for (int64_t i = 0; i < rel.buckets * N; ++i) {
+      const float a = std::fabs(rel.table[i]);
+      rel_max_ = a <= std::numeric_limits<float>::max() ? std::max(rel_max_, static_cast<double>(a))
+                                                          : std::numeric_limits<double>::infinity();
+    }
+    for (int64_t d = 0; d < width; ++d) {
+      const float* bucket = rel.table + relative_bucket(d - (K - 1), rel.buckets, span) * N;
+      for (int64_t h = 0; h < N; ++h) rel_[h * width + d] = bucket[h];
+    }
+  }
+
+  // Head h's bias for query row q, indexed by key: entry k is the bias at (q, k); row q + r is this pointer
+  // minus r.  nullptr without a relative position bias.
+  const float* relative_row(int64_t h, int64_t q) const {
+    if (rel_.empty()) return nullptr;
+    const int64_t K = sh_.S_k;
+    return rel_.data() + h * (2 * K - 1) + (K - 1) - q;
+  }
+
   ATTNCAL_CLONES static void scale_row(float* x, int64_t n, float a) {
     for (int64_t k = 0; k < n; ++k) x[k] *= a;
   }
@@ -382,6 +422,8 @@ class AttentionPlan {
   std::vector<ItemPlan> items_;
   std::vector<const float*> keep_of_;
   std::vector<float> keep_, bias_;
+  std::vector<float> rel_;  // the relative position bias per head and offset (plan_relative), or empty
+  double rel_max_ = 0.0;
   std::vector<char> masked_;  // per item: 1 when some key is masked
   std::vector<int64_t> valid_;  // per item: [first valid key, last valid key + 1)
   std::vector<AttentionUnit> units_;
@@ -390,9 +432,9 @@ class AttentionPlan {
 // The whole op, serially (the ORT kernel runs the same units on the intra-op pool).
 template <typename T>
 void calibrated_attention(const T* query, const T* key, const T* value, const int64_t* mask, T* context,
-                          const AttentionShape& shape, const AttncalParams& p) {
+                          const AttentionShape& shape, const AttncalParams& p, const RelativeBias& rel = RelativeBias{}) {
   gemm_init();
-  const AttentionPlan plan(mask, shape, p);
+  const AttentionPlan plan(mask, shape, p, rel);
   for (size_t i = 0; i < plan.size(); ++i) plan.run(i, query, key, value, context, p);
 }
 

@@ -31,6 +31,8 @@ struct Args {
   const int* spans;       // the span records (common/span_geometry.h); NULL when strength == 0
   uint32_t* queue_count;  // rows queued for the per-row kernel
   uint32_t* queue;        // (b*N + h)*S_q + row
+  const float* rel;       // the relative position bias per head and key-minus-query offset, [N, 2*S_k-1]
+                          // (the launcher's, from the model's table; S_q == S_k), or NULL without one
   int64_t B, S_q, S_k, N, D, D_v;
   int64_t N_kv;  // key/value heads, resolved (divides N): K is [B,S_k,N_kv*D], V [B,S_k,N_kv*D_v]
   float scale;  // resolved (never 0 unless D == 0)
@@ -46,6 +48,19 @@ __device__ __forceinline__ int64_t kv_head(const Args& a, int64_t h) { return h 
 // mask bias, kLowest, as a padding key does (once: a padding key already holds it).
 __device__ __forceinline__ bool in_window(const Args& a, int64_t q, int64_t k) {
   return (a.p.window_left < 0 || k >= q - a.p.window_left) && (a.p.window_right < 0 || k <= q + a.p.window_right);
+}
+
+// Head h's relative position bias for query row q (q < S_q == S_k), indexed by key: entry k is the bias at
+// (q, k), rel[h*(2*S_k-1) + k - q + S_k - 1].  NULL without a bias.
+__device__ __forceinline__ const float* relative_row(const Args& a, int64_t h, int64_t q) {
+  return a.rel == nullptr ? nullptr : a.rel + h * (2 * a.S_k - 1) + (a.S_k - 1) - q;
+}
+
+// Score s (scale*q.k, rounded) plus the relative position bias at key k of row `rel_row` (relative_row),
+// before the mask bias, as the contract orders them.  __fadd_rn is never contracted with the score's
+// product into an FMA, so the sum is rounded as the CPU kernel's: (scale*q.k) + bias, each step in float32.
+__device__ __forceinline__ float add_relative(float s, const float* rel_row, int64_t k) {
+  return rel_row == nullptr ? s : __fadd_rn(s, __ldg(rel_row + k));
 }
 
 // Item b's plan (common/span_geometry.h): which query rows are calibrated, its span and baskets.
@@ -117,6 +132,8 @@ struct TiledBlock {
   const T* kg;        // key 0 of head h of item b
   const T* vg;
   const int64_t* mg;  // item b's mask row
+  const float* rel[2];  // head h's relative position bias of this thread's two rows (relative_row); NULL
+                        // without a bias, and for a row past S_q (computed and dropped)
   int64_t q0;         // the block's first query row
   bool calib;         // a calibration block
   ItemPlan it;

@@ -4,8 +4,8 @@
 //   out = (1-lambda)*O/l + (coef/t)*acc + w_first*v[start] + w_last*v[end]
 // coef, w_first, w_last from common/row_scalars.h (the scalars every implementation shares) with the
 // non-empty basket count and z_first/z_last = exp(s - LSE) at the first/last valid key; the isolated
-// keys' scores are recomputed by one dot product per row, with the window's bias where the row does
-// not see the key (needed only for `original` shares), their
+// keys' scores are recomputed by one dot product per row, with the relative position bias and the
+// window's bias where the row does not see the key (needed only for `original` shares), their
 // values read from global memory.  A calibration block's rows that the tiled pass cannot decide
 // exactly in float32 are queued for the per-row kernel (cuda/attention_rows.cuh), which overwrites
 // them.  A block of the other launch skips the rows the calibration launch writes (skip).
@@ -65,7 +65,8 @@ __device__ __forceinline__ void write_context(const TiledBlock<T>& blk, const Ar
           const T* kr = blk.kg + key * N_kv * D;
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot = fmaf(to_f(Qrow[i][d]), to_f(kr[d]), dot);
-          const float sc = dot * a.scale, z = expf((in_window(a, r, key) ? sc : sc + kLowest) - st.m_r[i]) / st.l_r[i];
+          const float sc = add_relative(dot * a.scale, blk.rel[i], key);
+          const float z = expf((in_window(a, r, key) ? sc : sc + kLowest) - st.m_r[i]) / st.l_r[i];
           (w == 0 ? z_first : z_last) = z;
         }
         const double t = it.rp.t;

@@ -46,8 +46,8 @@ __device__ __forceinline__ void load_rows(T* dst, const T* __restrict__ src, int
 }
 
 // Runs the block over every key: loads the Q block and its fragments, sets up st, then per tile the scores
-// S = scale * Q K^T with the mask, the online softmax of the open segment and its P*V, and at a
-// calibration block's segment ends the merge.  Returns with st holding the block's rows.
+// S = scale * Q K^T with the relative position bias and the mask, the online softmax of the open segment
+// and its P*V, and at a calibration block's segment ends the merge.  Returns with st holding the block's rows.
 template <typename T, int HD, int NW, int STAGES>
 __device__ __forceinline__ void run_tiles(const TiledBlock<T>& blk, const Args& a, RowState<HD>& st) {
   using R = TileRegions<T, HD, NW, STAGES>;
@@ -164,8 +164,8 @@ __device__ __forceinline__ void run_tiles(const TiledBlock<T>& blk, const Args& 
       }
     }
 
-    // ---- scale, mask, tile row max.  A key outside the row's window is masked as a padding key is
-    // (in_window); every tile is computed: none is skipped for the window.
+    // ---- scale, relative position bias, mask, tile row max.  A key outside the row's window is masked
+    // as a padding key is (in_window); every tile is computed: none is skipped for the window.
     float mt[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -175,12 +175,15 @@ __device__ __forceinline__ void run_tiles(const TiledBlock<T>& blk, const Args& 
         float s = Sc[j][e] * a.scale;
         if (c >= cur.len) {
           s = -INFINITY;  // not a key of this tile
-        } else if (!Mt[c] || (windowed && !in_window(a, blk.q0 + blk.rloc[e >> 1], cur.pos + c))) {
-          const float sb = s + kLowest;  // the contract's additive mask
-          // Calibration blocks exclude masked keys (padding or window) from their statistics, keeping
-          // NaN/+inf as NaN: their float32 probability is 0 in a row with a valid score above the lowest
-          // value, and a row without one is queued for the per-row kernel (the epilogue's check).
-          s = calib ? ((sb == sb && sb != INFINITY) ? -INFINITY : nan_f()) : sb;
+        } else {
+          s = add_relative(s, blk.rel[e >> 1], cur.pos + c);
+          if (!Mt[c] || (windowed && !in_window(a, blk.q0 + blk.rloc[e >> 1], cur.pos + c))) {
+            const float sb = s + kLowest;  // the contract's additive mask
+            // Calibration blocks exclude masked keys (padding or window) from their statistics, keeping
+            // NaN/+inf as NaN: their float32 probability is 0 in a row with a valid score above the lowest
+            // value, and a row without one is queued for the per-row kernel (the epilogue's check).
+            s = calib ? ((sb == sb && sb != INFINITY) ? -INFINITY : nan_f()) : sb;
+          }
         }
         Sc[j][e] = s;
         mt[e >> 1] = fmaxf(mt[e >> 1], s);

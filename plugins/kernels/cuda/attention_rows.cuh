@@ -63,11 +63,12 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
     const T* vg = static_cast<const T*>(a.v) + (b * S_k * N_kv + kv_head(a, h)) * Dv;
     const int64_t* mg = a.mask + b * S_k;
     const T* qg = static_cast<const T*>(a.q) + ((b * S_q + r) * N + h) * D;
+    const float* rel = relative_row(a, h, r);
     __syncthreads();  // the previous row's readers of shared memory are done
     if (q_kept)
       for (int64_t d = tid; d < D; d += kRowThreads) qs[d] = to_f(qg[d]);
     __syncthreads();
-    auto score = [&](int64_t j) {  // the contract's score: scale*q.k + the additive mask (padding or window)
+    auto score = [&](int64_t j) {  // the contract's score: scale*q.k + relative bias + the mask (padding or window)
       const T* kr = kg + j * N_kv * D;
       float dot = 0.f;
       if (q_kept) {
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
       } else {
         for (int64_t d = 0; d < D; ++d) dot = fmaf(to_f(qg[d]), to_f(kr[d]), dot);
       }
-      const float s = dot * a.scale;
+      const float s = add_relative(dot * a.scale, rel, j);
       return mg[j] != 0 && in_window(a, r, j) ? s : s + kLowest;
     };
 

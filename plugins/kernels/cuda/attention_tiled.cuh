@@ -2,8 +2,11 @@
 // ai.attncal::AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention"; the
 // float64 spec is attncal.calibration.oracle.attention_reference; the arithmetic is
 // ../shared/notes/one-pass-attention.md).  Semantics: per item b and head h, in float32,
-//   scores = scale*q*k^T + (0 at valid keys, float32's lowest finite value at masked keys and at keys
-//            outside the row's window, added once)   (k, v: key/value head h / (N / N_kv))
+//   scores = scale*q*k^T + rel_bias + (0 at valid keys, float32's lowest finite value at masked keys and
+//            at keys outside the row's window, added once)   (k, v: key/value head h / (N / N_kv))
+//   rel_bias[q,k] = the model's relative position bias of head h at offset k - q (0 without one): the
+//            launcher builds it per head and offset (Args::rel, O(N*S_k) floats, never [S_q,S_k]), and
+//            each score adds one entry of it, in float32, before the mask bias
 //   probs  = Softmax-fused calibration op of the scores (same attributes, same calibrated rows)
 //   context = probs * v
 // Flash attention with the calibration folded in, in three pieces: the main loop over K/V tiles
@@ -63,8 +66,9 @@
 //   baskets (not counted in the non-empty count), NaN: a NaN or +inf score anywhere in a row,
 //   masked keys included, makes the row NaN; a NaN or an infinity in V makes every row of that
 //   item and head non-finite (0 * NaN in the product).  Not matched: masked-key scores only round
-//   to the lowest value while |scale*q.k| < ~1e31 (true of any float16 input); beyond that the
-//   contract's float32 sum and this kernel may differ.
+//   to the lowest value while |scale*q.k + rel_bias| < ~1e31 (true of any float16 input and table);
+//   beyond that the contract's float32 sum and this kernel may differ.  No tile is skipped, so no bound
+//   of the scores (and none of the bias) is assumed anywhere else.
 // * Basket emptiness follows the float32 op (the Softmax-fused op, the ORT CPU kernel): a basket
 //   whose float32 probabilities all underflow (max score ~104 below the LSE) is empty.  The
 //   float64 oracle only empties baskets ~745 below; between the two the results differ (as
@@ -132,6 +136,7 @@ __global__ void __launch_bounds__(NW * 32) attention_kernel(Args a, TiledLaunch 
   blk.kg = static_cast<const T*>(a.k) + (b * a.S_k * a.N_kv + kv_head(a, h)) * a.D;
   blk.vg = static_cast<const T*>(a.v) + (b * a.S_k * a.N_kv + kv_head(a, h)) * a.D_v;
   blk.mg = a.mask + b * a.S_k;
+  for (int i = 0; i < 2; ++i) blk.rel[i] = q0 + blk.rloc[i] < a.S_q ? relative_row(a, h, q0 + blk.rloc[i]) : nullptr;
   blk.q0 = q0;
   blk.calib = l.calibration != 0;
   blk.it = it;

@@ -3,7 +3,9 @@
 //
 // One call, on one stream:
 //  1. span_kernel (cuda_common.cuh): the items' span records, and the queue counter zeroed (not when
-//     strength == 0: no row is calibrated then).
+//     strength == 0: no row is calibrated then); with a relative position bias, relative_kernel: the
+//     bias of every head at every key-minus-query offset, [N, 2*S_k-1] float32 in the workspace, which
+//     the attention kernels add to each score (Args::rel), so no [S_q,S_k] bias exists;
 //  2. the tiled kernel over the blocks without a calibrated row, with the largest configuration whose
 //     base footprint fits the device (cuda/launch_config.h: choose_tiled);
 //  3. the tiled kernel over the calibration blocks, with the largest configuration whose calibration
@@ -27,6 +29,7 @@
 #include <cstdio>
 #include <type_traits>
 
+#include "common/relative_position.h"
 #include "common/span_geometry.h"
 #include "cuda/attention_common.cuh"
 #include "cuda/attention_rows.cuh"
@@ -45,6 +48,34 @@ template <typename T>
 constexpr int dtype_of() {
   if (std::is_same<T, float>::value) return ATTNCAL_DTYPE_FLOAT32;
   return std::is_same<T, __half>::value ? ATTNCAL_DTYPE_FLOAT16 : ATTNCAL_DTYPE_BFLOAT16;
+}
+
+// The relative position bias per head and key-minus-query offset (Args::rel): rel[h*(2*S_k-1) + d] is
+// table[bucket(d - (S_k-1)), h] in float32.  One thread per offset computes its bucket once (the host's
+// function, common/relative_position.h, whose float32 steps give the CPU kernel's buckets) and writes
+// that bucket's bias for every head (consecutive threads, consecutive offsets of one head).
+template <typename T>
+__global__ void relative_kernel(const T* __restrict__ table, int64_t buckets, float log_span, int64_t N,
+                                int64_t S_k, float* __restrict__ rel) {
+  const int64_t width = 2 * S_k - 1;
+  for (int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; d < width;
+       d += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const T* row = table + attncal::relative_bucket(d - (S_k - 1), buckets, log_span) * N;
+    for (int64_t h = 0; h < N; ++h) rel[h * width + d] = attncal::to_f(row[h]);
+  }
+}
+
+template <typename T>
+int launch_relative(const void* table, int64_t buckets, int64_t max_distance, int64_t N, int64_t S_k, float* rel,
+                    cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int64_t width = 2 * S_k - 1;
+  const int64_t blocks = attncal::imin((width + kThreads - 1) / kThreads, 4096);
+  relative_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const T*>(table), buckets, attncal::relative_log_span(buckets, max_distance), N, S_k, rel);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(ATTNCAL_ERR_CUDA, "calibrated attention relative bias kernel launch", e);
+  return ATTNCAL_OK;
 }
 
 // The per-row kernel over the queued rows (queue != NULL), the calibrated rows (calibrated_only) or
@@ -144,7 +175,7 @@ int run_typed(const Args& a, bool reference_only, cudaStream_t stream) {
 }
 
 int check(int dtype, const AttncalParams* params, int64_t B, int64_t S_q, int64_t S_k, int64_t N, int64_t D,
-          int64_t D_v) {
+          int64_t D_v, int64_t num_buckets) {
   attncal_cuda_set_error("");
   if (params == nullptr) return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "params is NULL");
   char msg[200];
@@ -183,6 +214,35 @@ int check(int dtype, const AttncalParams* params, int64_t B, int64_t S_q, int64_
              n[ATTNCAL_ATTR_ID_window_left], n[ATTNCAL_ATTR_ID_window_right], (long long)S_q, (long long)S_k);
     return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
   }
+  // The relative position bias: present exactly when relative_max_distance is set, a bucket function with
+  // a value at every offset, self-attention (the ORT shape check's rules and messages, CheckRelativeBias).
+  const int64_t md = params->relative_max_distance;
+  if (md < 0) {
+    snprintf(msg, sizeof msg, "%s must be >= 1, or 0 for no relative position bias; got %lld",
+             n[ATTNCAL_ATTR_ID_relative_max_distance], (long long)md);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
+  if (num_buckets == 0 && md > 0) {
+    snprintf(msg, sizeof msg, "%s=%lld needs the relative_bias input (the bias table)",
+             n[ATTNCAL_ATTR_ID_relative_max_distance], (long long)md);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
+  if (num_buckets != 0 && md == 0) {
+    snprintf(msg, sizeof msg, "the relative_bias input needs %s > 0", n[ATTNCAL_ATTR_ID_relative_max_distance]);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
+  if (num_buckets != 0 && !attncal::relative_buckets_valid(num_buckets, md)) {
+    snprintf(msg, sizeof msg,
+             "a relative position bias needs at least 4 buckets and %s above num_buckets / 4; got %lld buckets and "
+             "%lld",
+             n[ATTNCAL_ATTR_ID_relative_max_distance], (long long)num_buckets, (long long)md);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
+  if (num_buckets != 0 && S_q != S_k) {
+    snprintf(msg, sizeof msg, "a relative position bias needs S_q == S_k (self-attention); got S_q=%lld, S_k=%lld",
+             (long long)S_q, (long long)S_k);
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
+  }
   if (B > 65535 || N > 65535 || S_q > 0x7fffffff || S_k > 0x7fffffff || B * N * S_q >= (int64_t(1) << 32))
     return fail(ATTNCAL_ERR_UNSUPPORTED, "calibrated attention: B and N must be <= 65535, S_q and S_k < 2^31, "
                                          "B*N*S_q < 2^32");
@@ -190,9 +250,9 @@ int check(int dtype, const AttncalParams* params, int64_t B, int64_t S_q, int64_
 }
 
 int run(int dtype, const void* q, const void* k, const void* v, const int64_t* mask, void* out, int64_t B,
-        int64_t S_q, int64_t S_k, int64_t N, int64_t D, int64_t D_v, float scale, const AttncalParams* params,
-        void* workspace, void* stream_ptr, bool reference_only) {
-  int rc = check(dtype, params, B, S_q, S_k, N, D, D_v);
+        int64_t S_q, int64_t S_k, int64_t N, int64_t D, int64_t D_v, float scale, const void* relative_bias,
+        int64_t num_buckets, const AttncalParams* params, void* workspace, void* stream_ptr, bool reference_only) {
+  int rc = check(dtype, params, B, S_q, S_k, N, D, D_v, num_buckets);
   if (rc != ATTNCAL_OK) return rc;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const size_t esize = dtype == ATTNCAL_DTYPE_FLOAT32 ? 4 : 2;
@@ -223,22 +283,38 @@ int run(int dtype, const void* q, const void* k, const void* v, const int64_t* m
   // element-wise path, which reads nothing.
   a.vec16 = D > 0 && aligned(q) && aligned(k) && aligned(v) && (D * esize) % 16 == 0 && (D_v * esize) % 16 == 0;
 
-  const bool calibration = params->strength != 0.f;
+  const bool calibration = params->strength != 0.f, relative = num_buckets > 0;
+  if (relative && relative_bias == nullptr)
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "relative_bias is NULL with num_buckets > 0");
   void* ws = workspace;
   bool owned = false;
-  if (calibration) {
-    const attncal::AttentionWorkspace layout = attncal::attention_workspace(B, S_q, N);
+  if (calibration || relative) {
+    const attncal::AttentionWorkspace layout = attncal::attention_workspace(B, S_q, N, relative);
     if (ws == nullptr) {
       const cudaError_t e = cudaMallocAsync(&ws, layout.bytes, stream);
       if (e != cudaSuccess) return fail(ATTNCAL_ERR_CUDA, "cudaMallocAsync", e);
       owned = true;
     }
     unsigned char* w = static_cast<unsigned char*>(ws);
-    int* spans = reinterpret_cast<int*>(w);
-    a.spans = spans;
-    a.queue_count = reinterpret_cast<uint32_t*>(w + layout.queue_count_offset);
-    a.queue = reinterpret_cast<uint32_t*>(w + layout.queue_offset);
-    rc = attncal::launch_spans(mask, B, S_k, spans, a.queue_count, stream);
+    if (calibration) {
+      int* spans = reinterpret_cast<int*>(w);
+      a.spans = spans;
+      a.queue_count = reinterpret_cast<uint32_t*>(w + layout.queue_count_offset);
+      a.queue = reinterpret_cast<uint32_t*>(w + layout.queue_offset);
+      rc = attncal::launch_spans(mask, B, S_k, spans, a.queue_count, stream);
+    }
+    if (relative && rc == ATTNCAL_OK) {
+      float* rel = reinterpret_cast<float*>(w + layout.relative_offset);
+      const int64_t md = params->relative_max_distance;
+      if (dtype == ATTNCAL_DTYPE_FLOAT32) {
+        rc = launch_relative<float>(relative_bias, num_buckets, md, N, S_k, rel, stream);
+      } else if (dtype == ATTNCAL_DTYPE_FLOAT16) {
+        rc = launch_relative<__half>(relative_bias, num_buckets, md, N, S_k, rel, stream);
+      } else {
+        rc = launch_relative<__nv_bfloat16>(relative_bias, num_buckets, md, N, S_k, rel, stream);
+      }
+      a.rel = rel;
+    }
   }
   if (rc == ATTNCAL_OK) {
     if (dtype == ATTNCAL_DTYPE_FLOAT32) {
@@ -258,20 +334,24 @@ int run(int dtype, const void* q, const void* k, const void* v, const int64_t* m
 
 }  // namespace
 
-extern "C" size_t attncal_cuda_attention_workspace_bytes(int64_t B, int64_t S_q, int64_t N) {
-  return attncal::attention_workspace(B, S_q, N).bytes;
+extern "C" size_t attncal_cuda_attention_workspace_bytes(int64_t B, int64_t S_q, int64_t N, int64_t num_buckets) {
+  return attncal::attention_workspace(B, S_q, N, num_buckets > 0).bytes;
 }
 
 extern "C" int attncal_cuda_calibrated_attention(int dtype, const void* q, const void* k, const void* v,
                                                  const int64_t* mask, void* out, int64_t B, int64_t S_q,
                                                  int64_t S_k, int64_t N, int64_t D, int64_t D_v, float scale,
+                                                 const void* relative_bias, int64_t num_buckets,
                                                  const AttncalParams* params, void* workspace, void* stream) {
-  return run(dtype, q, k, v, mask, out, B, S_q, S_k, N, D, D_v, scale, params, workspace, stream, false);
+  return run(dtype, q, k, v, mask, out, B, S_q, S_k, N, D, D_v, scale, relative_bias, num_buckets, params, workspace,
+             stream, false);
 }
 
 extern "C" int attncal_cuda_calibrated_attention_reference(int dtype, const void* q, const void* k, const void* v,
                                                            const int64_t* mask, void* out, int64_t B, int64_t S_q,
                                                            int64_t S_k, int64_t N, int64_t D, int64_t D_v,
-                                                           float scale, const AttncalParams* params, void* stream) {
-  return run(dtype, q, k, v, mask, out, B, S_q, S_k, N, D, D_v, scale, params, nullptr, stream, true);
+                                                           float scale, const void* relative_bias, int64_t num_buckets,
+                                                           const AttncalParams* params, void* stream) {
+  return run(dtype, q, k, v, mask, out, B, S_q, S_k, N, D, D_v, scale, relative_bias, num_buckets, params, nullptr,
+             stream, true);
 }

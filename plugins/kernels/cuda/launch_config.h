@@ -202,19 +202,23 @@ inline BasketsConfig choose_baskets(int64_t K, int32_t basket_size, size_t smem_
 // ------------------------------------------------------------------ workspaces
 // The calibrated attention launcher's workspace: the span records (common/span_geometry.h), a
 // 16-byte slot for the queue counter, then one uint32 per (item, head, query row) for the rows
-// handed to the per-row kernel.
+// handed to the per-row kernel; with a relative position bias (`relative`), then, 16-byte aligned,
+// its float32 rows per head and key-minus-query offset, N x (2*S_q - 1) (the bias needs S_q == S_k).
 struct AttentionWorkspace {
-  size_t queue_count_offset = 0, queue_offset = 0, bytes = 0;
+  size_t queue_count_offset = 0, queue_offset = 0, relative_offset = 0, bytes = 0;
 };
 
 inline size_t align16(size_t x) { return (x + 15) & ~static_cast<size_t>(15); }
 
-inline AttentionWorkspace attention_workspace(int64_t B, int64_t S_q, int64_t N) {
-  const int64_t rows = (B > 0 ? B : 0) * (N > 0 ? N : 0) * (S_q > 0 ? S_q : 0);
+inline AttentionWorkspace attention_workspace(int64_t B, int64_t S_q, int64_t N, bool relative = false) {
+  const int64_t b = B > 0 ? B : 0, s = S_q > 0 ? S_q : 0, n = N > 0 ? N : 0;
+  const int64_t rows = b * n * s;
   AttentionWorkspace w;
   w.queue_count_offset = align16(span_workspace_bytes(B));
   w.queue_offset = w.queue_count_offset + 16;
   w.bytes = w.queue_offset + sizeof(uint32_t) * static_cast<size_t>(rows > 0 ? rows : 1);
+  w.relative_offset = align16(w.bytes);
+  if (relative) w.bytes = w.relative_offset + sizeof(float) * static_cast<size_t>(s > 0 ? n * (2 * s - 1) : 0);
   return w;
 }
 

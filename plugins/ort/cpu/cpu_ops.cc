@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -75,14 +76,35 @@ struct CpuCalibratedAttention {
   }
 
   Ort::Status Compute(OrtKernelContext* context, const Tensor<T>& query, const Tensor<T>& key,
-                      const Tensor<T>& value, const Tensor<int64_t>& mask, Tensor<T>& out) {
+                      const Tensor<T>& value, const Tensor<int64_t>& mask,
+                      std::optional<const Tensor<T>*> relative_bias, Tensor<T>& out) {
     attncal::AttentionShape shape;
     Ort::Status st = CheckAttention(attrs, AllRows, query.Shape(), key.Shape(), value.Shape(), mask.Shape(), &shape);
+    if (!st.IsOK()) return st;
+    const Tensor<T>* table = relative_bias.has_value() ? *relative_bias : nullptr;
+    st = CheckRelativeBias(attrs.calibration.params, table != nullptr ? &table->Shape() : nullptr, shape,
+                           AttentionOpName(AllRows));
     if (!st.IsOK()) return st;
     shape.scale = attrs.scale != 0.f ? attrs.scale : 1.0f / std::sqrt(static_cast<float>(shape.D));
     Raw* dst = reinterpret_cast<Raw*>(out.Allocate({shape.B, shape.S_q, shape.N * shape.D_v}));
     g_attention_computes.fetch_add(1);
-    const attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params);
+    // The table in float (a float16 one widened: buckets x heads values).
+    std::vector<float> widened;
+    attncal::RelativeBias rel;
+    if (table != nullptr) {
+      const std::vector<int64_t> dims = table->Shape();
+      rel.buckets = dims[0];
+      rel.heads = dims[1];
+      rel.max_distance = attrs.calibration.params.relative_max_distance;
+      if constexpr (std::is_same<T, float>::value) {
+        rel.table = table->Data();
+      } else {
+        widened.resize(static_cast<size_t>(rel.buckets * rel.heads));
+        attncal::widen_row(reinterpret_cast<const uint16_t*>(table->Data()), widened.data(), rel.buckets * rel.heads);
+        rel.table = widened.data();
+      }
+    }
+    const attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params, rel);
     if (plan.size() == 0) return Ort::Status{nullptr};
     using Job = AttentionJob<Raw>;
     Job job{&plan, reinterpret_cast<const Raw*>(query.Data()), reinterpret_cast<const Raw*>(key.Data()),

@@ -4,12 +4,14 @@
 // PooledRowCalibration / AllRowsCalibration (input: probs) call attncal_cuda_calibrate;
 // SoftmaxPooledRowCalibration / SoftmaxAllRowsCalibration (input: scores, the softmax's input) call
 // attncal_cuda_softmax_calibrate; PooledRowCalibratedAttention / AllRowsCalibratedAttention (query,
-// key, value, attention_mask) call attncal_cuda_calibrated_attention.  float and float16 each.
+// key, value, attention_mask, and the optional relative_bias table) call
+// attncal_cuda_calibrated_attention.  float and float16 each.
 //
 // The calibration ops may run in place (OpKind::kCalibration: ORT may give output 0 the buffer of
 // input 0); the attention ops' output is the context, never a rewritten input (OpKind::kAttention).
 // Compiled wherever nvcc is found; run only on a GPU machine (none where this library is tested).
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -64,9 +66,11 @@ bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 
 // PooledRowCalibratedAttention / AllRowsCalibratedAttention: shapes and attributes are checked as
 // the CPU kernels check them (ReadAttentionAttributes, CheckAttention: key and value with num_kv_heads
-// heads, a window only with S_q == S_k), then one launcher call, which reads the geometry from the params.
-// The workspace (about 4 bytes per query row and head) is allocated stream-ordered by the
-// launcher, as the calibration ops' is.
+// heads, a window only with S_q == S_k; CheckRelativeBias: the relative_bias table [num_buckets, N]
+// exactly with relative_max_distance, and S_q == S_k), then one launcher call, which reads the geometry
+// from the params and the table (in T, as given) from the device.  The workspace (about 4 bytes per
+// query row and head, and the bias per head and offset) is allocated stream-ordered by the launcher,
+// as the calibration ops' is.
 template <typename T, bool AllRows>
 struct CudaCalibratedAttention {
   AttentionAttributes attrs;
@@ -75,10 +79,14 @@ struct CudaCalibratedAttention {
       : attrs(ReadAttentionAttributes(api, info, AllRows)) {}
 
   Ort::Status Compute(OrtKernelContext* context, const Tensor<T>& query, const Tensor<T>& key,
-                      const Tensor<T>& value, const Tensor<int64_t>& mask, Tensor<T>& out) {
+                      const Tensor<T>& value, const Tensor<int64_t>& mask,
+                      std::optional<const Tensor<T>*> relative_bias, Tensor<T>& out) {
     const char* op = AttentionOpName(AllRows);
     attncal::AttentionShape sh;
     Ort::Status st = CheckAttention(attrs, AllRows, query.Shape(), key.Shape(), value.Shape(), mask.Shape(), &sh);
+    if (!st.IsOK()) return st;
+    const Tensor<T>* table = relative_bias.has_value() ? *relative_bias : nullptr;
+    st = CheckRelativeBias(attrs.calibration.params, table != nullptr ? &table->Shape() : nullptr, sh, op);
     if (!st.IsOK()) return st;
     T* dst = out.Allocate({sh.B, sh.S_q, sh.N * sh.D_v});
     const size_t es = sizeof(T);
@@ -94,9 +102,12 @@ struct CudaCalibratedAttention {
     }
     void* stream = Ort::KernelContext(context).GetGPUComputeStream();
     const int dtype = std::is_same<T, float>::value ? ATTNCAL_DTYPE_FLOAT32 : ATTNCAL_DTYPE_FLOAT16;
+    // The bias table in T on the device, as the node gives it: the launcher reads it in that type.
+    const void* rel = table != nullptr ? static_cast<const void*>(table->Data()) : nullptr;
+    const int64_t buckets = table != nullptr ? table->Shape()[0] : 0;
     const int rc = attncal_cuda_calibrated_attention(dtype, query.Data(), key.Data(), value.Data(), mask.Data(), dst,
-                                                     sh.B, sh.S_q, sh.S_k, sh.N, sh.D, sh.D_v, attrs.scale,
-                                                     &attrs.calibration.params, nullptr, stream);
+                                                     sh.B, sh.S_q, sh.S_k, sh.N, sh.D, sh.D_v, attrs.scale, rel,
+                                                     buckets, &attrs.calibration.params, nullptr, stream);
     if (rc != ATTNCAL_OK) {
       return Ort::Status((std::string("attncal ") + op + " (CUDA): " + attncal_cuda_last_error()).c_str(),
                          rc == ATTNCAL_ERR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL);
