@@ -154,6 +154,9 @@ def test_inspect_triton_repo_and_encode_name_the_graph(exports, tmp_path, capsys
     shown = capsys.readouterr().out
     assert "placement projected-attention" in shown and "AllRowsCalibratedProjectedAttention" in shown
     assert "native library" in shown
+    # The native graph's ops count as fused attention, as its attncal.json entry counts them (one per layer).
+    native_block = shown[shown.index(NATIVE_GRAPH):]
+    assert "fused attention nodes: 4;" in native_block
     assert main(["triton-repo", str(out), "-o", str(tmp_path / "repo"), "--backend", "onnxruntime", "--name", "m"]) == 0
     shown = capsys.readouterr().out
     assert f"serves the export's {NATIVE_GRAPH}" in shown

@@ -22,15 +22,17 @@ def _describe_graph(model_file: Path, placement: str | None, model=None,
         model = load_onnx_checked(model_file, interface=False)
     nodes = [n for n in model.graph.node if n.domain == DOMAIN]
     softmaxes = sum(1 for n in model.graph.node if n.op_type == "Softmax")
-    fused = sum(1 for n in model.graph.node if n.domain == "com.microsoft"
-                and n.op_type in ("Attention", "MultiHeadAttention"))
+    ort_fused = sum(1 for n in model.graph.node if n.domain == "com.microsoft"
+                    and n.op_type in ("Attention", "MultiHeadAttention"))
+    # As attncal.json counts them: ONNX Runtime's fused attention and the calibrated attention ops that replace it.
+    fused = ort_fused + sum(1 for n in nodes if is_attention(n.op_type))
     split_nodes = sum(1 for n in model.graph.node if n.name.startswith("attncal_split_"))
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     functions = [f.name for f in model.functions if f.domain == DOMAIN]
     if placement is None:
         placement = ("fused-softmax" if any(takes_scores(n.op_type) for n in nodes) else "softmax") if nodes \
             else ("split" if split_nodes else None)
-        if nodes and fused:
+        if nodes and ort_fused:
             placement = "row"
         if any(is_attention(n.op_type) for n in nodes):
             placement = "projected-attention" if any(is_projected(n.op_type) for n in nodes) else "attention"
