@@ -526,11 +526,8 @@ def _stopped(out: Location, manifest: dict, pieces: list[Piece], done: dict, is_
     and `--resume` continues."""
     try:
         if isinstance(exc, CorpusInputError) or (is_new and not done):
-            if is_new:
-                for name in (MANIFEST, SKIP_FILE):
-                    if out.child(name).exists():
-                        out.child(name).delete()
-                remove_unlisted(out, None)
+            if is_new:  # the output was empty (`_prepare_output`): all of it is this run's
+                out.delete_contents()
                 if created_dir:
                     out.delete_dir_if_empty()
             else:

@@ -212,6 +212,13 @@ class Location:
         fs, path = self.resolve()
         fs.delete_file(path)
 
+    def delete_contents(self) -> None:
+        """Delete everything under this directory, keeping the directory.  By listing, then deleting what is
+        listed: on an object store that needs the list and delete permissions only, where pyarrow's delete_file
+        reads each object's head first (a Ray driver may delete the shards it may not read)."""
+        fs, path = self.resolve()
+        fs.delete_dir_contents(path, missing_dir_ok=True)
+
     def delete_dir_if_empty(self) -> None:
         """Remove a local directory this run created and left empty (object stores have none)."""
         if self.is_local and os.path.isdir(self.url) and not os.listdir(self.url):
