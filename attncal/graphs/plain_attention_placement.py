@@ -97,20 +97,6 @@ class ChainParts:
     table: ir.Value | None = None  # its table (`position_bias_probe.find_table`)
 
 
-def _split_bias(x: ir.Value, num_heads: int) -> tuple[ir.Value | None, ir.Value | None, ir.Value | None]:
-    """(bias, table, mask) of a value the chain adds: a relative position bias, a mask, or their sum."""
-    table = find_table(x, num_heads)
-    if table is not None:
-        return x, table, None
-    node = x.producer()
-    if node is not None and node.op_type == "Add" and len(node.inputs) == 2:
-        for i in (0, 1):
-            table = find_table(node.inputs[i], num_heads)
-            if table is not None:
-                return node.inputs[i], table, node.inputs[1 - i]
-    return None, None, x
-
-
 def _chain_parts(walk: PlainAttention, num_heads: int) -> ChainParts:
     """The scale, mask and relative position bias of a layer's scale/mask chain; refuses anything else in it."""
     scale: float | None = None
@@ -131,12 +117,14 @@ def _chain_parts(walk: PlainAttention, num_heads: int) -> ChainParts:
                 raise PlainAttentionError(f"{where} divides a constant by the scores")
             scale = c if node.op_type == "Mul" else 1.0 / c
         elif node.op_type == "Add" and len(others) == 1 and const_array(others[0]) is None:
-            b, t, m = _split_bias(others[0], num_heads)
-            if (b is not None and bias is not None) or (m is not None and mask is not None):
-                raise PlainAttentionError(f"{where}: a second {'position bias' if b is not None else 'mask'} in the "
+            t = find_table(others[0], num_heads)  # a relative position bias, else a mask
+            if (bias if t is not None else mask) is not None:
+                raise PlainAttentionError(f"{where}: a second {'position bias' if t is not None else 'mask'} in the "
                                           "chain")
-            bias, table = (b, t) if b is not None else (bias, table)
-            mask = m if m is not None else mask
+            if t is not None:
+                bias, table = others[0], t
+            else:
+                mask = others[0]
         else:
             raise PlainAttentionError(
                 f"{where}: the op takes a constant scale, one padding/window mask and a relative position bias in "
