@@ -191,6 +191,34 @@ def test_a_window_needs_self_attention(library):
             None, {"query": x[:, :1], "key": x, "value": x, "attention_mask": np.ones((1, 5), np.int64)})
 
 
+@pytest.mark.parametrize("pooling,S_q,table,md,message", [
+    ("mean", 5, (8, 3), 20, "relative_bias must be [num_buckets, N] with N = num_heads = 2, got [8,3]"),
+    ("mean", 5, (3, 2), 20, "needs at least 4 buckets and relative_max_distance above num_buckets / 4; got 3 buckets"),
+    ("mean", 5, (32, 2), 8, "above num_buckets / 4; got 32 buckets and 8"),
+    ("cls", 1, (8, 2), 20, "a relative position bias needs S_q == S_k (self-attention); got S_q=1, S_k=5"),
+    ("mean", 5, (8, 2), 0, "the relative_bias input needs relative_max_distance > 0"),
+    ("mean", 5, None, 20, "relative_max_distance=20 needs the relative_bias input (the bias table)"),
+])
+def test_a_bad_relative_position_bias_is_refused_with_the_reason(library, pooling, S_q, table, md, message):
+    """The table's shape, the bucket function's domain, self-attention, and the input given exactly when the
+    attribute is set (the node edited after it was built, as a hand-made graph could be)."""
+    spec = attention_op_spec(CalibrationConfig(pooling=pooling).resolve(), 0, num_heads=2,
+                             geometry=AttentionGeometry(relative_max_distance=20))
+    model = single_op_model(spec, with_function=False)
+    node = model.graph.node[0]
+    next(a for a in node.attribute if a.name == "relative_max_distance").i = md
+    if table is None:
+        del node.input[4]
+        del model.graph.input[4]
+    x = np.ones((1, 5, 6), np.float32)
+    feeds = {"query": x[:, :S_q], "key": x, "value": x, "attention_mask": np.ones((1, 5), np.int64)}
+    if table is not None:
+        feeds["relative_bias"] = np.zeros(table, np.float32)
+    with pytest.raises(Exception) as info:
+        session(model, library).run(None, feeds)
+    assert message in str(info.value), str(info.value)
+
+
 def test_pooled_op_accepts_one_query_row(library):
     """Q = 1 (row placement's shape): the single query is the pooling token's row."""
     rc = CalibrationConfig(pooling="last", basket_size=2).resolve()

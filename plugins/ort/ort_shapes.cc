@@ -218,24 +218,15 @@ Ort::Status CheckRelativeBias(const AttncalParams& p, const std::vector<int64_t>
   auto bad = [op](const std::string& why) {
     return Ort::Status((std::string("attncal ") + op + ": " + why).c_str(), ORT_INVALID_ARGUMENT);
   };
-  const char* attr = attncal::attr_name(ATTNCAL_ATTR_ID_relative_max_distance);
-  const int64_t md = p.relative_max_distance;
-  if (table == nullptr) {
-    if (md == 0) return Ort::Status{nullptr};
-    return bad(std::string(attr) + "=" + std::to_string(md) + " needs the relative_bias input (the bias table)");
-  }
-  if (md == 0) return bad(std::string("the relative_bias input needs ") + attr + " > 0");
-  if (table->size() != 2 || (*table)[1] != shape.N) {
+  // The table's shape first (only where the attribute asks for a table), then the rules every backend shares.
+  if (table != nullptr && p.relative_max_distance > 0 && (table->size() != 2 || (*table)[1] != shape.N)) {
     return bad("relative_bias must be [num_buckets, N] with N = num_heads = " + std::to_string(shape.N) + ", got " +
                Dims(*table));
   }
-  if (!attncal::relative_buckets_valid((*table)[0], md)) {
-    return bad("a relative position bias needs at least 4 buckets and " + std::string(attr) +
-               " above num_buckets / 4; got " + std::to_string((*table)[0]) + " buckets and " + std::to_string(md));
-  }
-  if (shape.S_q != shape.S_k) {
-    return bad("a relative position bias needs S_q == S_k (self-attention); got S_q=" + std::to_string(shape.S_q) +
-               ", S_k=" + std::to_string(shape.S_k));
+  char msg[200];
+  if (!attncal::relative_bias_ok(table != nullptr, table != nullptr ? (*table)[0] : 0, p.relative_max_distance,
+                                 shape.S_q, shape.S_k, msg, sizeof msg)) {
+    return bad(msg);
   }
   return Ort::Status{nullptr};
 }

@@ -11,7 +11,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 
+#include "common/attncal_params.h"
 #include "common/host_device.h"
 
 namespace attncal {
@@ -28,6 +30,32 @@ struct RelativeBias {
 // and a max distance past the exact buckets (else a log of 0, or a division by log(1)).
 ATTNCAL_HD inline bool relative_buckets_valid(int64_t buckets, int64_t max_distance) {
   return buckets >= 4 && max_distance > buckets / 4;
+}
+
+// A call's relative position bias against the contract, in the order every backend checks it: the attribute
+// not negative, the table given exactly when the attribute is set, a bucket function with a value at every
+// offset, self-attention.  `table`: whether the call has one, of `buckets` rows.  On failure writes the one-line
+// reason into msg and returns false (the ORT ops and the CUDA launcher report the same messages).
+inline bool relative_bias_ok(bool table, int64_t buckets, int64_t max_distance, int64_t S_q, int64_t S_k, char* msg,
+                             size_t len) {
+  const char* attr = attncal_attr_names[ATTNCAL_ATTR_ID_relative_max_distance];
+  const long long md = max_distance;
+  if (md < 0) {
+    snprintf(msg, len, "%s must be >= 1, or 0 for no relative position bias; got %lld", attr, md);
+  } else if (!table && md > 0) {
+    snprintf(msg, len, "%s=%lld needs the relative_bias input (the bias table)", attr, md);
+  } else if (table && md == 0) {
+    snprintf(msg, len, "the relative_bias input needs %s > 0", attr);
+  } else if (table && !relative_buckets_valid(buckets, max_distance)) {
+    snprintf(msg, len, "a relative position bias needs at least 4 buckets and %s above num_buckets / 4; got %lld "
+             "buckets and %lld", attr, static_cast<long long>(buckets), md);
+  } else if (table && S_q != S_k) {
+    snprintf(msg, len, "a relative position bias needs S_q == S_k (self-attention); got S_q=%lld, S_k=%lld",
+             static_cast<long long>(S_q), static_cast<long long>(S_k));
+  } else {
+    return true;
+  }
+  return false;
 }
 
 // log(max_distance / exact) as the model's code computes it: in double, then rounded to float.

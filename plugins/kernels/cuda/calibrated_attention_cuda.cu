@@ -214,35 +214,11 @@ int check(int dtype, const AttncalParams* params, int64_t B, int64_t S_q, int64_
              n[ATTNCAL_ATTR_ID_window_left], n[ATTNCAL_ATTR_ID_window_right], (long long)S_q, (long long)S_k);
     return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
   }
-  // The relative position bias: present exactly when relative_max_distance is set, a bucket function with
-  // a value at every offset, self-attention (the ORT shape check's rules and messages, CheckRelativeBias).
-  const int64_t md = params->relative_max_distance;
-  if (md < 0) {
-    snprintf(msg, sizeof msg, "%s must be >= 1, or 0 for no relative position bias; got %lld",
-             n[ATTNCAL_ATTR_ID_relative_max_distance], (long long)md);
+  // The relative position bias (a table of num_buckets rows, 0 = none): the rules and messages of the ORT
+  // shape check (common/relative_position.h).
+  if (!attncal::relative_bias_ok(num_buckets != 0, num_buckets, params->relative_max_distance, S_q, S_k, msg,
+                                 sizeof msg))
     return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
-  }
-  if (num_buckets == 0 && md > 0) {
-    snprintf(msg, sizeof msg, "%s=%lld needs the relative_bias input (the bias table)",
-             n[ATTNCAL_ATTR_ID_relative_max_distance], (long long)md);
-    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
-  }
-  if (num_buckets != 0 && md == 0) {
-    snprintf(msg, sizeof msg, "the relative_bias input needs %s > 0", n[ATTNCAL_ATTR_ID_relative_max_distance]);
-    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
-  }
-  if (num_buckets != 0 && !attncal::relative_buckets_valid(num_buckets, md)) {
-    snprintf(msg, sizeof msg,
-             "a relative position bias needs at least 4 buckets and %s above num_buckets / 4; got %lld buckets and "
-             "%lld",
-             n[ATTNCAL_ATTR_ID_relative_max_distance], (long long)num_buckets, (long long)md);
-    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
-  }
-  if (num_buckets != 0 && S_q != S_k) {
-    snprintf(msg, sizeof msg, "a relative position bias needs S_q == S_k (self-attention); got S_q=%lld, S_k=%lld",
-             (long long)S_q, (long long)S_k);
-    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
-  }
   if (B > 65535 || N > 65535 || S_q > 0x7fffffff || S_k > 0x7fffffff || B * N * S_q >= (int64_t(1) << 32))
     return fail(ATTNCAL_ERR_UNSUPPORTED, "calibrated attention: B and N must be <= 65535, S_q and S_k < 2^31, "
                                          "B*N*S_q < 2^32");
