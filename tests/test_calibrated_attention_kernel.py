@@ -231,14 +231,17 @@ def test_pooled_op_accepts_one_query_row(library):
     assert out.shape == (3, 1, 8) and np.abs(out - ref).max() <= 1e-5
 
 
-@pytest.mark.parametrize("pooling", ["cls", "last"])
-def test_long_rows_over_key_tiles_match_the_oracle(library, pooling):
+@pytest.mark.parametrize("pooling,causal", [("cls", False), ("last", False), ("last", True)],
+                         ids=["cls", "last", "last-causal"])
+def test_long_rows_over_key_tiles_match_the_oracle(library, pooling, causal):
     """Rows long enough for key tiles (the online softmax of the rows the calibration does not select, many
     tiles per row): right and left padding (whole tiles of masked keys before the first valid one), holes,
     an item with no valid key (uniform over its keys), and the NaN, +inf and -inf rules, against the float64
-    oracle, at 1 and 2 threads bit for bit."""
+    oracle, at 1 and 2 threads bit for bit.  Causal: a non-finite key in a tile that the rows before it would
+    skip reaches those rows as the contract says (its score plus the mask is still +inf or NaN)."""
     rc = CalibrationConfig(pooling=pooling, basket_size=128).resolve()
-    spec = attention_op_spec(rc, 0, num_heads=2)
+    geometry = AttentionGeometry(window_right=0) if causal else AttentionGeometry()
+    spec = attention_op_spec(rc, 0, num_heads=2, geometry=geometry)
     gen = torch.Generator().manual_seed(21)
     B, K = 6, 2100
     q, k, v = random_qkv(gen, B, K, K, 2, 8, 8, torch.float32, temp=2.0)
@@ -250,7 +253,7 @@ def test_long_rows_over_key_tiles_match_the_oracle(library, pooling):
     q[0, 700, 3] = float("nan")  # item 0, one row of head 0
     k[5, 2000, 12] = float("inf")  # item 5, head 1: +inf or NaN scores in a late tile
     k[3, 5, 4] = float("-inf")  # item 3, head 0: +inf or -inf scores early on
-    ref = attention_reference(q, k, v, mask, rc, 2, 0.0).numpy()
+    ref = attention_reference(q, k, v, mask, rc, 2, 0.0, **vars(geometry)).numpy()
     outs = [session(single_op_model(spec), library, t).run(None, feeds(q, k, v, mask))[0] for t in (1, 2)]
     assert np.array_equal(outs[0].view(np.uint8), outs[1].view(np.uint8))
     out = outs[0]

@@ -1,7 +1,9 @@
 """The packed-weight projection GEMM (plugins/kernels/cpu/packed_gemm.h) on its own: both micro-kernels
 (AVX-512 and AVX2, each where this CPU runs it) against a float64 reference on shapes that cut every
-block short, and identical results whichever row and panel tiles compute them (tests/cpp/packed_gemm_test.cpp).
-The ONNX Runtime op that uses it is tested in test_projected_attention.py."""
+block short, and identical results whichever row and panel tiles compute them; the accumulating form without a
+bias (the attention kernel's context over key tiles), a row alone equal to the same row among others
+(tests/cpp/packed_gemm_test.cpp).  The ONNX Runtime ops that use it are tested in test_projected_attention.py and
+test_calibrated_attention_kernel.py."""
 
 from __future__ import annotations
 

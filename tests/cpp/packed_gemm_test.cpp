@@ -1,7 +1,9 @@
 // Host test of plugins/kernels/cpu/packed_gemm.h: both micro-kernels (AVX-512, panels of 32; AVX2, panels of
 // 16; each where this CPU runs it) against a float64 reference, on shapes that cut the 8- or 6-row blocks,
 // the 256-row and 192-k blocks and the last panel short, and on panel ranges (the ORT kernel's column tiles).
-// Also: every element is the same whichever panel range computes it (results independent of the tiling).
+// Also: every element is the same whichever panel range computes it (results independent of the tiling), and
+// packed_gemm without a bias, accumulating onto y (the attention's context over key tiles), against the
+// reference, with each row computed alone equal bit for bit to the same row computed among all M.
 // Prints one line per kernel; exits non-zero on a mismatch.
 #include <cmath>
 #include <cstdio>
@@ -59,6 +61,25 @@ int main() {
                         static_cast<long long>(n), y[m * N + n], tiled[m * N + n]);
         }
       ++cases;
+      // y0 + x * W, all rows at once and one row at a time (packed_gemm, no bias).
+      std::vector<float> y0(M * N), acc(M * N), alone(M * N);
+      for (auto& v : y0) v = u(gen);
+      acc = y0;
+      alone = y0;
+      attncal::packed_gemm(pw, M, x.data(), K, acc.data(), N, /*accumulate=*/true);
+      for (int64_t m = 0; m < M; ++m)
+        attncal::packed_gemm(pw, 1, x.data() + m * K, K, alone.data() + m * N, N, /*accumulate=*/true);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double ref = y0[m * N + n];
+          for (int64_t k = 0; k < K; ++k) ref += static_cast<double>(x[m * K + k]) * w[k * N + n];
+          const double err = std::fabs(ref - acc[m * N + n]) / (1.0 + std::fabs(ref));
+          worst = std::max(worst, std::isnan(err) ? INFINITY : err);
+          if (acc[m * N + n] != alone[m * N + n] && failures++ < 3)
+            std::printf("accumulate M=%lld K=%lld N=%lld: y[%lld,%lld] %.9g, row alone %.9g\n",
+                        static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N),
+                        static_cast<long long>(m), static_cast<long long>(n), acc[m * N + n], alone[m * N + n]);
+        }
     }
     const bool ok = worst <= 2e-5;  // float32 sums of up to 384 products of magnitude <= 1
     if (!ok) ++failures;

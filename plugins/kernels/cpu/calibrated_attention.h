@@ -41,6 +41,7 @@
 #include "cpu/batch_plan.h"
 #include "cpu/gemm.h"
 #include "cpu/half.h"
+#include "cpu/packed_gemm.h"
 #include "cpu/row_calibration.h"
 
 namespace attncal {
@@ -52,6 +53,7 @@ struct AttentionUnit {
 // Per-thread scratch of the attention kernel (separate from Scratch: the row routines use that).
 struct AttentionScratch {
   std::vector<float> scores, q, k, v, ctx, run_max, run_sum, first_max;
+  PackedWeight v_panels;  // a key tile's values, packed for tile_context
 };
 
 inline AttentionScratch& thread_attention_scratch() {
@@ -61,6 +63,22 @@ inline AttentionScratch& thread_attention_scratch() {
 
 inline void ensure(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+
+// The context of a key tile, o[R,Dv] += P[R,n] * V[n,Dv] (P dense, ld n; o dense, ld Dv), with the tile's V
+// packed into cpu/packed_gemm.h's panels (n x Dv floats against R x n x Dv multiply-adds) and P read in place.
+// Why not OpenBLAS: its result for a row can depend on how many rows the call has (seen with 256-key tiles),
+// and a row of the key tiles that is computed again alone, without skipping, must equal the same row computed
+// in its unit; the packed kernel computes each element the same way whatever R is.  It is
+// also a little faster here, since OpenBLAS copies all of P into its own layout first.  A CPU without the
+// packed kernel (no AVX2 and FMA) keeps OpenBLAS.
+inline void tile_context(int64_t R, int64_t Dv, int64_t n, const float* P, const float* V, int64_t ldv, float* o) {
+  PackedWeight& w = thread_attention_scratch().v_panels;
+  if (w.Pack(V, n, Dv, ldv)) {
+    packed_gemm(w, R, P, n, o, Dv, /*accumulate=*/true);
+  } else {
+    gemm_nn(R, Dv, n, P, n, V, ldv, o, Dv, /*accumulate=*/true);
+  }
 }
 
 // Widens rows of a strided float16 matrix into a dense float matrix (ld = cols).
@@ -82,7 +100,11 @@ class AttentionPlan {
   // Long rows: the rows of a unit, and the scores of one key tile (see the header comment).
   static constexpr int64_t kTiledRows = 512;
   static constexpr int64_t kTileBytes = 256 * 1024;
-  static constexpr int64_t kWindowTile = 128;  // keys per tile under a narrow window
+  // Head size 64 or less without a window: twice that.  Per tile and row the online softmax has a fixed cost
+  // (the maximum, the correction, the calls) that a small head's GEMM work does not hide; under a window or a
+  // causal mask a wider tile computes more of what the mask hides, and larger heads gained nothing.
+  static constexpr int64_t kWideTileBytes = 512 * 1024;
+  static constexpr int64_t kWideTileMaxHead = 64;
   // Masked scores are float32's lowest value plus a score far smaller than it: at or below half of it.
   static constexpr float kMaskedFloor = std::numeric_limits<float>::lowest() / 2;
 
@@ -116,13 +138,8 @@ class AttentionPlan {
     // Long rows: units of whole-row blocks, about kTiledRows rows (bit-identical chunks at any thread count).
     tiled_ = rows_ < kMaxRows && Q > rows_;
     unit_rows_ = tiled_ ? rows_ * std::max<int64_t>(1, kTiledRows / rows_) : rows_;
-    key_tile_ = std::max<int64_t>(16, std::min(K, kTileBytes / (4 * unit_rows_)));
-    // A window narrower than a unit's rows and keys: smaller units and tiles skip more of what it hides.
-    const int64_t width = shape.window_left >= 0 && shape.window_right >= 0 ? shape.window_left + shape.window_right + 1 : K;
-    if (tiled_ && width < K / 2) {
-      unit_rows_ = rows_;
-      key_tile_ = std::max<int64_t>(16, std::min<int64_t>(K, kWindowTile));
-    }
+    const int64_t tile_bytes = !shape.windowed() && shape.D <= kWideTileMaxHead ? kWideTileBytes : kTileBytes;
+    key_tile_ = std::max<int64_t>(16, std::min(K, tile_bytes / (4 * unit_rows_)));
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < sh_.N; ++h)
         for (int64_t q = 0; q < Q; q += unit_rows_) units_.push_back({b, h, q, std::min(q + unit_rows_, Q)});
@@ -261,9 +278,10 @@ class AttentionPlan {
   // contract's special rows keep their outcome: a fully masked item (every score the lowest value plus a
   // negligible term) is uniform over its keys, and a NaN or +inf score, or a row of -inf, gives NaN.
   //
-  // Padding and windows: a tile of keys that are all masked for every row of [r0, r1) (before the item's
-  // first valid key or after its last, or outside every row's window) and whose K and V rows are finite is
-  // skipped.  Each of its scores is at most lowest + |scale| * D * max|q| * max|k|.  Let m0 be the row's
+  // Padding and windows: a tile of keys that are all masked for a row (before the item's first valid key or
+  // after its last, or outside the row's window) and whose K and V rows are finite is skipped by that row: by
+  // every row of [r0, r1), or by the rows outside the run that the window lets see it (both GEMMs then take
+  // only that run).  Each of its scores is at most lowest + |scale| * D * max|q| * max|k|.  Let m0 be the row's
   // running maximum where it first rose above lowest / 2, i.e. past every masked score (the first real
   // maximum).  Where the bound is far below m0, the tile adds exactly nothing: after m0, exp(score - m) is
   // exactly 0 in float32; before it, the unskipped pass's sum and context are wiped by the rescale
@@ -299,18 +317,25 @@ class AttentionPlan {
     float skipped_k = -1.f;  // max |k| over the skipped keys; < 0: none skipped
     for (int64_t k0 = 0; k0 < K; k0 += T) {
       const int64_t n = std::min(T, K - k0);
-      // Hidden from every row of [r0, r1): padding outside the item's valid span, or keys outside the window.
-      const bool hidden = (k0 + n <= lo || k0 >= hi) || (wl >= 0 && k0 + n - 1 < r0 - wl) ||
-                          (wr >= 0 && k0 > r1 - 1 + wr);
+      // The rows [a, z) of [r0, r1) whose window reaches a key of the tile; the others skip it as a hidden tile
+      // (under a causal mask, the rows before the tile's first key: the unit computes a staircase, not a square).
+      int64_t a = skip_padding && wr >= 0 ? std::clamp(k0 - wr, r0, r1) : r0;
+      int64_t z = skip_padding && wl >= 0 ? std::clamp(k0 + n + wl, a, r1) : r1;
+      // Hidden from every row: padding outside the item's valid span, or keys outside every row's window.
+      const bool hidden = (k0 + n <= lo || k0 >= hi) || a == z;
       float kmax = 0.f;
-      if (skip_padding && hidden && finite_abs_max(k + k0 * ldk, n, D, ldk, &kmax) &&
-          finite_abs_max(v + k0 * ldv, n, Dv, ldv, nullptr)) {
-        skipped_k = std::max(skipped_k, kmax);
-        continue;
+      if (skip_padding && (hidden || a > r0 || z < r1)) {
+        if (finite_abs_max(k + k0 * ldk, n, D, ldk, &kmax) && finite_abs_max(v + k0 * ldv, n, Dv, ldv, nullptr)) {
+          skipped_k = std::max(skipped_k, kmax);
+          if (hidden) continue;
+        } else {  // a non-finite key or value is never skipped: every row computes the tile
+          a = r0;
+          z = r1;
+        }
       }
-      gemm_nt(R, n, D, sh_.scale, q, ldq, k + k0 * ldk, ldk, s, n);
+      gemm_nt(z - a, n, D, sh_.scale, q + (a - r0) * ldq, ldq, k + k0 * ldk, ldk, s + (a - r0) * n, n);
       const float* rel = relative_row(u.h, r0);
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = a - r0; r < z - r0; ++r) {
         float* row = s + r * n;
         if (rel != nullptr) add_row(row, rel + k0 - r, n);
         if (add_bias) add_row(row, bias + k0, n);
@@ -322,13 +347,14 @@ class AttentionPlan {
           continue;
         }
         exp_shifted_row(row, row, n, mn);  // NaN scores stay NaN and reach l
-        const float corr = std::exp(m[r] - mn);  // 0 on the first finite tile, 1 while the maximum holds
+        // 0 on the first finite tile, exactly 1 while the maximum holds (no exp for it: most tiles of a long row)
+        const float corr = mn == m[r] ? 1.f : std::exp(m[r] - mn);
         if (!(m0[r] > kMaskedFloor) && mn > kMaskedFloor) m0[r] = mn;
         m[r] = mn;
-        l[r] = l[r] * corr + sum_lanes(row, n);
+        l[r] = l[r] * corr + sum_row(row, n);
         if (corr != 1.f) scale_row(o + r * Dv, Dv, corr);
       }
-      gemm_nn(R, Dv, n, s, n, v + k0 * ldv, ldv, o, Dv, /*accumulate=*/true);
+      tile_context(z - a, Dv, n, s + (a - r0) * n, v + k0 * ldv, ldv, o + (a - r0) * Dv);
     }
     float* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
     std::vector<int64_t> again;
@@ -410,6 +436,10 @@ class AttentionPlan {
   ATTNCAL_CLONES static void scale_row(float* x, int64_t n, float a) {
     for (int64_t k = 0; k < n; ++k) x[k] *= a;
   }
+
+  // sum_lanes in a function of its own: inlined into tiles(), which is not multiversioned, it would be compiled
+  // for baseline x86-64 (its 8-lane vector split into SSE halves on the stack; see cpu/lanes.h).
+  ATTNCAL_CLONES static float sum_row(const float* x, int64_t n) { return sum_lanes(x, n); }
 
   ATTNCAL_CLONES static void add_row(float* x, const float* b, int64_t n) {
     for (int64_t k = 0; k < n; ++k) x[k] += b[k];

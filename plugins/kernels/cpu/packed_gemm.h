@@ -1,6 +1,7 @@
 // Y[M, c0:c0+n] = X[M,K] * W[K, c0:c0+n] + bias[c0:c0+n] with W packed once: the Q/K/V projection of the
 // projected calibrated-attention op (plugins/ort/cpu/projected_attention.cc), whose weight is a constant
-// initializer.
+// initializer.  Also Y (+)= X * W without a bias (packed_gemm): the attention kernel's context += P * V over
+// a key tile (cpu/calibrated_attention.h), with the tile of V packed per call.
 //
 // Why not the GEMM library of cpu/gemm.h: cblas_sgemm repacks its B operand (here the whole [K, 3*hidden]
 // weight) on every call, and OpenBLAS has no pack-once API (its cblas.h declares no sgemm_pack).  At a
@@ -11,8 +12,9 @@
 //
 // Layout: panels of kNr columns (32 with AVX-512, 16 with AVX2), each [K][kNr], zero-padded past N.
 // The micro-kernel keeps an MR x kNr block of Y in registers (8 x 2 zmm or 6 x 2 ymm accumulators) and
-// runs over K in blocks, so every element of Y is one fixed sequence of fused multiply-adds over k = 0..K-1:
-// results do not depend on how rows or panels are split over threads.
+// runs over K in blocks, so every element of Y is one fixed sequence of operations (per block of k a chain of
+// fused multiply-adds, added onto the sum so far), whatever M is: results do not depend on how rows or panels
+// are split over threads, and a row computed alone equals the same row computed among others.
 //
 // x86-64 with GCC/Clang only (function multiversioning by target attribute); elsewhere, or on a CPU
 // without AVX2+FMA, PackedWeight::Pack declines and the caller keeps cpu/gemm.h's GEMM.
@@ -36,7 +38,7 @@ class PackedWeight {
  public:
   // Packs w [k, n] (row-major, leading dimension ldw) for the widest kernel this CPU runs, or for the one of
   // panel_width 16 (AVX2) or 32 (AVX-512) when given (tests run both).  False, leaving it empty, when there is
-  // no such kernel.
+  // no such kernel.  The storage is kept from one Pack to the next (the attention kernel packs per tile).
   bool Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width = 0);
   bool packed() const { return nr_ != 0; }
   bool Matches(int64_t k, int64_t n) const { return packed() && k == k_ && n == n_; }
@@ -57,33 +59,20 @@ namespace packed {
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
 
-// One MR x (NV vectors) block of Y over one block of k: rows x[0..MR), the panel's columns, K fused
-// multiply-adds each, starting from 0 (first block of k) or from the partial sums stored in y, and adding the
-// bias after the last block.  A float32 partial sum stored and reloaded is exact, so the blocks of k change
-// nothing in the result.
+// One MR x (NV vectors) block of Y over one block of k: rows x[0..MR), the panel's columns, a chain of K fused
+// multiply-adds from 0 per element, added onto the partial sum stored in y unless this is the first block of
+// k, and the bias (where there is one) added after the last block.  Blocked summation: no chain is longer
+// than one block of k, so a long sum rounds as a sum of block sums (as OpenBLAS's does), not as one chain.
 template <typename V, int MR, int NV>
 inline __attribute__((always_inline)) void Micro(int64_t K, const float* x, int64_t ldx, const float* panel,
                                                  const float* bias, float* y, int64_t ldy, int64_t ncols,
                                                  bool first, bool last) {
   constexpr int L = sizeof(V) / sizeof(float), NR = L * NV;
   V acc[MR][NV];
-  if (first) {
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 2
-      for (int j = 0; j < NV; ++j) acc[i][j] = V{};
-  } else if (ncols == NR) {
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 2
-      for (int j = 0; j < NV; ++j) __builtin_memcpy(&acc[i][j], y + i * ldy + j * L, sizeof(V));
-  } else {
-    for (int i = 0; i < MR; ++i) {
-      float row[NR] = {};
-      for (int64_t n = 0; n < ncols; ++n) row[n] = y[i * ldy + n];
-      for (int j = 0; j < NV; ++j) __builtin_memcpy(&acc[i][j], row + j * L, sizeof(V));
-    }
-  }
+    for (int j = 0; j < NV; ++j) acc[i][j] = V{};
   for (int64_t k = 0; k < K; ++k) {
     V b[NV];
 #pragma GCC unroll 2
@@ -95,17 +84,24 @@ inline __attribute__((always_inline)) void Micro(int64_t K, const float* x, int6
       for (int j = 0; j < NV; ++j) acc[i][j] += b[j] * a;
     }
   }
+  const bool add_bias = last && bias != nullptr;
   if (ncols == NR) {
     V bv[NV];
     for (int j = 0; j < NV; ++j) {
       bv[j] = V{};
-      if (last) __builtin_memcpy(&bv[j], bias + j * L, sizeof(V));
+      if (add_bias) __builtin_memcpy(&bv[j], bias + j * L, sizeof(V));
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 2
       for (int j = 0; j < NV; ++j) {
-        const V out = acc[i][j] + bv[j];
+        V out = acc[i][j];
+        if (!first) {
+          V sum;
+          __builtin_memcpy(&sum, y + i * ldy + j * L, sizeof(V));
+          out = sum + out;
+        }
+        out += bv[j];
         __builtin_memcpy(y + i * ldy + j * L, &out, sizeof(V));
       }
     return;
@@ -113,7 +109,10 @@ inline __attribute__((always_inline)) void Micro(int64_t K, const float* x, int6
   for (int i = 0; i < MR; ++i) {  // the last panel, cut short by N
     float row[NR];
     for (int j = 0; j < NV; ++j) __builtin_memcpy(row + j * L, &acc[i][j], sizeof(V));
-    for (int64_t n = 0; n < ncols; ++n) y[i * ldy + n] = last ? row[n] + bias[n] : row[n];
+    for (int64_t n = 0; n < ncols; ++n) {
+      const float out = first ? row[n] : y[i * ldy + n] + row[n];
+      y[i * ldy + n] = add_bias ? out + bias[n] : out;
+    }
   }
 }
 
@@ -137,7 +136,8 @@ inline __attribute__((always_inline)) void Tail(int64_t r, int64_t K, const floa
 // see docs/native-kernels.md).
 template <typename V, int MR, int NV>
 inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M, const float* x, int64_t ldx,
-                                               const float* bias, int64_t p0, int64_t p1, float* y, int64_t ldy) {
+                                               const float* bias, int64_t p0, int64_t p1, float* y, int64_t ldy,
+                                               bool accumulate) {
   constexpr int64_t kRowBlock = 256, kKBlock = 192;
   constexpr int64_t NR = static_cast<int64_t>(sizeof(V) / sizeof(float)) * NV;
   const int64_t K = w.k();
@@ -147,13 +147,14 @@ inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M,
       const int64_t n0 = p * NR, nc = std::min(NR, w.n() - n0);
       for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
         const int64_t kc = std::min(kKBlock, K - k0);
-        const bool first = k0 == 0, last = k0 + kc >= K;
+        const bool first = k0 == 0 && !accumulate, last = k0 + kc >= K;
         const float* panel = w.panel(p) + k0 * NR;
+        const float* b = bias != nullptr ? bias + n0 : nullptr;  // (null + n0 would let GCC assume bias non-null)
         int64_t m = m0;
         for (; m + MR <= m1; m += MR)
-          Micro<V, MR, NV>(kc, x + m * ldx + k0, ldx, panel, bias + n0, y + m * ldy + n0, ldy, nc, first, last);
+          Micro<V, MR, NV>(kc, x + m * ldx + k0, ldx, panel, b, y + m * ldy + n0, ldy, nc, first, last);
         if (m < m1)
-          Tail<V, MR - 1, NV>(m1 - m, kc, x + m * ldx + k0, ldx, panel, bias + n0, y + m * ldy + n0, ldy, nc, first,
+          Tail<V, MR - 1, NV>(m1 - m, kc, x + m * ldx + k0, ldx, panel, b, y + m * ldy + n0, ldy, nc, first,
                               last);
       }
     }
@@ -162,14 +163,14 @@ inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M,
 
 __attribute__((target("avx512f"))) inline void RunAvx512(const PackedWeight& w, int64_t M, const float* x,
                                                          int64_t ldx, const float* bias, int64_t p0, int64_t p1,
-                                                         float* y, int64_t ldy) {
-  Run<V16, 8, 2>(w, M, x, ldx, bias, p0, p1, y, ldy);
+                                                         float* y, int64_t ldy, bool accumulate) {
+  Run<V16, 8, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate);
 }
 
 __attribute__((target("avx2,fma"))) inline void RunAvx2(const PackedWeight& w, int64_t M, const float* x,
                                                         int64_t ldx, const float* bias, int64_t p0, int64_t p1,
-                                                        float* y, int64_t ldy) {
-  Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy);
+                                                        float* y, int64_t ldy, bool accumulate) {
+  Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate);
 }
 
 }  // namespace packed
@@ -184,14 +185,17 @@ inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw
   } else if ((panel_width == 0 || panel_width == 16) && avx2) {
     nr = 16;
   }
-  *this = PackedWeight{};
+  k_ = n_ = nr_ = 0;
   if (nr == 0 || k <= 0 || n <= 0) return false;
   const int64_t panels = (n + nr - 1) / nr;
-  data_.assign(static_cast<size_t>(panels * k * nr), 0.f);
+  data_.resize(static_cast<size_t>(panels * k * nr));
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * nr, nc = std::min(nr, n - n0);
     float* dst = data_.data() + p * k * nr;
-    for (int64_t kk = 0; kk < k; ++kk) std::copy(w + kk * ldw + n0, w + kk * ldw + n0 + nc, dst + kk * nr);
+    for (int64_t kk = 0; kk < k; ++kk) {
+      std::copy(w + kk * ldw + n0, w + kk * ldw + n0 + nc, dst + kk * nr);
+      std::fill(dst + kk * nr + nc, dst + (kk + 1) * nr, 0.f);  // the last panel's columns past n
+    }
   }
   k_ = k;
   n_ = n;
@@ -203,9 +207,20 @@ inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw
 inline void packed_gemm_bias(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, const float* bias,
                              int64_t p0, int64_t p1, float* y, int64_t ldy) {
   if (w.avx512()) {
-    packed::RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy);
+    packed::RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy, false);
   } else {
-    packed::RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy);
+    packed::RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy, false);
+  }
+}
+
+// y = x * W, or y += x * W with accumulate (the product's block sums added onto y), all columns.
+inline void packed_gemm(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, float* y, int64_t ldy,
+                        bool accumulate) {
+  const int64_t panels = (w.n() + w.panel_width() - 1) / w.panel_width();
+  if (w.avx512()) {
+    packed::RunAvx512(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate);
+  } else {
+    packed::RunAvx2(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate);
   }
 }
 
@@ -214,6 +229,7 @@ inline void packed_gemm_bias(const PackedWeight& w, int64_t M, const float* x, i
 inline bool PackedWeight::Pack(const float*, int64_t, int64_t, int64_t, int64_t) { return false; }
 inline void packed_gemm_bias(const PackedWeight&, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
                              float*, int64_t) {}
+inline void packed_gemm(const PackedWeight&, int64_t, const float*, int64_t, float*, int64_t, bool) {}
 
 #endif
 
