@@ -9,8 +9,8 @@ every build alike.  Medians per build, the ratio to the first build, and whether
 bits (an output hash).
 
     # this checkout against an older commit's kernels
-    git worktree add /tmp/old-attncal COMMIT
-    python benchmarks/attention_kernel.py --kernels old=/tmp/old-attncal/plugins/kernels \\
+    git worktree add ../old-attncal COMMIT
+    python benchmarks/attention_kernel.py --kernels old=../old-attncal/plugins/kernels \\
         --kernels new=plugins/kernels --rounds 5
 """
 

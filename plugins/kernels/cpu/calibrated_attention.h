@@ -69,9 +69,9 @@ inline void ensure(std::vector<float>& v, int64_t n) {
 // packed into cpu/packed_gemm.h's panels (n x Dv floats against R x n x Dv multiply-adds) and P read in place.
 // Why not OpenBLAS: its result for a row can depend on how many rows the call has (seen with 256-key tiles),
 // and a row of the key tiles that is computed again alone, without skipping, must equal the same row computed
-// in its unit; the packed kernel computes each element the same way whatever R is.  It is
-// also a little faster here, since OpenBLAS copies all of P into its own layout first.  A CPU without the
-// packed kernel (no AVX2 and FMA) keeps OpenBLAS.
+// in its unit; the packed kernel computes each element the same way whatever R is (and reads P in place, where
+// OpenBLAS copies all of P into its own layout first).  A CPU without the packed kernel (no AVX2 and FMA) keeps
+// OpenBLAS.
 inline void tile_context(int64_t R, int64_t Dv, int64_t n, const float* P, const float* V, int64_t ldv, float* o) {
   PackedWeight& w = thread_attention_scratch().v_panels;
   if (w.Pack(V, n, Dv, ldv)) {

@@ -20,15 +20,6 @@ namespace attncal {
 
 typedef int32_t Ints8 __attribute__((vector_size(32)));
 
-// exp(x) for x <= 0 (x - row max), subnormal results included (like expf and ONNX Runtime's
-// Softmax); exactly 0 below -104 (under half the smallest subnormal) and for -inf; NaN for NaN
-// (x - max is NaN for a NaN score and for a row of -inf or with +inf scores: ONNX Softmax gives
-// NaN there).  n = round(x log2 e) by the 1.5 * 2^23 trick, r = x - n ln 2 in two parts, a
-// degree-6 polynomial for e^r on [-ln2/2, ln2/2] (Cephes expf), times 2^n as two normal powers of
-// two (n >= -150).  The clamp maps NaN to -104, so the integer conversion sees a finite value.
-// F is float (I = int32_t) or Lanes8 (I = Ints8): one formula for the scalar and the 8-lane form, its
-// branches written as selects.
-
 // The reduction and the polynomial, shared by every form: for xc in [-104, 0], e = e^r and the integer n (as a
 // float) with exp(xc) = e * 2^n.
 template <typename F>
@@ -45,6 +36,15 @@ __attribute__((always_inline)) inline void exp_reduce(const F& xc, F& e, F& n) {
   e = (q * r * r + r) + 1.0f;
 }
 
+// exp(x) for x <= 0 (x - row max), subnormal results included (like expf and ONNX Runtime's
+// Softmax); exactly 0 below -104 (under half the smallest subnormal) and for -inf; NaN for NaN
+// (x - max is NaN for a NaN score and for a row of -inf or with +inf scores: ONNX Softmax gives
+// NaN there).  n = round(x log2 e) by the 1.5 * 2^23 trick, r = x - n ln 2 in two parts, a
+// degree-6 polynomial for e^r on [-ln2/2, ln2/2] (Cephes expf), times 2^n as two normal powers of
+// two (n >= -150).  The clamp maps NaN to -104, so the integer conversion sees a finite value.
+// F is float (I = int32_t) or Lanes8 (I = Ints8): one formula for the scalar and the 8-lane form, its
+// branches written as selects (AVX-512's row form below runs exp_reduce on 16 lanes and takes 2^n with
+// vscalefps, which rounds a subnormal result once, as the two powers of two do).
 template <typename F, typename I>
 inline void exp_nonpos(const F& x, F& out) {
   const F zero = {};
@@ -84,10 +84,9 @@ __attribute__((always_inline)) inline void exp_shifted_row_lanes8(const float* x
 
 // exp(x - m) over a row, one body per instruction set, picked at load time.  AVX-512 runs 16 lanes a step and
 // takes the power of two with vscalefps, one instruction where the other forms take eight (the exp is most of
-// the softmax's time, and the softmax a fifth of the attention's at head size 64).  GCC 12 does not vectorise
-// the scalar loop for AVX2 or baseline x86-64 ("control flow in
-// loop": it does not if-convert the exp's selects without masks), so those run the 8-lane form, one ymm
-// register a step (a 16-lane form, two registers a step, was slower on an AVX2-only core).  The AVX2 version
+// the softmax's time, and at small head sizes the softmax a large part of the attention's).  GCC 12 does not
+// vectorise the scalar loop for AVX2 or baseline x86-64 ("control flow in loop": it does not if-convert the
+// exp's selects without masks), so those run the 8-lane form, one ymm register a step (a 16-lane form, two registers a step, was slower on an AVX2-only core).  The AVX2 version
 // also asks for FMA, which AVX2 does not imply (a target_clones "avx2" clone has none): fused multiply-adds
 // shorten the polynomial's dependency chain.  A CPU with AVX2 and no FMA runs the baseline version.  The
 // measurements behind these choices: see docs/native-kernels.md.
