@@ -86,9 +86,9 @@ __attribute__((always_inline)) inline void exp_shifted_row_lanes8(const float* x
 // takes the power of two with vscalefps, one instruction where the other forms take eight (the exp is most of
 // the softmax's time, and at small head sizes the softmax a large part of the attention's).  GCC 12 does not
 // vectorise the scalar loop for AVX2 or baseline x86-64 ("control flow in loop": it does not if-convert the
-// exp's selects without masks), so those run the 8-lane form, one ymm register a step (a 16-lane form, two registers a step, was slower on an AVX2-only core).  The AVX2 version
-// also asks for FMA, which AVX2 does not imply (a target_clones "avx2" clone has none): fused multiply-adds
-// shorten the polynomial's dependency chain.  A CPU with AVX2 and no FMA runs the baseline version.  The
+// exp's selects without masks), so those run the 8-lane form, one ymm register a step (a 16-lane form, two
+// registers a step, was slower on an AVX2-only core).  The AVX2 version also asks for FMA, which AVX2 does not
+// imply (a target_clones "avx2" clone has none): fused multiply-adds shorten the polynomial's dependency chain.  A CPU with AVX2 and no FMA runs the baseline version.  The
 // measurements behind these choices: see docs/native-kernels.md.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
 __attribute__((target("avx512f"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
