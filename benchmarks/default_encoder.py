@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
         order = order[1::2] + order[0::2]
     # Two sessions in one process, run in turn: each stops spinning when its run returns, or its idle workers
     # would take cores from the other's tokenization and run (a user's one Encoder has no such neighbour).
-    encs = {n: Encoder(outs[n], intra_op_threads=args.threads, session_options=interleaved_session_options())
+    encs = {n: Encoder(outs[n], intra_op_threads=args.threads, session_options=interleaved_session_options(outs[n]))
             for n in order}
     tok = encs["uncalibrated"].tokenizer
     texts = make_texts(tok, args.texts, args.tokens)

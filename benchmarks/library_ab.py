@@ -30,7 +30,7 @@ def _session(graph: Path, threads: int, library: Path | None):
 
     from attncal.bench.engines import interleaved_session_options
 
-    so = interleaved_session_options()
+    so = interleaved_session_options(graph.parents[1])  # the export of EXPORT/onnx/GRAPH
     so.intra_op_num_threads = threads
     if library is not None:
         so.register_custom_ops_library(str(library))

@@ -77,17 +77,54 @@ def test_engine_sessions_stop_spinning_between_runs(tiny_models, tmp_path):
     from attncal.calibration.config import CalibrationConfig
 
     ws = Workspace(tiny_models["bert"], CalibrationConfig(basket_size=8), tmp_path / "work", threads=2)
-    build_exports(ws, ["ort", "ort-opt-cal"])
-    for name in ("ort", "ort-opt-cal"):
-        session = make_engine(name, ws).encoder.session
-        assert session.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
-        assert session.get_session_options().intra_op_num_threads == 2
+    build_exports(ws, ["ort", "ort-opt-cal+mempattern"])
+    for name in ("ort", "ort-opt-cal", "ort-opt-cal+mempattern"):
+        options = make_engine(name, ws).encoder.session.get_session_options()
+        assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+        assert options.intra_op_num_threads == 2
+    # +mempattern: ORT's memory pattern on, as ORT's defaults have it, where the Encoder's default turns it off
+    meta_file = ws.export_dir("opt-cal") / "attncal.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "max_seq_length": 8192}))
+    assert make_engine("ort-opt-cal", ws).encoder.session.get_session_options().enable_mem_pattern is False
+    assert make_engine("ort-opt-cal+mempattern", ws).encoder.session.get_session_options().enable_mem_pattern
+    meta_file.write_text(json.dumps(meta))  # the tiny model's own length: the Encoder keeps the pattern
+    assert make_engine("ort-opt-cal", ws).encoder.session.get_session_options().enable_mem_pattern is True
+    assert make_engine("ort-opt-cal+nomempattern", ws).encoder.session.get_session_options().enable_mem_pattern \
+        is False
+
+
+def test_encoder_keeps_the_memory_pattern_for_short_exports_only(tiny_models, tmp_path):
+    """ORT's memory pattern holds a batch shape's working memory about twice (docs/performance.md, "Session
+    options"): long-context exports (and those without a max length) run without it, short ones with it, and a
+    caller's own options are taken as given."""
+    import onnxruntime as ort
+
+    from attncal.export.exporter import ExportOptions, export
+    from attncal.runtime import Encoder
+    from attncal.runtime.encoder import MEMORY_PATTERN_MAX_TOKENS, default_session_options
+
+    assert default_session_options(MEMORY_PATTERN_MAX_TOKENS).enable_mem_pattern
+    assert not default_session_options(MEMORY_PATTERN_MAX_TOKENS + 1).enable_mem_pattern
+    assert not default_session_options(None).enable_mem_pattern
+    out = tmp_path / "raw"
+    export(tiny_models["bert"], out, ExportOptions(calibrate=False, check=False, optimized=False), quiet=True)
+    meta = json.loads((out / "attncal.json").read_text())
+    assert meta["max_seq_length"] <= MEMORY_PATTERN_MAX_TOKENS
+    assert Encoder(out).session.get_session_options().enable_mem_pattern is True
+    for length in (8192, None):
+        (out / "attncal.json").write_text(json.dumps({**meta, "max_seq_length": length}))
+        assert Encoder(out).session.get_session_options().enable_mem_pattern is False
+        mine = ort.SessionOptions()
+        assert Encoder(out, session_options=mine).session.get_session_options().enable_mem_pattern is True
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--engines", "ort,onnx-magic"], "unknown engine(s) onnx-magic"),
+        (["--engines", "ort,torch+mempattern,ort+mempattern+nomempattern"],
+         "unknown engine(s) torch+mempattern, ort+mempattern+nomempattern"),
         (["--seq", "128,abc"], "--seq must be a comma-separated list of integers"),
         (["--batch", "0"], "--batch must list integers >= 1"),
         (["--seq", "100000"], "exceeds the model's 256 positions"),

@@ -140,7 +140,23 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
         strengths = [next(a.f for a in n.attribute if a.name == "strength") for n in model.graph.node
                      if n.domain == DOMAIN]
         assert strengths == pytest.approx([0.0, 0.0, 0.8, 0.8])  # calibration off in the layers it does not select
+        # The hidden state's RMS norms and tanh GELUs run as ONNX Runtime's ops; Q's and K's per-head norms not.
+        fused = native["onnxruntime_fusions"]
+        assert fused == PLAIN_NATIVE_FUSIONS[arch]
+        assert (ops.count("SimplifiedLayerNormalization"), ops.count("FastGelu")) == tuple(fused.values())
+        assert ops.count("ReduceMean") == PER_HEAD_NORMS[arch]
 
+# (SimplifiedLayerNormalization, FastGelu) in the native graph of the tiny models: Qwen3 pre-norms (2 a layer and
+# the final norm), Gemma3's four norms a layer and the final one with its tanh GELU, T5's two and the final one;
+# ModernBERT and MPNet use LayerNormalization.  Their q_norm / k_norm (per head) keep their ReduceMean.
+PLAIN_NATIVE_FUSIONS = {
+    "qwen3": {"SimplifiedLayerNormalization": 9, "FastGelu": 0},
+    "gemma3_text": {"SimplifiedLayerNormalization": 17, "FastGelu": 4},
+    "modernbert": {"SimplifiedLayerNormalization": 0, "FastGelu": 0},
+    "t5": {"SimplifiedLayerNormalization": 9, "FastGelu": 0},
+    "mpnet": {"SimplifiedLayerNormalization": 0, "FastGelu": 0},
+}
+PER_HEAD_NORMS = {"qwen3": 8, "gemma3_text": 8, "modernbert": 0, "t5": 0, "mpnet": 0}
 
 # The synthetic models' masks (attncal.synthetic): Qwen3 causal with 2 key/value heads; Gemma3 bidirectional
 # sliding windows in even layers (|q - k| < 13 from sliding_window=24, as transformers builds it), 2 key/value

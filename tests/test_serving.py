@@ -220,6 +220,8 @@ def test_repository_native_library_by_default(exports, tmp_path, monkeypatch):
     build_repository(exports["cal"], tmp_path / "py", RepoOptions(name="e"))
     assert _encoder_params(tmp_path / "py")["custom_op_library"] == lib
     assert _encoder_params(tmp_path / "py")["custom_op_library_required"] == "0"
+    # the model's session keeps ORT's memory pattern as the Encoder does for this short export (256 tokens)
+    assert _encoder_params(tmp_path / "py")["memory_pattern"] == "1"
     build_repository(exports["cal"], tmp_path / "ort", RepoOptions(name="e", backend="onnxruntime"))
     assert list(_configs(tmp_path / "ort")["e-encoder"].model_operations.op_library_filename) == [lib]
     build_repository(exports["cal"], tmp_path / "off", RepoOptions(name="e", native=False))

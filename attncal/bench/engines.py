@@ -53,6 +53,10 @@ _ORT_ENGINES = {
     "ort-int8": ("uncal-int8", "auto", None),
     "ort-cal-int8": ("opt-cal-int8", "auto", None),
 }
+# An ORT engine followed by a suffix of MEM_PATTERN: the same session with ONNX Runtime's memory pattern on
+# (as ORT's default session options, and so a user's own InferenceSession, have it) or off, whatever the Encoder
+# chooses for the export (runtime.encoder.default_session_options).
+MEM_PATTERN = {"+mempattern": True, "+nomempattern": False}
 _EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the workspace's placement)
     "uncal": None, "cal": "softmax", "fused": "fused-softmax", "opt-cal": "bench", "split": "split", "row": "row",
     "uncal-int8": None, "opt-cal-int8": "bench",
@@ -68,6 +72,28 @@ PEERS = ("ort-opt", "ort")
 def peer_engine(ran: list[str]) -> str | None:
     """The peer among the engines that ran (`PEERS`), or None."""
     return next((e for e in PEERS if e in ran), None)
+
+
+def is_engine(name: str) -> bool:
+    """`name` is one of ENGINES, or an ORT engine followed by a suffix of MEM_PATTERN."""
+    return name in ENGINES or _is_ort_engine(name)
+
+
+def _split(name: str) -> tuple[str, bool | None]:
+    """(the engine without its MEM_PATTERN suffix, the memory pattern it asks for, or None)."""
+    for suffix, on in MEM_PATTERN.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), on
+    return name, None
+
+
+def _ort_engine(name: str) -> tuple[str, str, bool | None]:
+    """(export directory, graph, native library policy) of ORT engine `name`, with or without a suffix."""
+    return _ORT_ENGINES[_split(name)[0]]
+
+
+def _is_ort_engine(name: str) -> bool:
+    return _split(name)[0] in _ORT_ENGINES
 
 
 class EngineUnavailable(RuntimeError):
@@ -103,7 +129,7 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
     from ..export.exporter import ExportOptions, export
 
     notes: dict[str, str] = {}
-    needed = {_ORT_ENGINES[e][0] for e in engines if e in _ORT_ENGINES}
+    needed = {_ort_engine(e)[0] for e in engines if _is_ort_engine(e)}
     for name in sorted(needed):
         if _cached_export_ok(ws.export_dir(name), quiet):
             continue
@@ -120,11 +146,11 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
             export(ws.model, ws.export_dir(name), opts, quiet=quiet)
         except ValueError as exc:  # e.g. row placement with mean pooling
             for e in engines:
-                if _ORT_ENGINES.get(e, ("",))[0] == name:
+                if _is_ort_engine(e) and _ort_engine(e)[0] == name:
                     notes[e] = str(exc)
     for e in engines:
-        if e in _ORT_ENGINES and e not in notes:
-            name, graph, _ = _ORT_ENGINES[e]
+        if _is_ort_engine(e) and e not in notes:
+            name, graph, _ = _ort_engine(e)
             if graph == "optimized" and not (ws.export_dir(name) / "onnx" / "model_optimized.onnx").exists():
                 notes[e] = ("no ORT-optimized graph: ONNX Runtime's optimizer does not fuse this model's attention "
                             "(attncal.json: optimizer)")
@@ -194,7 +220,7 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
         return run_torch
     from ..runtime.encoder import Encoder
 
-    export_name, graph, native = _ORT_ENGINES[name]
+    export_name, graph, native = _ort_engine(name)
     if native:
         from ..runtime import oplib
 
@@ -203,8 +229,12 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
     path = ws.export_dir(export_name)
     if not (path / "attncal.json").exists():
         raise EngineUnavailable(f"no export for {name} at {path}")
+    so = interleaved_session_options(path)
+    pattern = _split(name)[1]
+    if pattern is not None:
+        so.enable_mem_pattern = pattern
     enc = Encoder(path, providers=["CPUExecutionProvider"], native=native, graph=graph, intra_op_threads=ws.threads,
-                  session_options=interleaved_session_options())
+                  session_options=so)
 
     def run_ort(feeds: dict[str, np.ndarray]):
         return enc.run({k: v for k, v in feeds.items() if k in enc.input_names})
@@ -213,8 +243,9 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
     return run_ort
 
 
-def interleaved_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821 (imported lazily)
-    """The Encoder's default session options, except that worker threads stop spinning as soon as a run returns.
+def interleaved_session_options(export: Path) -> "onnxruntime.SessionOptions":  # noqa: F821 (imported lazily)
+    """The Encoder's default session options for `export` (an export directory), except that worker threads stop
+    spinning as soon as a run returns.
 
     The engines' sessions run interleaved in one process. With ORT's default, a session's idle workers go on
     spinning after its run and take cores from the next engine's run: at 1 x 70 tokens `ort-opt` read 13.2 ms
@@ -222,9 +253,10 @@ def interleaved_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821
     keeps spinning within a run (what a user's session does) and stops it between runs, so each engine gets
     the cores it would get on its own.
     """
+    from ..artifact import read_metadata
     from ..runtime.encoder import default_session_options
 
-    so = default_session_options()
+    so = default_session_options(read_metadata(export).get("max_seq_length"))
     so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
 

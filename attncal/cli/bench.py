@@ -33,7 +33,7 @@ def _position_limit(info) -> int | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..bench.engines import DEFAULT_ENGINES, ENGINES
+    from ..bench.engines import DEFAULT_ENGINES, ENGINES, MEM_PATTERN
     from ..graphs.placement_names import CHOICES as PLACEMENTS
     from ..synthetic import SYNTHETIC_SHAPES
 
@@ -52,7 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic", choices=tuple(SYNTHETIC_SHAPES), default=None,
                    help="bench a random-weight model of a deployed long-context shape instead of MODEL: "
                         + "; ".join(f"{k}: {v.description}" for k, v in SYNTHETIC_SHAPES.items()))
-    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help=f"comma-separated subset of {', '.join(ENGINES)}; an ORT engine followed by "
+                   f"{' or '.join(MEM_PATTERN)} runs with ONNX Runtime's memory pattern on (as ORT's default session "
+                   "options have it) or off, whatever the Encoder chooses for the export")
     p.add_argument("--seq", default="128,512,2048", help="sequence lengths (default %(default)s)")
     p.add_argument("--batch", default="1,8,32", help="batch sizes (default %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per shape (default %(default)s)")
@@ -91,7 +94,7 @@ def run_triton(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.engines import ENGINES, Workspace, build_exports
+    from ..bench.engines import ENGINES, MEM_PATTERN, Workspace, build_exports, is_engine
 
     if args.triton:
         return run_triton(args)
@@ -100,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from ..modelinfo import load_model_info, resolve_model_path
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in engines if e not in ENGINES]
+    bad = [e for e in engines if not is_engine(e)]
     if bad or not engines:
-        raise CLIError(f"unknown engine(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ENGINES)}")
+        raise CLIError(f"unknown engine(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ENGINES)} "
+                       f"(an ORT engine may take {' or '.join(MEM_PATTERN)})")
     seqs, batches = _int_list(args.seq, "--seq"), _int_list(args.batch, "--batch")
     if args.repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {args.repeats}")

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     # in turn, so each stops spinning when its run returns (as `attncal bench`'s engines do).
     encoders = {k: Encoder(v, providers=["CPUExecutionProvider"], custom_op_library=library,
                            native=None if library is not None else False,
-                           session_options=interleaved_session_options())
+                           session_options=interleaved_session_options(v))
                 for k, v in dirs.items()}
     embs = {k: e.encode(DEMO_TEXTS) for k, e in encoders.items()}
     feeds = {k: e.tokenize(DEMO_TEXTS) for k, e in encoders.items()}

@@ -676,12 +676,16 @@ def _native_plain_graph(run: _Run) -> None:
         run.log(f"note: no {NATIVE_GRAPH}: the calibrated attention op does not replace this model's attention "
                 f"({_first_line(exc)})")
         return
+    from ..graphs import native_fusions
     from ..graphs.load_time_fusions import prepare_for_load_time_fusions
 
+    fused = native_fusions.fuse_for_onnxruntime(model)  # reads the recorded shapes, which the next step drops
     prepare_for_load_time_fusions(model)  # as the portable graph, for the rest of the model
+    native_fusions.describe_to_onnx_checker()
     run.log(f"[2/4] native graph: the calibrated attention op in every layer ({NATIVE_GRAPH})")
     run.graphs[NATIVE_GRAPH] = {
         "placement": ATTENTION, "fused_attention": placed.result.fused_attention, "any_padding": True,
+        "onnxruntime_fusions": fused.as_dict(),
         "attention_geometry": [g.attrs() for g in placed.geometries],
         "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library is loaded "
                    f"on the CPU, else {ONNX_SUBDIR}/{ONNX_FILE})"}

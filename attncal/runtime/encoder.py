@@ -35,16 +35,35 @@ def default_providers() -> list[str]:
     return [p for p in preferred if p in available]
 
 
-def default_session_options() -> "onnxruntime.SessionOptions":  # noqa: F821 (imported lazily)
+# Above this many tokens an export is a long-context one, and its sessions run without ORT's memory pattern.
+MEMORY_PATTERN_MAX_TOKENS = 512
+
+
+def default_session_options(max_seq_length: int | None = None) -> "onnxruntime.SessionOptions":  # noqa: F821
     """The ONNX Runtime session options an `Encoder` gets when none are given: ORT's defaults, with its C++
-    warnings shown only with --verbose."""
+    warnings shown only with --verbose, and ORT's memory pattern only where `max_seq_length` (the export's)
+    is at most MEMORY_PATTERN_MAX_TOKENS.
+
+    The memory pattern records a run's allocations and, from the next run with the same input shapes on,
+    serves them from one block planned for the whole graph.  That block comes from the arena beside the
+    blocks the first run left there, so a batch shape's working memory is held about twice.  At long
+    context that is hundreds of MiB to GiBs, and the pattern buys no speed there; on short batches it is
+    tens of MiB and the pattern is a per cent or two faster (docs/performance.md, "Session options").  An
+    export without a max length may be fed long texts, so it goes without."""
     import onnxruntime as ort
 
     from .. import library_output
 
     so = ort.SessionOptions()
     so.log_severity_level = library_output.ort_log_severity()
+    so.enable_mem_pattern = memory_pattern(max_seq_length)
     return so
+
+
+def memory_pattern(max_seq_length: int | None) -> bool:
+    """Whether sessions of an export of `max_seq_length` tokens run with ORT's memory pattern
+    (`default_session_options`)."""
+    return max_seq_length is not None and max_seq_length <= MEMORY_PATTERN_MAX_TOKENS
 
 
 def native_graph_runs(library: Path | None, providers: Sequence[str]) -> bool:
@@ -191,7 +210,7 @@ class Encoder:
             self.prompts, self.default_prompt_name = read_prompts(self.path)
         except UnsupportedModelError as exc:
             raise ArtifactError(self.path / "config_sentence_transformers.json", str(exc)) from None
-        so = session_options if session_options is not None else default_session_options()
+        so = session_options if session_options is not None else default_session_options(self._max_length)
         if intra_op_threads is not None:
             so.intra_op_num_threads = intra_op_threads
         if lib is not None:

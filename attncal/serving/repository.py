@@ -191,11 +191,14 @@ def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int,
                  "dynamic_batching": _batching(opts), "instance_group": _instance_group(opts)}
     meta = exp["meta"]
     if opts.backend == "python":
+        from ..runtime.encoder import memory_pattern
+
         cfg = {"name": name, "backend": "python", **{k: v for k, v in cfg.items() if k != "name"}}
         cfg["parameters"] = _params(intra_op_threads=opts.intra_op_threads, custom_op_library=lib,
                                     custom_op_library_required=(("1" if required else "0") if lib else None),
                                     padding_side=meta.get("padding_side", "right"), pad_token_id=pad_id,
-                                    onnx_file="model.onnx")
+                                    onnx_file="model.onnx",
+                                    memory_pattern="1" if memory_pattern(meta.get("max_seq_length")) else "0")
     elif opts.backend == "onnxruntime":
         cfg = {"name": name, "platform": "onnxruntime_onnx", "default_model_filename": "model.onnx",
                **{k: v for k, v in cfg.items() if k != "name"}}

@@ -32,6 +32,9 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         here = os.path.join(args["model_repository"], args["model_version"])
         so = ort.SessionOptions()
+        # As attncal's Encoder chooses for the export (attncal.runtime.encoder.memory_pattern): a long-context
+        # export runs without ORT's memory pattern, which holds a batch shape's working memory twice.
+        so.enable_mem_pattern = params.get("memory_pattern", "1") == "1"
         threads = int(params.get("intra_op_threads", "0") or 0)
         if threads > 0:
             so.intra_op_num_threads = threads
