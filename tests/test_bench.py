@@ -72,7 +72,8 @@ def test_peak_memory_is_the_median_of_interleaved_fresh_process_probes(monkeypat
 
 def test_engine_sessions_stop_spinning_between_runs(tiny_models, tmp_path):
     """The engines' sessions run interleaved in one process: a session whose workers spin on after its run
-    takes cores from the next engine's run (at 1 x 70 on MiniLM the reported p50 was 1.8x the session's own)."""
+    takes cores from the next engine's run (at 1 x 70 on MiniLM the reported p50 was 1.8x the session's own).
+    They take the Encoder's choice of ORT's memory pattern, unless a +mempattern / +nomempattern suffix sets it."""
     from attncal.bench.engines import Workspace, build_exports, make_engine
     from attncal.calibration.config import CalibrationConfig
 

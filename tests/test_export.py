@@ -146,6 +146,7 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
         assert (ops.count("SimplifiedLayerNormalization"), ops.count("FastGelu")) == tuple(fused.values())
         assert ops.count("ReduceMean") == PER_HEAD_NORMS[arch]
 
+
 # (SimplifiedLayerNormalization, FastGelu) in the native graph of the tiny models: Qwen3 pre-norms (2 a layer and
 # the final norm), Gemma3's four norms a layer and the final one with its tanh GELU, T5's two and the final one;
 # ModernBERT and MPNet use LayerNormalization.  Their q_norm / k_norm (per head) keep their ReduceMean.

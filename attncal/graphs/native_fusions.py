@@ -10,8 +10,8 @@ Only the native graph gets them: it already needs ONNX Runtime (with the attncal
 portable graph stays standard ONNX.  The per-head norms of Q and K (Qwen3's and Gemma3's q_norm / k_norm,
 rank 4) stay unfused: they sit inside the rotary chain, where ONNX Runtime moves transposes through
 element-wise ops and merges the rotation's two Slices into one Split; a contrib op there stops both, and
-ONNX Runtime's profile showed those losses eating the fusion's gain.  Run before `load_time_fusions.drop_intermediate_shapes`: the rank comes
-from the shapes torch's exporter records.
+ONNX Runtime's profile showed those losses eating the fusion's gain.  Run before
+`load_time_fusions.drop_intermediate_shapes`: the rank comes from the shapes torch's exporter records.
 
 `SimplifiedLayerNormalization` is registered by ONNX Runtime in the ONNX domain, where `onnx.checker` does not
 know it; `describe_to_onnx_checker` gives the checker ONNX Runtime's signature of it, so the exporter's check
