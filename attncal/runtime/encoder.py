@@ -48,7 +48,7 @@ def default_session_options(max_seq_length: int | None = None) -> "onnxruntime.S
     serves them from one block planned for the whole graph.  That block comes from the arena beside the
     blocks the first run left there, so a batch shape's working memory is held about twice.  At long
     context that is hundreds of MiB to GiBs, and the pattern buys no speed there; on short batches it is
-    tens of MiB and the pattern is a per cent or two faster (docs/performance.md, "Session options").  An
+    tens of MiB and the pattern is a few per cent faster (docs/performance.md, "Session options").  An
     export without a max length may be fed long texts, so it goes without."""
     import onnxruntime as ort
 
