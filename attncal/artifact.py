@@ -12,7 +12,8 @@ Layout of OUT (sentence-transformers / optimum style):
     config.json, tokenizer.json  the source model's config and tokenizer files, ...
     onnx/model.onnx              the portable graph (standard ONNX)
     onnx/model_optimized.onnx    the ORT-optimized graph (BERT family), optional
-    onnx/<graph>.onnx_data       a graph's weights, beside it, only above 2 GiB (`model.onnx_data`, ...)
+    onnx/<graph>.onnx_data       a graph's weights, beside it, above 2 GiB (`model.onnx_data`, ...), and
+                                 for a native graph whose feed-forward blocks run over chunks of rows
 
 Format versions: 1 (the first exports) and 2 (adds `files`, the model files a
 loader needs, and an `attncal.digest` in each graph's ONNX metadata).  The
@@ -60,6 +61,10 @@ TWO_GIB = 2 * 1024**3
 # margin is for the graph structure itself).
 INLINE_LIMIT = TWO_GIB - 64 * 1024**2
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+# Above this many tokens, or with no max length, an export is a long-context one: its sessions run without ONNX
+# Runtime's memory pattern (attncal.runtime.encoder) and its native graph runs its feed-forward blocks over
+# chunks of rows (attncal.graphs.feed_forward_chunks).
+LONG_CONTEXT_TOKENS = 512
 # attncal.json's "tokenizer": what runs the export's tokenizer.  "tokenizers": its tokenizer.json alone, which the
 # exporter found to give transformers' ids (attncal.runtime.tokenizer); "transformers" (or no key): AutoTokenizer.
 TOKENIZERS = ("tokenizers", "transformers")
@@ -514,12 +519,18 @@ def _external_info(tensor) -> tuple[str, int, int]:
     return info["location"], int(info.get("offset", 0)), int(info["length"])
 
 
-def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike) -> str:
+def is_long_context(max_seq_length: int | None) -> bool:
+    """Whether an export of `max_seq_length` tokens is a long-context one (`LONG_CONTEXT_TOKENS`)."""
+    return max_seq_length is None or max_seq_length > LONG_CONTEXT_TOKENS
+
+
+def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike, *,
+                     external: bool | None = None) -> str:
     """Write the export's graph file from `proto` (a ModelProto whose large tensors are external, under
     `base_dir`), with its `attncal.digest`, atomically; returns the digest.
 
     Below 2 GiB of tensors the file is self-contained, as every ONNX loader expects of a small model; above,
-    the tensors go to `<name>_data` beside it (`external_data_name`).  Either way the weights are streamed
+    or with `external`, the tensors go to `<name>_data` beside it (`external_data_name`).  Either way the weights are streamed
     (64 MiB at a time) and never held in memory: the self-contained file is written as protobuf fragments
     that a parser merges (a ModelProto holding the graph without its initializers, then one ModelProto per
     initializer, whose repeated `graph.initializer` entries append in order, then the digest's metadata
@@ -541,7 +552,7 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
     tmp = path.with_name(path.name + ".writing")
     data_name = external_data_name(path)
     data_tmp = path.with_name(data_name + ".writing")
-    external = total >= INLINE_LIMIT
+    external = total >= INLINE_LIMIT if external is None else external
     try:
         with open(tmp, "wb") as f, (open(data_tmp, "wb") if external else contextlib.nullcontext()) as data:
             if external:

@@ -103,15 +103,16 @@ def test_encoder_keeps_the_memory_pattern_for_short_exports_only(tiny_models, tm
 
     from attncal.export.exporter import ExportOptions, export
     from attncal.runtime import Encoder
-    from attncal.runtime.encoder import MEMORY_PATTERN_MAX_TOKENS, default_session_options
+    from attncal.artifact import LONG_CONTEXT_TOKENS
+    from attncal.runtime.encoder import default_session_options
 
-    assert default_session_options(MEMORY_PATTERN_MAX_TOKENS).enable_mem_pattern
-    assert not default_session_options(MEMORY_PATTERN_MAX_TOKENS + 1).enable_mem_pattern
+    assert default_session_options(LONG_CONTEXT_TOKENS).enable_mem_pattern
+    assert not default_session_options(LONG_CONTEXT_TOKENS + 1).enable_mem_pattern
     assert not default_session_options(None).enable_mem_pattern
     out = tmp_path / "raw"
     export(tiny_models["bert"], out, ExportOptions(calibrate=False, check=False, optimized=False), quiet=True)
     meta = json.loads((out / "attncal.json").read_text())
-    assert meta["max_seq_length"] <= MEMORY_PATTERN_MAX_TOKENS
+    assert meta["max_seq_length"] <= LONG_CONTEXT_TOKENS
     assert Encoder(out).session.get_session_options().enable_mem_pattern is True
     for length in (8192, None):
         (out / "attncal.json").write_text(json.dumps({**meta, "max_seq_length": length}))

@@ -19,6 +19,7 @@ from attncal.cli import main
 from attncal.export.exporter import ExportOptions, export, save_onnx
 from attncal.graphs import AlreadyCalibratedError, SoftmaxPatternError, insert_calibration
 from attncal.graphs.contract import DOMAIN
+from attncal.graphs.feed_forward_chunks import CHUNK_ROWS
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.synthetic import ARCHITECTURES, synthetic_text
@@ -128,11 +129,16 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
     # window read from the exported mask, T5's and MPNet's relative position bias passed as its table.
     native = meta["graphs"].get("onnx/model_optimized_native.onnx")
     assert native is not None
+    # A short export (256 tokens) keeps its feed-forward blocks whole (the long-context test below chunks them).
+    assert native["feed_forward_chunks"] == {"blocks": 0, "rows": CHUNK_ROWS}
+    assert not (out / "onnx" / "model_optimized_native.onnx_data").exists()
     if arch in PLAIN_NATIVE_GEOMETRY:
         assert native["any_padding"] and native["parity"]["ok"] and native["parity"]["max_abs"] <= 1e-5
         assert native["attention_geometry"] == PLAIN_NATIVE_GEOMETRY[arch]
         model = onnx.load(str(out / "onnx" / "model_optimized_native.onnx"), load_external_data=False)
         ops = [n.op_type for n in model.graph.node]
+        ops += [n.op_type for scan in model.graph.node if scan.op_type == "Scan"
+                for n in next(a.g for a in scan.attribute if a.name == "body").node]
         assert "Softmax" not in ops and sum(n.domain == DOMAIN for n in model.graph.node) == 4
         # The bias is the model's table itself (one per model), and its [B,N,S,S] subgraph is gone.
         tables = {n.input[4] for n in model.graph.node if n.domain == DOMAIN and len(n.input) == 5}
@@ -145,6 +151,29 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
         assert fused == PLAIN_NATIVE_FUSIONS[arch]
         assert (ops.count("SimplifiedLayerNormalization"), ops.count("FastGelu")) == tuple(fused.values())
         assert ops.count("ReduceMean") == PER_HEAD_NORMS[arch]
+
+
+@pytest.mark.parametrize("arch", ["bert", "qwen3", "gemma3_text", "modernbert"])
+def test_long_context_native_graph_runs_its_feed_forwards_in_chunks(arch, tmp_path):
+    """A long-context export (1,024 tokens): every layer's feed-forward block of the native graph (made from
+    ONNX Runtime's optimized graph for BERT, from torch's export for the others: Qwen3's SiLU gate, Gemma3's
+    tanh-GELU gate as ONNX Runtime's FastGelu, ModernBERT's split projection) runs over chunks of rows, its
+    weights in a data file beside it; a batch of more rows than one chunk gives what the portable graph gives."""
+    from attncal.synthetic import save_synthetic_model
+
+    src = save_synthetic_model(arch, tmp_path / "src", seed=1, max_positions=1024)
+    out = tmp_path / "out"
+    meta = export(src, out, ExportOptions(config=CalibrationConfig(basket_size=BASKET, strength=0.8)), quiet=True)
+    native = meta["graphs"]["onnx/model_optimized_native.onnx"]
+    assert meta["max_seq_length"] == 1024 and native["feed_forward_chunks"] == {"blocks": 4, "rows": CHUNK_ROWS}
+    assert native["parity"]["ok"] and native["parity"]["max_abs"] <= 1e-5
+    assert (out / "onnx" / "model_optimized_native.onnx_data").is_file() and main(["check", str(out)]) == 0
+    model = onnx.load(str(out / "onnx" / "model_optimized_native.onnx"), load_external_data=False)
+    assert [n.op_type for n in model.graph.node].count("Scan") == 4
+    texts = [synthetic_text(n, seed=n) for n in (900, 700, 30)]  # about 1,600 rows: two chunks and padding
+    native_enc, portable = Encoder(out), Encoder(out, graph="portable")
+    assert native_enc.graph_file == "onnx/model_optimized_native.onnx"
+    assert np.abs(native_enc.encode(texts, batch_size=3) - portable.encode(texts, batch_size=3)).max() <= 1e-5
 
 
 # (SimplifiedLayerNormalization, FastGelu) in the native graph of the tiny models: Qwen3 pre-norms (2 a layer and

@@ -41,6 +41,7 @@ from ..artifact import (  # noqa: F401  (the layout names are re-exported here f
     OPTIMIZED_GRAPH,
     TWO_GIB,
     commit_dir,
+    is_long_context,
     loader_files,
     save_onnx,
     save_structure,
@@ -256,26 +257,35 @@ def _weights_on_disk(path: Path) -> Path:
     return staged
 
 
-def _write_graph(model, path: Path, work: Path, weight_bytes: int, *, full_check: bool = False) -> None:
+def _write_graph(model, path: Path, work: Path, weight_bytes: int, *, full_check: bool = False,
+                 chunk_feed_forwards: bool = False) -> int:
     """Write a graph of the export once: staged with its weights on disk, annotated for in-place (the
-    calibration op's input shapes), checked, then streamed into `path` with its digest (`write_graph_file`).
+    calibration op's input shapes), its feed-forward blocks run over chunks of rows where asked
+    (`attncal.graphs.feed_forward_chunks`), checked, then streamed into `path` with its digest
+    (`write_graph_file`); returns how many feed-forward blocks were chunked.
 
     Every pass here reads the staged graph's structure only (`load_external_data=False`), so no step holds a
     second copy of the weights.  The optimized graphs carry contrib ops: checked without full shape inference."""
     import onnx
 
+    from ..graphs import feed_forward_chunks
     from ..graphs.inplace_shapes import annotate_inplace_shapes
 
     staged = stage_onnx(model, work / path.name)
     proto = onnx.load(str(staged), load_external_data=False)
-    if annotate_inplace_shapes(proto):
+    changed = annotate_inplace_shapes(proto)
+    chunked = feed_forward_chunks.chunk_feed_forwards(proto) if chunk_feed_forwards else 0
+    if changed or chunked:
         save_structure(proto, staged)
     onnx.checker.check_model(str(staged), full_check=full_check)  # a path: external files found beside it
-    write_graph_file(proto, staged.parent, path)
+    # A chunked graph keeps its weights in a data file: ONNX Runtime holds a self-contained graph's weights
+    # that a Scan body reads from the outer graph a second time, beside the MatMuls' packed copies.
+    write_graph_file(proto, staged.parent, path, external=True if chunked else None)
     for f in (staged, staged.with_name(staged.name + "_data")):
         f.unlink(missing_ok=True)
     del model, proto
     release_freed_memory(weight_bytes)
+    return chunked
 
 
 def _to_fp16(model, placement: str | None, quiet: bool):
@@ -644,10 +654,30 @@ def _native_graph(run: _Run, ts_raw: Path) -> None:
                        f"is loaded on the CPU, else {OPTIMIZED_GRAPH})"}
         if plan.opts.fp16:
             native_model, entry["float32_nodes"] = _to_fp16(native_model, placement, run.quiet)
-        _write_graph(native_model, run.tmp / NATIVE_GRAPH, run.ts_root / "stage", run.plan.estimate.weights)
+        _native_feed_forwards(run, entry, _write_graph(native_model, run.tmp / NATIVE_GRAPH, run.ts_root / "stage",
+                                                       run.plan.estimate.weights,
+                                                       chunk_feed_forwards=_chunks_feed_forwards(plan)))
         del native_model
     run.cache.clear()
     shutil.rmtree(run.ts_root, ignore_errors=True)
+
+
+def _chunks_feed_forwards(plan: ExportPlan) -> bool:
+    """Whether the native graph runs its feed-forward blocks over chunks of rows: float32 exports of a long
+    context (`is_long_context`).  Short ones keep the plain blocks: their batches are small enough, and the
+    chunking's fixed cost per block (the Scan and its shape arithmetic) is a measurable share of a short
+    text's time.  int8 quantizes the graph's own MatMuls only (`attncal.export.quantize`), not those of a
+    Scan's body; the float16 native graph is converted as it is."""
+    return plan.precision == "fp32" and is_long_context(plan.max_seq_length)
+
+
+def _native_feed_forwards(run: _Run, entry: dict, blocks: int) -> None:
+    """Record the native graph's chunked feed-forward blocks in its attncal.json entry, and say so."""
+    from ..graphs.feed_forward_chunks import CHUNK_ROWS
+
+    entry["feed_forward_chunks"] = {"blocks": blocks, "rows": CHUNK_ROWS}
+    if blocks:
+        run.log(f"[2/4] native graph: {blocks} feed-forward blocks run over chunks of up to {CHUNK_ROWS} rows")
 
 
 def _native_plain_graph(run: _Run) -> None:
@@ -676,20 +706,23 @@ def _native_plain_graph(run: _Run) -> None:
         run.log(f"note: no {NATIVE_GRAPH}: the calibrated attention op does not replace this model's attention "
                 f"({_first_line(exc)})")
         return
-    from ..graphs import native_fusions
+    from ..graphs import feed_forward_chunks, native_fusions
     from ..graphs.load_time_fusions import prepare_for_load_time_fusions
 
     fused = native_fusions.fuse_for_onnxruntime(model)  # reads the recorded shapes, which the next step drops
+    feed_forward_chunks.last_axis_as_negative(model)  # so too
     prepare_for_load_time_fusions(model)  # as the portable graph, for the rest of the model
     native_fusions.describe_to_onnx_checker()
     run.log(f"[2/4] native graph: the calibrated attention op in every layer ({NATIVE_GRAPH})")
-    run.graphs[NATIVE_GRAPH] = {
+    entry = run.graphs[NATIVE_GRAPH] = {
         "placement": ATTENTION, "fused_attention": placed.result.fused_attention, "any_padding": True,
         "onnxruntime_fusions": fused.as_dict(),
         "attention_geometry": [g.attrs() for g in placed.geometries],
         "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library is loaded "
                    f"on the CPU, else {ONNX_SUBDIR}/{ONNX_FILE})"}
-    _write_graph(model, run.tmp / NATIVE_GRAPH, run.tmp / ".raw" / "stage-native", run.plan.estimate.weights)
+    _native_feed_forwards(run, entry, _write_graph(model, run.tmp / NATIVE_GRAPH, run.tmp / ".raw" / "stage-native",
+                                                   run.plan.estimate.weights,
+                                                   chunk_feed_forwards=_chunks_feed_forwards(plan)))
     del model
 
 
@@ -729,7 +762,7 @@ def _metadata(run: _Run) -> ExportMetadata:
     """attncal.json as the graphs left it (parity and the steps' figures are added when known)."""
     plan, info, result = run.plan, run.plan.info, run.result
     est = plan.estimate
-    max_length = plan.opts.max_length or info.max_seq_length
+    max_length = plan.max_seq_length
     tokenizer = _tokenizer_runtime(run, max_length)
     meta = ExportMetadata(
         calibrated=plan.config is not None,

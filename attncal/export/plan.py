@@ -112,6 +112,11 @@ class ExportPlan:
     def precision(self) -> str:
         return "fp16" if self.opts.fp16 else (self.opts.quantize or "fp32")
 
+    @property
+    def max_seq_length(self) -> int | None:
+        """The export's max length (attncal.json's `max_seq_length`): the option's, else the model's."""
+        return self.opts.max_length or self.info.max_seq_length
+
     @classmethod
     def make(cls, model, out, opts: ExportOptions) -> "ExportPlan":
         """Validate `opts` for `model` (a path or Hub id) and output `out`; raises before anything is written

@@ -18,6 +18,7 @@ from ..artifact import (
     MissingArtifactError,
     check_model_files,
     config_int,
+    is_long_context,
     read_metadata,
 )
 
@@ -35,14 +36,10 @@ def default_providers() -> list[str]:
     return [p for p in preferred if p in available]
 
 
-# Above this many tokens an export is a long-context one, and its sessions run without ORT's memory pattern.
-MEMORY_PATTERN_MAX_TOKENS = 512
-
-
 def default_session_options(max_seq_length: int | None = None) -> "onnxruntime.SessionOptions":  # noqa: F821
     """The ONNX Runtime session options an `Encoder` gets when none are given: ORT's defaults, with its C++
     warnings shown only with --verbose, and ORT's memory pattern only where `max_seq_length` (the export's)
-    is at most MEMORY_PATTERN_MAX_TOKENS.
+    is not a long context (`attncal.artifact.is_long_context`).
 
     The memory pattern records a run's allocations and, from the next run with the same input shapes on,
     serves them from one block planned for the whole graph.  That block comes from the arena beside the
@@ -63,7 +60,7 @@ def default_session_options(max_seq_length: int | None = None) -> "onnxruntime.S
 def memory_pattern(max_seq_length: int | None) -> bool:
     """Whether sessions of an export of `max_seq_length` tokens run with ORT's memory pattern
     (`default_session_options`)."""
-    return max_seq_length is not None and max_seq_length <= MEMORY_PATTERN_MAX_TOKENS
+    return not is_long_context(max_seq_length)
 
 
 def native_graph_runs(library: Path | None, providers: Sequence[str]) -> bool:
