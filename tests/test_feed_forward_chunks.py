@@ -81,8 +81,8 @@ def test_chunked_block_computes_what_the_block_does(make):
 
 
 def test_blocks_that_are_not_row_wise_stay():
-    """An intermediate read outside the block, a constant that differs by row, or a single MatMul: nothing
-    is rewritten."""
+    """An intermediate read outside the block, a constant that differs by row, a single MatMul, or an input
+    that no MatMul reads itself: nothing is rewritten."""
     escaping = _erf_gelu_block()
     escaping.graph.output.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, [None] * 3))
     by_position = _gated_silu_block()
@@ -93,7 +93,11 @@ def test_blocks_that_are_not_row_wise_stay():
     by_position.graph.node.insert(1, helper.make_node("Add", ["gate", "pos"], ["gate_pos"]))
     single = _model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
                     [_weight("w", H, H, seed=9)])
-    for model in (escaping, by_position, single):
+    # Row-wise, but no MatMul reads the input itself (its width is taken from an input projection's weight)
+    scaled = _model([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("MatMul", ["r", "w"], ["h"]),
+                     helper.make_node("Relu", ["h"], ["g"]), helper.make_node("MatMul", ["g", "w"], ["y"])],
+                    [_weight("w", H, H, seed=10)])
+    for model in (escaping, by_position, single, scaled):
         before = model.SerializeToString()
         assert chunk_feed_forwards(model, rows=4) == 0
         assert model.SerializeToString() == before

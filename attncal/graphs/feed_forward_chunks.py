@@ -9,12 +9,12 @@ the two projections.  Every row is computed by the same kernels on the same valu
 change; how memory and time moved is in docs/performance.md.
 
 What is chunked: the nodes between the block's input `x` and its output projection, found backwards from a
-MatMul by a weight (`_cone`).  Every one of them must be row-wise (`ROW_WISE_OPS`, or a MatMul by a weight),
-take only `x`, each other's outputs or constants that broadcast along the last axis, and be read by no node
-outside the block; the block must hold at least two MatMuls (the input and the output projections).  That
-matches each supported architecture's feed-forward (MatMul, activation, MatMul; gated: two input MatMuls and
-a product) and nothing else: the attention's output projection reads the attention op, and the QKV
-projections end in Reshapes.
+MatMul by a weight (`_cone`).  Every one of them must be row-wise (`ROW_WISE_OPS`, a Split of the last axis
+written as -1, or a MatMul by a weight), take only `x`, each other's outputs or constants that broadcast
+along the last axis, and be read by no node outside the block; the block must hold at least two MatMuls, and
+an input projection must read `x` itself.  That matches each supported architecture's feed-forward (MatMul,
+activation, MatMul; gated: two input MatMuls, or one split in two, and a product) and nothing else: the
+attention's output projection reads the attention op, and the QKV projections end in Reshapes.
 
 The rewrite works on the graph's structure only (weights stay in their data file); the Scan's body reads the
 weights from the outer graph.  The input is flattened to [rows, width], padded to C equal chunks of at most
@@ -133,13 +133,15 @@ def _cone(last: int, g: _Graph) -> tuple[set[int], str, int] | None:
                 rank = max(rank, len(g.constant_dims[i]))
                 continue
             todo.append(i)
-    if len(roots) != 1 or sum(_is_weight_matmul(g.nodes[k], g) for k in members) < 2:
-        return None
+    x = next(iter(roots)) if len(roots) == 1 else None
+    if x is None or sum(_is_weight_matmul(g.nodes[k], g) for k in members) < 2 or not any(
+            _is_weight_matmul(g.nodes[k], g) and g.nodes[k].input[0] == x for k in members):
+        return None  # one input, read by an input projection, and an output projection
     for k in members - {last}:  # nothing but `last` may be read outside the block
         for o in g.nodes[k].output:
             if o and (o in g.outputs or not g.readers.get(o, set()) <= members):
                 return None
-    return members, next(iter(roots)), rank
+    return members, x, rank
 
 
 def chunk_feed_forwards(model, rows: int = CHUNK_ROWS) -> int:
@@ -174,8 +176,8 @@ def chunk_feed_forwards(model, rows: int = CHUNK_ROWS) -> int:
     for b, (last, members, x, rank) in enumerate(reversed(blocks)):
         p = f"{_PREFIX}/block{b}/"
         y = g.nodes[last].output[0]
-        (_, width), elem = g.weights[g.nodes[last].input[1]]
-        width_out = const(f"block{b}/width_out", [width])
+        (_, out_dim), elem = g.weights[g.nodes[last].input[1]]
+        width_out = const(f"block{b}/width_out", [out_dim])
         first = next(k for k in sorted(members) if _is_weight_matmul(g.nodes[k], g) and g.nodes[k].input[0] == x)
         width_in = const(f"block{b}/width_in", [g.weights[g.nodes[first].input[1]][0][0]])
         inner = []
