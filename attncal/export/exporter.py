@@ -696,7 +696,7 @@ def _native_plain_graph(run: _Run) -> None:
     cfg = read_json(info.path / CONFIG_FILE, "model config")
     heads = config_int(info.path, "num_attention_heads")
     shape = pap.ModelShape(heads, int(cfg.get("num_key_value_heads") or heads),
-                           plan.opts.max_length or info.max_seq_length or int(cfg.get("max_position_embeddings") or 512),
+                           plan.max_seq_length or int(cfg.get("max_position_embeddings") or 512),
                            declared_attention_window(cfg), cfg.get("relative_attention_max_distance"))
     run.meter.step("native graph")
     model = ir.load(run.raw_path)
