@@ -3,7 +3,8 @@
 // the 256-row and 192-k blocks and the last panel short, and on panel ranges (the ORT kernel's column tiles).
 // Also: every element is the same whichever panel range computes it (results independent of the tiling), and
 // packed_gemm without a bias, accumulating onto y (the attention's context over key tiles), against the
-// reference, with each row computed alone equal bit for bit to the same row computed among all M.
+// reference, with each row computed alone equal bit for bit to the same row computed among all M; the keys of
+// an attention tile packed transposed, and a range of k.
 // Prints one line per kernel; exits non-zero on a mismatch.
 #include <cmath>
 #include <cstdio>
@@ -79,6 +80,43 @@ int main() {
             std::printf("accumulate M=%lld K=%lld N=%lld: y[%lld,%lld] %.9g, row alone %.9g\n",
                         static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N),
                         static_cast<long long>(m), static_cast<long long>(n), acc[m * N + n], alone[m * N + n]);
+        }
+      // The attention tile's forms: the keys packed transposed (PackTransposed of W^T) compute the same bits as
+      // W packed as it is; and a range of W's rows [kb, ke) (a band of rows of a tile, over the keys it sees)
+      // against the reference over that range, equal bit for bit to the whole range where x is zero outside
+      // it (the keys a band skips would have had probability 0).
+      std::vector<float> wt(N * K);
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t n = 0; n < N; ++n) wt[n * K + k] = w[k * N + n];
+      attncal::PackedWeight pt;
+      std::vector<float> yt(M * N, NAN);
+      if (!pt.PackTransposed(wt.data(), N, K, K, width) || pt.panel_width() != width) {
+        std::printf("panel width %lld: PackTransposed declined\n", static_cast<long long>(width));
+        return 1;
+      }
+      attncal::packed_gemm_bias(pt, M, x.data(), K, bias.data(), 0, panels, yt.data(), N);
+      for (int64_t i = 0; i < M * N; ++i)
+        if (yt[i] != y[i] && failures++ < 3)
+          std::printf("transposed M=%lld K=%lld N=%lld: y[%lld] %.9g, packed as is %.9g\n", static_cast<long long>(M),
+                      static_cast<long long>(K), static_cast<long long>(N), static_cast<long long>(i), yt[i], y[i]);
+      const int64_t kb = K / 3, ke = std::max(kb + 1, K - K / 4);
+      std::vector<float> xz(x);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k)
+          if (k < kb || k >= ke) xz[m * K + k] = 0.f;
+      std::vector<float> part(y0), whole(y0);
+      attncal::packed_gemm(pw, M, x.data(), K, part.data(), N, /*accumulate=*/true, kb, ke);
+      attncal::packed_gemm(pw, M, xz.data(), K, whole.data(), N, /*accumulate=*/true);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double ref = y0[m * N + n];
+          for (int64_t k = kb; k < ke; ++k) ref += static_cast<double>(x[m * K + k]) * w[k * N + n];
+          const double err = std::fabs(ref - part[m * N + n]) / (1.0 + std::fabs(ref));
+          worst = std::max(worst, std::isnan(err) ? INFINITY : err);
+          if (K <= 192 && part[m * N + n] != whole[m * N + n] && failures++ < 3)
+            std::printf("range M=%lld K=%lld N=%lld: y[%lld,%lld] %.9g, zeros outside %.9g\n",
+                        static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N),
+                        static_cast<long long>(m), static_cast<long long>(n), part[m * N + n], whole[m * N + n]);
         }
     }
     const bool ok = worst <= 2e-5;  // float32 sums of up to 384 products of magnitude <= 1

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -53,7 +54,8 @@ struct AttentionUnit {
 // Per-thread scratch of the attention kernel (separate from Scratch: the row routines use that).
 struct AttentionScratch {
   std::vector<float> scores, q, k, v, ctx, run_max, run_sum, first_max;
-  PackedWeight v_panels;  // a key tile's values, packed for tile_context
+  PackedWeight k_panels, v_panels;  // a key tile's keys and values (pack_tile)
+  std::vector<int64_t> bands;      // a tile's bands of rows: begin, end, first key, end key
 };
 
 inline AttentionScratch& thread_attention_scratch() {
@@ -65,19 +67,39 @@ inline void ensure(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
 }
 
-// The context of a key tile, o[R,Dv] += P[R,n] * V[n,Dv] (P dense, ld n; o dense, ld Dv), with the tile's V
-// packed into cpu/packed_gemm.h's panels (n x Dv floats against R x n x Dv multiply-adds) and P read in place.
+// A key tile's keys (transposed) and values [n, D] / [n, Dv], packed into cpu/packed_gemm.h's panels in the
+// thread's scratch for tile_scores and tile_context; false on a CPU without the packed kernel (no AVX2 and FMA),
+// which then runs the GEMM library on whole tiles.  Packing costs n x (D + Dv) copies against R x n x (D + Dv)
+// multiply-adds.
 // Why not OpenBLAS: its result for a row can depend on how many rows the call has (seen with 256-key tiles),
 // and a row of the key tiles that is computed again alone, without skipping, must equal the same row computed
-// in its unit; the packed kernel computes each element the same way whatever R is (and reads P in place, where
-// OpenBLAS copies all of P into its own layout first).  A CPU without the packed kernel (no AVX2 and FMA) keeps
-// OpenBLAS.
-inline void tile_context(int64_t R, int64_t Dv, int64_t n, const float* P, const float* V, int64_t ldv, float* o) {
-  PackedWeight& w = thread_attention_scratch().v_panels;
-  if (w.Pack(V, n, Dv, ldv)) {
-    packed_gemm(w, R, P, n, o, Dv, /*accumulate=*/true);
+// in its unit; the packed kernel computes each element the same way whatever R is, reads Q and P in place
+// where OpenBLAS copies them into its own layout on every call, and lets a band of rows take a range of keys.
+inline bool pack_tile(int64_t n, int64_t D, int64_t Dv, const float* K, int64_t ldk, const float* V, int64_t ldv) {
+  AttentionScratch& as = thread_attention_scratch();
+  return as.k_panels.PackTransposed(K, n, D, ldk) && as.v_panels.Pack(V, n, Dv, ldv);
+}
+
+// Scores of keys [lo, hi) of a tile of n keys, s[R, lo:hi] = Q[R,D] * K[lo:hi, D]^T (Q dense and already scaled,
+// s ld n).  Packed: lo and hi are multiples of the panel width, or n.
+inline void tile_scores(bool packed, int64_t R, int64_t n, int64_t D, const float* Q, const float* K, int64_t ldk,
+                        float* s, int64_t lo, int64_t hi) {
+  if (packed) {
+    const PackedWeight& w = thread_attention_scratch().k_panels;
+    const int64_t nr = w.panel_width();
+    packed_gemm_bias(w, R, Q, D, nullptr, lo / nr, (hi + nr - 1) / nr, s, n);
   } else {
-    gemm_nn(R, Dv, n, P, n, V, ldv, o, Dv, /*accumulate=*/true);
+    gemm_nt(R, hi - lo, D, 1.0f, Q, D, K + lo * ldk, ldk, s + lo, n);
+  }
+}
+
+// The context of keys [lo, hi) of the tile, o[R,Dv] += P[R, lo:hi] * V[lo:hi, Dv] (P ld n, o dense).
+inline void tile_context(bool packed, int64_t R, int64_t Dv, int64_t n, const float* P, const float* V, int64_t ldv,
+                         float* o, int64_t lo, int64_t hi) {
+  if (packed) {
+    packed_gemm(thread_attention_scratch().v_panels, R, P, n, o, Dv, /*accumulate=*/true, lo, hi);
+  } else {
+    gemm_nn(R, Dv, hi - lo, P + lo, n, V + lo * ldv, ldv, o, Dv, /*accumulate=*/true);
   }
 }
 
@@ -105,6 +127,9 @@ class AttentionPlan {
   // causal mask a wider tile computes more of what the mask hides, and larger heads gained nothing.
   static constexpr int64_t kWideTileBytes = 512 * 1024;
   static constexpr int64_t kWideTileMaxHead = 64;
+  // Rows of a band of a tile under a window, and the multiple its key range is widened to: the packed kernel's
+  // widest panel.
+  static constexpr int64_t kBand = 32;
   // Masked scores are float32's lowest value plus a score far smaller than it: at or below half of it.
   static constexpr float kMaskedFloor = std::numeric_limits<float>::lowest() / 2;
 
@@ -310,6 +335,12 @@ class AttentionPlan {
     const float* q = query + (u.b * sh_.S_q + r0) * ldq + u.h * D;
     const float* k = key + u.b * K * ldk + sh_.kv_head(u.h) * D;
     const float* v = value + u.b * K * ldv + sh_.kv_head(u.h) * Dv;
+    // The unit's queries, scaled, in one dense block that every tile reads: in place, the rows of one head lie
+    // N * D floats apart, and a block of them maps onto a few sets of L2, from which it is evicted between tiles.
+    ensure(as.q, R * D);
+    float* qs = as.q.data();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = sh_.scale * q[r * ldq + d];
     const float* bias = bias_.data() + u.b * K;
     const bool add_bias = masked_[u.b] != 0;
     const int64_t lo = valid_[2 * u.b], hi = valid_[2 * u.b + 1];
@@ -323,38 +354,64 @@ class AttentionPlan {
       int64_t z = skip_padding && wl >= 0 ? std::clamp(k0 + n + wl, a, r1) : r1;
       // Hidden from every row: padding outside the item's valid span, or keys outside every row's window.
       const bool hidden = (k0 + n <= lo || k0 >= hi) || a == z;
+      // Seen in part by some rows of [a, z): a row whose window ends inside the tile, or starts inside it.
+      const bool partial = skip_padding && ((wr >= 0 && a + wr < k0 + n - 1) || (wl >= 0 && z - 1 - wl > k0));
+      bool may_skip = skip_padding && (hidden || a > r0 || z < r1 || partial);
       float kmax = 0.f;
-      if (skip_padding && (hidden || a > r0 || z < r1)) {
+      if (may_skip) {
         if (finite_abs_max(k + k0 * ldk, n, D, ldk, &kmax) && finite_abs_max(v + k0 * ldv, n, Dv, ldv, nullptr)) {
           skipped_k = std::max(skipped_k, kmax);
           if (hidden) continue;
-        } else {  // a non-finite key or value is never skipped: every row computes the tile
+        } else {  // a non-finite key or value is never skipped: every row computes the whole tile
           a = r0;
           z = r1;
+          may_skip = false;
         }
       }
-      gemm_nt(z - a, n, D, sh_.scale, q + (a - r0) * ldq, ldq, k + k0 * ldk, ldk, s + (a - r0) * n, n);
+      const bool packed = pack_tile(n, D, Dv, k + k0 * ldk, ldk, v + k0 * ldv, ldv);
+      // The tile in bands of rows, each over the keys [c0, c1) that its rows' windows reach, widened to kBand
+      // keys (the rest of the band's keys are masked for each of its rows, as skipped keys: see above): under a
+      // causal mask the tile on the diagonal is computed as a staircase of bands, not as a square.
+      std::vector<int64_t>& bands = as.bands;
+      bands.clear();
+      for (int64_t g = a; g < z; g += kBand) {
+        const int64_t g1 = std::min(z, g + kBand);
+        int64_t c0 = 0, c1 = n;
+        if (may_skip && partial && packed) {
+          if (wl >= 0) c0 = std::clamp(g - wl - k0, int64_t{0}, n) / kBand * kBand;
+          if (wr >= 0) c1 = std::min(n, (std::clamp(g1 + wr - k0, c0, n) + kBand - 1) / kBand * kBand);
+        }
+        if (!bands.empty() && bands[bands.size() - 1] == c1 && bands[bands.size() - 2] == c0) {
+          bands[bands.size() - 3] = g1;
+        } else {
+          bands.insert(bands.end(), {g, g1, c0, c1});
+        }
+      }
       const float* rel = relative_row(u.h, r0);
-      for (int64_t r = a - r0; r < z - r0; ++r) {
-        float* row = s + r * n;
-        if (rel != nullptr) add_row(row, rel + k0 - r, n);
-        if (add_bias) add_row(row, bias + k0, n);
-        if (sh_.windowed()) mask_window(row, r0 + r, k0, n, bias + k0);
-        const float mt = row_max(row, n);
-        const float mn = (mt > m[r] || mt != mt) ? mt : m[r];  // a NaN maximum stays: exp(x - NaN) is NaN
-        if (mn == -std::numeric_limits<float>::infinity()) {  // nothing but -inf so far: adds nothing
-          std::fill(row, row + n, 0.f);
-          continue;
+      for (size_t i = 0; i < bands.size(); i += 4) {
+        const int64_t b0 = bands[i] - r0, b1 = bands[i + 1] - r0, c0 = bands[i + 2], c1 = bands[i + 3], w = c1 - c0;
+        tile_scores(packed, b1 - b0, n, D, qs + b0 * D, k + k0 * ldk, ldk, s + b0 * n, c0, c1);
+        for (int64_t r = b0; r < b1; ++r) {
+          float* row = s + r * n + c0;
+          if (rel != nullptr) add_row(row, rel + k0 + c0 - r, w);
+          if (add_bias) add_row(row, bias + k0 + c0, w);
+          if (sh_.windowed()) mask_window(row, r0 + r, k0 + c0, w, bias + k0 + c0);
+          const float mt = row_max(row, w);
+          const float mn = (mt > m[r] || mt != mt) ? mt : m[r];  // a NaN maximum stays: exp(x - NaN) is NaN
+          if (mn == -std::numeric_limits<float>::infinity()) {  // nothing but -inf so far: adds nothing
+            std::fill(row, row + w, 0.f);
+            continue;
+          }
+          exp_shifted_row(row, row, w, mn);  // NaN scores stay NaN and reach l
+          // 0 on the first finite tile, exactly 1 while the maximum holds (no exp for it: most tiles of a long row)
+          const float corr = mn == m[r] ? 1.f : std::exp(m[r] - mn);
+          if (!(m0[r] > kMaskedFloor) && mn > kMaskedFloor) m0[r] = mn;
+          m[r] = mn;
+          l[r] = l[r] * corr + sum_row(row, w);
+          if (corr != 1.f) scale_row(o + r * Dv, Dv, corr);
         }
-        exp_shifted_row(row, row, n, mn);  // NaN scores stay NaN and reach l
-        // 0 on the first finite tile, exactly 1 while the maximum holds (no exp for it: most tiles of a long row)
-        const float corr = mn == m[r] ? 1.f : std::exp(m[r] - mn);
-        if (!(m0[r] > kMaskedFloor) && mn > kMaskedFloor) m0[r] = mn;
-        m[r] = mn;
-        l[r] = l[r] * corr + sum_row(row, n);
-        if (corr != 1.f) scale_row(o + r * Dv, Dv, corr);
+        tile_context(packed, b1 - b0, Dv, n, s + b0 * n, v + k0 * ldv, ldv, o + b0 * Dv, c0, c1);
       }
-      tile_context(z - a, Dv, n, s + (a - r0) * n, v + k0 * ldv, ldv, o + (a - r0) * Dv);
     }
     float* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
     std::vector<int64_t> again;
@@ -381,15 +438,14 @@ class AttentionPlan {
 
   // Whether rows x[0..n) (each of `cols` floats, leading dimension ld) are all finite; their largest |x| in
   // *amax when it is given.
-  static bool finite_abs_max(const float* x, int64_t n, int64_t cols, int64_t ld, float* amax) {
-    float mx = 0.f;
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < cols; ++c) {
-        const float a = std::fabs(x[i * ld + c]);
-        if (!(a <= std::numeric_limits<float>::max())) return false;
-        mx = a > mx ? a : mx;
-      }
-    if (amax != nullptr) *amax = mx;
+  ATTNCAL_CLONES static bool finite_abs_max(const float* x, int64_t n, int64_t cols, int64_t ld, float* amax) {
+    uint32_t mx = 0;
+    for (int64_t i = 0; i < n && mx < kInfBits; ++i) {
+      const uint32_t m = abs_max_bits(x + i * ld, cols);
+      mx = m > mx ? m : mx;
+    }
+    if (mx >= kInfBits) return false;
+    if (amax != nullptr) std::memcpy(amax, &mx, sizeof mx);
     return true;
   }
 

@@ -68,6 +68,22 @@ inline float nonfinite_probe(const float* x, int64_t n) {
   return combine8(acc, tail);
 }
 
+// The largest |x[k]| over n floats, as its bits: for non-negative floats the order of the bits is the order of
+// the values, and infinity's and NaN's bits lie above every finite value's, so one unsigned maximum answers
+// both "all finite?" (below kInfBits) and "how large?".  Integer lanes, which GCC vectorises; a float maximum
+// with NaN's rules stays scalar.
+constexpr uint32_t kInfBits = 0x7f800000u;
+inline uint32_t abs_max_bits(const float* x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, sizeof b);
+    b &= 0x7fffffffu;
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
 #define ATTNCAL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else

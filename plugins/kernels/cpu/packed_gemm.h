@@ -40,6 +40,9 @@ class PackedWeight {
   // panel_width 16 (AVX2) or 32 (AVX-512) when given (tests run both).  False, leaving it empty, when there is
   // no such kernel.  The storage is kept from one Pack to the next (the attention kernel packs per tile).
   bool Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width = 0);
+  // Packs b^T for b [n, k] (row-major, leading dimension ldb): the keys of an attention tile, so that
+  // packed_gemm gives Q * K^T.  Same panels and same refusals as Pack.
+  bool PackTransposed(const float* b, int64_t n, int64_t k, int64_t ldb, int64_t panel_width = 0);
   bool packed() const { return nr_ != 0; }
   bool Matches(int64_t k, int64_t n) const { return packed() && k == k_ && n == n_; }
   int64_t panel_width() const { return nr_; }
@@ -49,6 +52,9 @@ class PackedWeight {
   bool avx512() const { return nr_ == 32; }
 
  private:
+  // The panel width for this CPU (0: no kernel), sized for k x n, or false.
+  bool Reserve(int64_t k, int64_t n, int64_t panel_width);
+
   int64_t k_ = 0, n_ = 0, nr_ = 0;
   std::vector<float> data_;
 };
@@ -137,17 +143,16 @@ inline __attribute__((always_inline)) void Tail(int64_t r, int64_t K, const floa
 template <typename V, int MR, int NV>
 inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M, const float* x, int64_t ldx,
                                                const float* bias, int64_t p0, int64_t p1, float* y, int64_t ldy,
-                                               bool accumulate) {
+                                               bool accumulate, int64_t kb, int64_t K) {
   constexpr int64_t kRowBlock = 256, kKBlock = 192;
   constexpr int64_t NR = static_cast<int64_t>(sizeof(V) / sizeof(float)) * NV;
-  const int64_t K = w.k();
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, nc = std::min(NR, w.n() - n0);
-      for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+      for (int64_t k0 = kb; k0 < K; k0 += kKBlock) {
         const int64_t kc = std::min(kKBlock, K - k0);
-        const bool first = k0 == 0 && !accumulate, last = k0 + kc >= K;
+        const bool first = k0 == kb && !accumulate, last = k0 + kc >= K;
         const float* panel = w.panel(p) + k0 * NR;
         const float* b = bias != nullptr ? bias + n0 : nullptr;  // (null + n0 would let GCC assume bias non-null)
         int64_t m = m0;
@@ -163,19 +168,21 @@ inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M,
 
 __attribute__((target("avx512f"))) inline void RunAvx512(const PackedWeight& w, int64_t M, const float* x,
                                                          int64_t ldx, const float* bias, int64_t p0, int64_t p1,
-                                                         float* y, int64_t ldy, bool accumulate) {
-  Run<V16, 8, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate);
+                                                         float* y, int64_t ldy, bool accumulate, int64_t kb,
+                                                         int64_t ke) {
+  Run<V16, 8, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
 }
 
 __attribute__((target("avx2,fma"))) inline void RunAvx2(const PackedWeight& w, int64_t M, const float* x,
                                                         int64_t ldx, const float* bias, int64_t p0, int64_t p1,
-                                                        float* y, int64_t ldy, bool accumulate) {
-  Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate);
+                                                        float* y, int64_t ldy, bool accumulate, int64_t kb,
+                                                        int64_t ke) {
+  Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
 }
 
 }  // namespace packed
 
-inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width) {
+inline bool PackedWeight::Reserve(int64_t k, int64_t n, int64_t panel_width) {
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -189,17 +196,36 @@ inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw
   if (nr == 0 || k <= 0 || n <= 0) return false;
   const int64_t panels = (n + nr - 1) / nr;
   data_.resize(static_cast<size_t>(panels * k * nr));
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t n0 = p * nr, nc = std::min(nr, n - n0);
-    float* dst = data_.data() + p * k * nr;
-    for (int64_t kk = 0; kk < k; ++kk) {
-      std::copy(w + kk * ldw + n0, w + kk * ldw + n0 + nc, dst + kk * nr);
-      std::fill(dst + kk * nr + nc, dst + (kk + 1) * nr, 0.f);  // the last panel's columns past n
-    }
-  }
   k_ = k;
   n_ = n;
   nr_ = nr;
+  return true;
+}
+
+inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width) {
+  if (!Reserve(k, n, panel_width)) return false;
+  for (int64_t n0 = 0; n0 < n; n0 += nr_) {
+    const int64_t nc = std::min(nr_, n - n0);
+    float* dst = data_.data() + n0 * k;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      std::copy(w + kk * ldw + n0, w + kk * ldw + n0 + nc, dst + kk * nr_);
+      std::fill(dst + kk * nr_ + nc, dst + (kk + 1) * nr_, 0.f);  // the last panel's columns past n
+    }
+  }
+  return true;
+}
+
+inline bool PackedWeight::PackTransposed(const float* b, int64_t n, int64_t k, int64_t ldb, int64_t panel_width) {
+  if (!Reserve(k, n, panel_width)) return false;
+  for (int64_t n0 = 0; n0 < n; n0 += nr_) {
+    const int64_t nc = std::min(nr_, n - n0);
+    float* dst = data_.data() + n0 * k;
+    if (nc < nr_) std::fill(dst, dst + k * nr_, 0.f);  // the last panel's columns past n
+    for (int64_t j = 0; j < nc; ++j) {
+      const float* row = b + (n0 + j) * ldb;
+      for (int64_t kk = 0; kk < k; ++kk) dst[kk * nr_ + j] = row[kk];
+    }
+  }
   return true;
 }
 
@@ -207,29 +233,35 @@ inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw
 inline void packed_gemm_bias(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, const float* bias,
                              int64_t p0, int64_t p1, float* y, int64_t ldy) {
   if (w.avx512()) {
-    packed::RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy, false);
+    packed::RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy, false, 0, w.k());
   } else {
-    packed::RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy, false);
+    packed::RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy, false, 0, w.k());
   }
 }
 
-// y = x * W, or y += x * W with accumulate (the product's block sums added onto y), all columns.
+// y = x * W, or y += x * W with accumulate (the product's block sums added onto y), all columns; or over W's
+// rows [kb, ke) only (x's columns [kb, ke); x still points at column 0): what a row of an attention tile
+// sees of it.  Blocks of k start at kb.
 inline void packed_gemm(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, float* y, int64_t ldy,
-                        bool accumulate) {
+                        bool accumulate, int64_t kb = 0, int64_t ke = -1) {
   const int64_t panels = (w.n() + w.panel_width() - 1) / w.panel_width();
+  if (ke < 0) ke = w.k();
   if (w.avx512()) {
-    packed::RunAvx512(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate);
+    packed::RunAvx512(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate, kb, ke);
   } else {
-    packed::RunAvx2(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate);
+    packed::RunAvx2(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate, kb, ke);
   }
 }
 
 #else  // no packed kernel on this target: Pack declines, callers keep cpu/gemm.h
 
+inline bool PackedWeight::Reserve(int64_t, int64_t, int64_t) { return false; }
 inline bool PackedWeight::Pack(const float*, int64_t, int64_t, int64_t, int64_t) { return false; }
+inline bool PackedWeight::PackTransposed(const float*, int64_t, int64_t, int64_t, int64_t) { return false; }
 inline void packed_gemm_bias(const PackedWeight&, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
                              float*, int64_t) {}
-inline void packed_gemm(const PackedWeight&, int64_t, const float*, int64_t, float*, int64_t, bool) {}
+inline void packed_gemm(const PackedWeight&, int64_t, const float*, int64_t, float*, int64_t, bool, int64_t = 0,
+                        int64_t = -1) {}
 
 #endif
 
