@@ -37,6 +37,28 @@ def test_two_engine_one_shape_run_writes_json_table_and_plots(tiny_models, tmp_p
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".results.tmp")]
 
 
+def test_cached_exports_are_reused_only_by_the_code_that_made_them(tiny_models, tmp_path, monkeypatch):
+    """A checkout's next commit keeps attncal's version string; its bench must export anew, not measure the
+    exports the last commit's code made."""
+    from attncal.bench import engines
+
+    work = tmp_path / "work"
+
+    def bench() -> set[str]:
+        assert main(["bench", str(tiny_models["bert"]), "--engines", "ort", "--seq", "16", "--batch", "1",
+                     "--repeats", "1", "--no-memory", "--out", str(tmp_path / "results"),
+                     "--workdir", str(work)]) == 0
+        return {p.name for p in work.iterdir() if p.is_dir()}
+
+    first = bench()
+    assert bench() == first  # same code: the cached export is reused
+    fingerprint = engines.export_code_fingerprint()
+    assert fingerprint == engines.export_code_fingerprint() and len(fingerprint) == 12
+    monkeypatch.setattr(engines, "export_code_fingerprint", lambda: "other code")
+    second = bench()
+    assert first < second and len(second - first) == 1
+
+
 def test_peer_is_the_optimized_graph_where_it_ran_else_the_plain_export():
     from attncal.bench.engines import peer_engine
 

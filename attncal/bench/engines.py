@@ -161,6 +161,28 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
     return notes
 
 
+def export_code_fingerprint() -> str:
+    """What a cached bench export depends on besides the model, the config and the placement: attncal's own
+    code (every module's source: a checkout's next commit keeps the version string, and must not reuse the
+    last commit's exports) and the versions of the libraries that export and rewrite it."""
+    import hashlib
+    import importlib.metadata as md
+
+    from ..export.exporter import library_versions
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    versions = library_versions()
+    try:
+        versions["onnxscript"] = md.version("onnxscript")
+    except md.PackageNotFoundError:
+        pass
+    h.update(json.dumps(versions, sort_keys=True).encode())
+    return h.hexdigest()[:12]
+
+
 def _cached_export_ok(path: Path, quiet: bool) -> bool:
     """Whether a cached bench export is there and intact; a damaged one is removed and rebuilt."""
     from ..artifact import ArtifactError, open_export

@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results", help="output directory (default %(default)s)")
     p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="placement of the ort-opt-cal engine's optimized graph (default %(default)s)")
-    p.add_argument("--workdir", default=None, help="where exports are built and cached (default: OUT/../.bench-cache)")
+    p.add_argument("--workdir", default=None, help="where exports are built and cached, per model, config and attncal code (default: OUT/../.bench-cache)")
     add_calibration_args(p)
 
 
@@ -154,8 +154,11 @@ def run(args: argparse.Namespace) -> int:
     config.layer_indices(info.num_layers)
     import hashlib
 
+    from ..bench import engines as bench_engines
+
     key = f"{info.model_type}-" + hashlib.sha256(
-        f"{model}|{config.to_json()}|{args.placement}".encode()).hexdigest()[:12]
+        f"{model}|{config.to_json()}|{args.placement}|{bench_engines.export_code_fingerprint()}".encode()
+    ).hexdigest()[:12]
     ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads, placement=args.placement)
     notes = build_exports(ws, engines)
     rows, skipped = run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
