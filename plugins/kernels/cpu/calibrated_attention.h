@@ -73,8 +73,9 @@ inline void ensure(std::vector<float>& v, int64_t n) {
 // multiply-adds.
 // Why not OpenBLAS: its result for a row can depend on how many rows the call has (seen with 256-key tiles),
 // and a row of the key tiles that is computed again alone, without skipping, must equal the same row computed
-// in its unit; the packed kernel computes each element the same way whatever R is, reads Q and P in place
-// where OpenBLAS copies them into its own layout on every call, and lets a band of rows take a range of keys.
+// in its unit; the packed kernel computes each element the same way whatever R is, reads its row operand (the
+// unit's block of queries, P) in place where OpenBLAS copies it into its own layout on every call, and lets a
+// band of rows take a range of keys.
 inline bool pack_tile(int64_t n, int64_t D, int64_t Dv, const float* K, int64_t ldk, const float* V, int64_t ldv) {
   AttentionScratch& as = thread_attention_scratch();
   return as.k_panels.PackTransposed(K, n, D, ldk) && as.v_panels.Pack(V, n, Dv, ldv);
