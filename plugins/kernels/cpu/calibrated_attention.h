@@ -308,9 +308,9 @@ class AttentionPlan {
   // after its last, or outside the row's window) and whose K and V rows are finite is skipped by that row: by
   // every row of [r0, r1), or by the rows outside the run that the window lets see it (both GEMMs then take
   // only that run); within the run, a band of rows skips the keys of the tile that none of its rows' windows
-  // reach (both GEMMs take the band's range of keys).  Each of its scores is at most lowest + |scale| * D * max|q| * max|k|.  Let m0 be the row's
-  // running maximum where it first rose above lowest / 2, i.e. past every masked score (the first real
-  // maximum).  Where the bound is far below m0, the tile adds exactly nothing: after m0, exp(score - m) is
+  // reach (both GEMMs take the band's range of keys).  Each of its scores is at most
+  // lowest + |scale| * D * max|q| * max|k|.  Let m0 be the row's running maximum where it first rose above
+  // lowest / 2, i.e. past every masked score (the first real maximum).  Where the bound is far below m0, the tile adds exactly nothing: after m0, exp(score - m) is
   // exactly 0 in float32; before it, the unskipped pass's sum and context are wiped by the rescale
   // exp(m_old - m0) = 0 that both passes make when m0 arrives (every earlier maximum is a masked score: at
   // or below lowest / 2, or below the bound).  A row for which that does not hold (no real maximum, or scores

@@ -52,7 +52,8 @@ class PackedWeight {
   bool avx512() const { return nr_ == 32; }
 
  private:
-  // The panel width for this CPU (0: no kernel), sized for k x n, or false.
+  // Sizes the storage for k x n in panels of this CPU's widest kernel (or of panel_width); false, leaving it
+  // empty, when there is no such kernel.
   bool Reserve(int64_t k, int64_t n, int64_t panel_width);
 
   int64_t k_ = 0, n_ = 0, nr_ = 0;
@@ -143,16 +144,16 @@ inline __attribute__((always_inline)) void Tail(int64_t r, int64_t K, const floa
 template <typename V, int MR, int NV>
 inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M, const float* x, int64_t ldx,
                                                const float* bias, int64_t p0, int64_t p1, float* y, int64_t ldy,
-                                               bool accumulate, int64_t kb, int64_t K) {
+                                               bool accumulate, int64_t kb, int64_t ke) {
   constexpr int64_t kRowBlock = 256, kKBlock = 192;
   constexpr int64_t NR = static_cast<int64_t>(sizeof(V) / sizeof(float)) * NV;
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR, nc = std::min(NR, w.n() - n0);
-      for (int64_t k0 = kb; k0 < K; k0 += kKBlock) {
-        const int64_t kc = std::min(kKBlock, K - k0);
-        const bool first = k0 == kb && !accumulate, last = k0 + kc >= K;
+      for (int64_t k0 = kb; k0 < ke; k0 += kKBlock) {
+        const int64_t kc = std::min(kKBlock, ke - k0);
+        const bool first = k0 == kb && !accumulate, last = k0 + kc >= ke;
         const float* panel = w.panel(p) + k0 * NR;
         const float* b = bias != nullptr ? bias + n0 : nullptr;  // (null + n0 would let GCC assume bias non-null)
         int64_t m = m0;
