@@ -310,10 +310,10 @@ class AttentionPlan {
   // only that run); within the run, a band of rows skips the keys of the tile that none of its rows' windows
   // reach (both GEMMs take the band's range of keys).  Each of its scores is at most
   // lowest + |scale| * D * max|q| * max|k|.  Let m0 be the row's running maximum where it first rose above
-  // lowest / 2, i.e. past every masked score (the first real maximum).  Where the bound is far below m0, the tile adds exactly nothing: after m0, exp(score - m) is
-  // exactly 0 in float32; before it, the unskipped pass's sum and context are wiped by the rescale
-  // exp(m_old - m0) = 0 that both passes make when m0 arrives (every earlier maximum is a masked score: at
-  // or below lowest / 2, or below the bound).  A row for which that does not hold (no real maximum, or scores
+  // lowest / 2, i.e. past every masked score (the first real maximum).  Where the bound is far below m0, the
+  // tile adds exactly nothing: after m0, exp(score - m) is exactly 0 in float32; before it, the unskipped
+  // pass's sum and context are wiped by the rescale exp(m_old - m0) = 0 that both passes make when m0 arrives
+  // (every earlier maximum is a masked score: at or below lowest / 2, or below the bound).  A row for which that does not hold (no real maximum, or scores
   // near float32's range) is computed again without skipping, so every row equals the unskipped result.
   // Why m0 and not the first finite maximum: under a window a row's first computed tile may hold only keys
   // outside its own window, whose masked scores would otherwise send every such row to the recomputation.
