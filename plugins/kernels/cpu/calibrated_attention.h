@@ -313,8 +313,9 @@ class AttentionPlan {
   // lowest / 2, i.e. past every masked score (the first real maximum).  Where the bound is far below m0, the
   // tile adds exactly nothing: after m0, exp(score - m) is exactly 0 in float32; before it, the unskipped
   // pass's sum and context are wiped by the rescale exp(m_old - m0) = 0 that both passes make when m0 arrives
-  // (every earlier maximum is a masked score: at or below lowest / 2, or below the bound).  A row for which that does not hold (no real maximum, or scores
-  // near float32's range) is computed again without skipping, so every row equals the unskipped result.
+  // (every earlier maximum is a masked score: at or below lowest / 2, or below the bound).  A row for which
+  // that does not hold (no real maximum, or scores near float32's range) is computed again without skipping,
+  // so every row equals the unskipped result.
   // Why m0 and not the first finite maximum: under a window a row's first computed tile may hold only keys
   // outside its own window, whose masked scores would otherwise send every such row to the recomputation.
   void tiles(const AttentionUnit& u, int64_t r0, int64_t r1, const float* query, const float* key,
