@@ -146,10 +146,13 @@ def test_dynamo_export_end_to_end(arch, tiny_models, tmp_path):
         strengths = [next(a.f for a in n.attribute if a.name == "strength") for n in model.graph.node
                      if n.domain == DOMAIN]
         assert strengths == pytest.approx([0.0, 0.0, 0.8, 0.8])  # calibration off in the layers it does not select
-        # The hidden state's RMS norms and tanh GELUs run as ONNX Runtime's ops; Q's and K's per-head norms not.
+        # The RMS norms, tanh GELUs and Q's and K's rotations run as ONNX Runtime's ops (PLAIN_NATIVE_FUSIONS).
         fused = native["onnxruntime_fusions"]
         assert fused == PLAIN_NATIVE_FUSIONS[arch]
-        assert (ops.count("SimplifiedLayerNormalization"), ops.count("FastGelu")) == tuple(fused.values())
+        assert tuple(ops.count(op) for op in fused) == tuple(fused.values())
+        assert not fused["RotaryEmbedding"] or "Neg" not in ops  # the rotations' rotate_half is gone with them
+        read = {name for node in model.graph.node for name in node.input}
+        assert {t.name for t in model.graph.initializer} <= read  # no constant that only a replaced node read
         assert ops.count("ReduceMean") == PER_HEAD_NORMS[arch]
 
 
@@ -176,17 +179,19 @@ def test_long_context_native_graph_runs_its_feed_forwards_in_chunks(arch, tmp_pa
     assert np.abs(native_enc.encode(texts, batch_size=3) - portable.encode(texts, batch_size=3)).max() <= 1e-5
 
 
-# (SimplifiedLayerNormalization, FastGelu) in the native graph of the tiny models: Qwen3 pre-norms (2 a layer and
-# the final norm), Gemma3's four norms a layer and the final one with its tanh GELU, T5's two and the final one;
-# ModernBERT and MPNet use LayerNormalization.  Their q_norm / k_norm (per head) keep their ReduceMean.
+# (SimplifiedLayerNormalization, FastGelu, RotaryEmbedding) in the native graph of the tiny models: Qwen3's pre-norms
+# (2 a layer and the final norm) and its q_norm / k_norm, which read Q and K before any Transpose once the rotations
+# are fused; Gemma3's four norms a layer and the final one with its tanh GELU (its q_norm / k_norm read a Transpose's
+# output and keep their ReduceMean); T5's two and the final one; ModernBERT and MPNet use LayerNormalization.
+# Qwen3, Gemma3 and ModernBERT rotate Q and K in every layer; T5 and MPNet have no rotary embedding.
 PLAIN_NATIVE_FUSIONS = {
-    "qwen3": {"SimplifiedLayerNormalization": 9, "FastGelu": 0},
-    "gemma3_text": {"SimplifiedLayerNormalization": 17, "FastGelu": 4},
-    "modernbert": {"SimplifiedLayerNormalization": 0, "FastGelu": 0},
-    "t5": {"SimplifiedLayerNormalization": 9, "FastGelu": 0},
-    "mpnet": {"SimplifiedLayerNormalization": 0, "FastGelu": 0},
+    "qwen3": {"SimplifiedLayerNormalization": 17, "FastGelu": 0, "RotaryEmbedding": 8},
+    "gemma3_text": {"SimplifiedLayerNormalization": 17, "FastGelu": 4, "RotaryEmbedding": 8},
+    "modernbert": {"SimplifiedLayerNormalization": 0, "FastGelu": 0, "RotaryEmbedding": 8},
+    "t5": {"SimplifiedLayerNormalization": 9, "FastGelu": 0, "RotaryEmbedding": 0},
+    "mpnet": {"SimplifiedLayerNormalization": 0, "FastGelu": 0, "RotaryEmbedding": 0},
 }
-PER_HEAD_NORMS = {"qwen3": 8, "gemma3_text": 8, "modernbert": 0, "t5": 0, "mpnet": 0}
+PER_HEAD_NORMS = {"qwen3": 0, "gemma3_text": 8, "modernbert": 0, "t5": 0, "mpnet": 0}
 
 # The synthetic models' masks (attncal.synthetic): Qwen3 causal with 2 key/value heads; Gemma3 bidirectional
 # sliding windows in even layers (|q - k| < 13 from sliding_window=24, as transformers builds it), 2 key/value

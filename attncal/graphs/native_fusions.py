@@ -1,17 +1,19 @@
-"""Fusions of a plain export's native graph into ONNX Runtime's own ops: the RMS normalization of the hidden
-state into `SimplifiedLayerNormalization`, the tanh GELU into `com.microsoft.FastGelu`.
+"""Fusions of a plain export's native graph into ONNX Runtime's own ops: the rotary embeddings of Q and K into
+`com.microsoft.RotaryEmbedding` (`rotary_fusion`), the RMS normalizations into `SimplifiedLayerNormalization`,
+the tanh GELU into `com.microsoft.FastGelu`.
 
-Why: ONNX Runtime fuses neither at load time in torch's export of Gemma3, Qwen3 or T5 (the export writes
-the norm as Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul; the GELU with Pow and Tanh), so every norm
-and activation runs as separate element-wise passes over the hidden state.  The rules are onnxscript's
-(`onnxscript.rewriter.ort_fusions`); this module picks which apply.
+Why: ONNX Runtime fuses none of them at load time in torch's export of Gemma3, Qwen3, ModernBERT or T5 (the
+export writes the norm as Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul; the GELU with Pow and Tanh; the
+rotation with Slices, Neg, Concat), so each runs as separate element-wise passes.  The norm and GELU rules are
+onnxscript's (`onnxscript.rewriter.ort_fusions`); this module picks which apply.
 
 Only the native graph gets them: it already needs ONNX Runtime (with the attncal library), while the
-portable graph stays standard ONNX.  The per-head norms of Q and K (Qwen3's and Gemma3's q_norm / k_norm,
-rank 4) stay unfused: they sit inside the rotary chain, where ONNX Runtime moves transposes through
-element-wise ops and merges the rotation's two Slices into one Split; a contrib op there stops both, and
-ONNX Runtime's profile showed those losses eating the fusion's gain.  Run before
-`load_time_fusions.drop_intermediate_shapes`: the rank comes from the shapes torch's exporter records.
+portable graph stays standard ONNX.  The rotations go first: fused, they feed the attention op in [B,S,N·D]
+without Transposes, so the per-head norms of Q and K (Qwen3's q_norm / k_norm, rank 4) then sit between
+Reshapes and fuse too.  A per-head norm that reads a Transpose's output (Gemma3 normalises after transposing
+to [B,N,S,D]) stays unfused: ONNX Runtime moves Transposes through its element-wise ops and cancels them,
+which a fused node would stop.  Run before `load_time_fusions.drop_intermediate_shapes`: ranks and head
+counts come from the shapes torch's exporter records.
 
 `SimplifiedLayerNormalization` is registered by ONNX Runtime in the ONNX domain, where `onnx.checker` does not
 know it; `describe_to_onnx_checker` gives the checker ONNX Runtime's signature of it, so the exporter's check
@@ -21,7 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import rotary_fusion
+
 HIDDEN_RANK = 3  # [batch, sequence, hidden]
+PER_HEAD_RANK = 4  # [batch, sequence, heads, head size], or heads before sequence after a Transpose
 RMS_NORM_OP = "SimplifiedLayerNormalization"  # ONNX Runtime's, in the ONNX domain (contrib_defs.cc)
 
 
@@ -29,36 +34,50 @@ RMS_NORM_OP = "SimplifiedLayerNormalization"  # ONNX Runtime's, in the ONNX doma
 class FusionCounts:
     rms_normalization: int
     fast_gelu: int
+    rotary_embedding: int
 
     def as_dict(self) -> dict[str, int]:
-        return {RMS_NORM_OP: self.rms_normalization, "FastGelu": self.fast_gelu}
+        return {RMS_NORM_OP: self.rms_normalization, "FastGelu": self.fast_gelu,
+                rotary_fusion.ROTARY_OP: self.rotary_embedding}
 
 
-def _hidden_state_rms_rules():
-    """onnxscript's RMS-normalization rules, restricted to an input of rank HIDDEN_RANK."""
+def _rms_rules():
+    """onnxscript's RMS-normalization rules, restricted to the hidden state (rank HIDDEN_RANK) and to per-head
+    norms (rank PER_HEAD_RANK) with no Transpose on either side."""
     from onnxscript.rewriter import pattern
     from onnxscript.rewriter.ort_fusions.rms_normalization import RmsNormFusion
 
-    class HiddenStateRmsNorm(RmsNormFusion):
-        def check(self, op, x, scale, epsilon, compute_dtype, target_dtype, **rest):
-            result = super().check(op, x, scale, epsilon, compute_dtype, target_dtype, **rest)
+    class LayoutAwareRmsNorm(RmsNormFusion):
+        def check(self, context, x, scale, epsilon, compute_dtype, target_dtype, **rest):
+            result = super().check(context, x, scale, epsilon, compute_dtype, target_dtype, **rest)
             rank = None if x.shape is None else x.shape.rank()
-            if result and rank != HIDDEN_RANK:
-                return result.fail(f"input of rank {rank}, not the hidden state's {HIDDEN_RANK}", x)
+            if result and rank not in (HIDDEN_RANK, PER_HEAD_RANK):
+                return result.fail(f"input of rank {rank}, neither the hidden state's nor per head", x)
+            neighbours = [x.producer()] + [use.node for out in context.output_values for use in out.uses()]
+            if result and rank == PER_HEAD_RANK and any(n is not None and n.op_type == "Transpose"
+                                                        for n in neighbours):
+                return result.fail("a per-head norm beside a Transpose, which ONNX Runtime moves through the "
+                                   "unfused norm's element-wise ops", x)
             return result
 
-    return pattern.RewriteRuleSet([HiddenStateRmsNorm.rule("HiddenStateRmsNorm1", _mul_order=False),
-                                   HiddenStateRmsNorm.rule("HiddenStateRmsNorm2", _mul_order=True)])
+    return pattern.RewriteRuleSet([LayoutAwareRmsNorm.rule("LayoutAwareRmsNorm1", _mul_order=False),
+                                   LayoutAwareRmsNorm.rule("LayoutAwareRmsNorm2", _mul_order=True)])
 
 
 def fuse_for_onnxruntime(model) -> FusionCounts:
-    """Fuse `model` (an onnx_ir.Model, the native graph of a plain export, shapes still recorded) in place."""
+    """Fuse `model` (an onnx_ir.Model, the native graph of a plain export, shapes still recorded) in place: the
+    rotations first, which take the Transposes out of the per-head norms' way."""
     from onnxscript.rewriter import pattern
     from onnxscript.rewriter.ort_fusions.gelu import GeluTanhFusion
 
-    rms = _hidden_state_rms_rules().apply_to_model(model)
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    rotary = rotary_fusion.fuse_rotations(model)
+    rms = _rms_rules().apply_to_model(model)
     gelu = pattern.RewriteRuleSet([GeluTanhFusion.rule()]).apply_to_model(model)
-    return FusionCounts(rms, gelu)
+    # The rules leave the constants only the replaced nodes read (ONNX Runtime warns of each at load).
+    RemoveUnusedNodesPass()(model)
+    return FusionCounts(rms, gelu, rotary)
 
 
 def describe_to_onnx_checker() -> None:
