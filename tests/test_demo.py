@@ -20,7 +20,11 @@ def test_demo_on_a_tiny_model(tiny_models, tmp_path, capsys):
     text = capsys.readouterr().out
     assert len(re.findall(r"max \|Δ\| \S+ +min cosine \S+ +OK", text)) == 2, text
     ratio = re.search(r"uncalibrated ([\d.]+) ms, calibrated ([\d.]+) ms \(ratio ([\d.]+)\)", text)
-    assert ratio and float(ratio.group(3)) == pytest.approx(float(ratio.group(2)) / float(ratio.group(1)), abs=2e-3)
+    assert ratio
+    # The ratio is of the unrounded medians: it must lie where the two times printed to 0.01 ms, and itself
+    # printed to 0.001, allow (at a few ms, the printed times alone move their ratio by up to 0.0025).
+    uncal, cal, printed = (float(ratio.group(i)) for i in (1, 2, 3))
+    assert (cal - 5e-3) / (uncal + 5e-3) - 5e-4 <= printed <= (cal + 5e-3) / (uncal - 5e-3) + 5e-4, text
     assert re.search(r"calibrated graph: onnx/\S+, \S+ placement", text)
     # The position-bias table comes before parity and cost: one row per third of the passage, from real prose.
     rows = re.findall(r"^  (the beginning|the middle|the end) +(\d+) +([\d.]+) +([\d.]+)  ([+-][\d.]+) "
