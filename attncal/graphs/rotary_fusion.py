@@ -57,6 +57,7 @@ class Rotation:
 
     op: ir.Node
     index: int
+    flat: ir.Value  # the placement's [0,0,-1] shape, which the rotated input is reshaped by again
     x: ir.Value
     x0: ir.Value | None  # x's [B,S,N,D] source where x = Transpose(x0), else None
     heads: int
@@ -167,7 +168,7 @@ def find_rotation(op: ir.Node, index: int) -> Rotation | None:
         operands = _rotation_operands(add, x, head_size // 2)
         if operands is not None and all(_doubled_frequencies(v) and _positions_match(v, x, head_size)
                                         for v in operands):
-            return Rotation(op, index, x, _transposed(x), heads, head_size, *operands)
+            return Rotation(op, index, r.inputs[1], x, _transposed(x), heads, head_size, *operands)
     return None
 
 
@@ -197,7 +198,7 @@ def fuse_rotations(model: ir.Model) -> int:
             caches[id(table)] = ops("Reshape", ops("Slice", table, *first_rows), rows)
         tables = (positions, caches[id(rot.cos)], caches[id(rot.sin)])
         x0 = rot.x0 if rot.x0 is not None else ops("Transpose", rot.x, perm=list(_BNSD))
-        flat = ops("Reshape", x0, ops.const("flat", np.array([0, 0, -1], np.int64)))
+        flat = ops("Reshape", x0, rot.flat)
         rot.op.replace_input_with(rot.index, ops(ROTARY_OP, flat, *tables, domain=MS_DOMAIN, num_heads=rot.heads,
                                                  interleaved=0))
         ops.insert_before(rot.op)
