@@ -95,10 +95,18 @@ int main() {
         return 1;
       }
       attncal::packed_gemm_bias(pt, M, x.data(), K, bias.data(), 0, panels, yt.data(), N);
+      // Also from rows K + 3 floats apart (the keys of one head among several): the same panels.
+      std::vector<float> wts(N * (K + 3), NAN), ys(M * N, NAN);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) wts[n * (K + 3) + k] = wt[n * K + k];
+      attncal::PackedWeight ps;
+      ps.PackTransposed(wts.data(), N, K, K + 3, width);
+      attncal::packed_gemm_bias(ps, M, x.data(), K, bias.data(), 0, panels, ys.data(), N);
       for (int64_t i = 0; i < M * N; ++i)
-        if (yt[i] != y[i] && failures++ < 3)
-          std::printf("transposed M=%lld K=%lld N=%lld: y[%lld] %.9g, packed as is %.9g\n", static_cast<long long>(M),
-                      static_cast<long long>(K), static_cast<long long>(N), static_cast<long long>(i), yt[i], y[i]);
+        if ((yt[i] != y[i] || ys[i] != y[i]) && failures++ < 3)
+          std::printf("transposed M=%lld K=%lld N=%lld: y[%lld] %.9g and %.9g strided, packed as is %.9g\n",
+                      static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(N),
+                      static_cast<long long>(i), yt[i], ys[i], y[i]);
       const int64_t kb = K / 3, ke = std::max(kb + 1, K - K / 4);
       std::vector<float> xz(x);
       for (int64_t m = 0; m < M; ++m)

@@ -29,10 +29,12 @@
 #define ATTNCAL_CPU_CALIBRATED_ATTENTION_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -54,6 +56,7 @@ struct AttentionUnit {
 // Per-thread scratch of the attention kernel (separate from Scratch: the row routines use that).
 struct AttentionScratch {
   std::vector<float> scores, q, k, v, ctx, run_max, run_sum, first_max;
+  std::vector<uint32_t> q_bits;  // per query row of a unit over key tiles, its largest |q| (scale_rows)
   PackedWeight k_panels, v_panels;  // a key tile's keys and values (pack_tile)
   std::vector<int64_t> bands;      // a tile's bands of rows: begin, end, first key, end key
 };
@@ -68,7 +71,8 @@ inline void ensure(std::vector<float>& v, int64_t n) {
 }
 
 // A key tile's keys (transposed) and values [n, D] / [n, Dv], packed into cpu/packed_gemm.h's panels in the
-// thread's scratch for tile_scores and tile_context; false on a CPU without the packed kernel (no AVX2 and FMA),
+// thread's scratch for tile_scores and tile_context (where the plan has no shared store of packed tiles, or
+// another thread is packing this one into it); false on a CPU without the packed kernel (no AVX2 and FMA),
 // which then runs the GEMM library on whole tiles.  Packing costs n x (D + Dv) copies against R x n x (D + Dv)
 // multiply-adds.
 // Why not OpenBLAS: its result for a row can depend on how many rows the call has (seen with 256-key tiles),
@@ -83,10 +87,10 @@ inline bool pack_tile(int64_t n, int64_t D, int64_t Dv, const float* K, int64_t 
 
 // Scores of keys [lo, hi) of a tile of n keys, s[R, lo:hi] = Q[R,D] * K[lo:hi, D]^T (Q dense and already scaled,
 // s ld n).  Packed: lo and hi are multiples of the panel width, or n.
-inline void tile_scores(bool packed, int64_t R, int64_t n, int64_t D, const float* Q, const float* K, int64_t ldk,
-                        float* s, int64_t lo, int64_t hi) {
-  if (packed) {
-    const PackedWeight& w = thread_attention_scratch().k_panels;
+inline void tile_scores(const PackedWeight* packed, int64_t R, int64_t n, int64_t D, const float* Q, const float* K,
+                        int64_t ldk, float* s, int64_t lo, int64_t hi) {
+  if (packed != nullptr) {
+    const PackedWeight& w = *packed;
     const int64_t nr = w.panel_width();
     packed_gemm_bias(w, R, Q, D, nullptr, lo / nr, (hi + nr - 1) / nr, s, n);
   } else {
@@ -95,10 +99,10 @@ inline void tile_scores(bool packed, int64_t R, int64_t n, int64_t D, const floa
 }
 
 // The context of keys [lo, hi) of the tile, o[R,Dv] += P[R, lo:hi] * V[lo:hi, Dv] (P ld n, o dense).
-inline void tile_context(bool packed, int64_t R, int64_t Dv, int64_t n, const float* P, const float* V, int64_t ldv,
-                         float* o, int64_t lo, int64_t hi) {
-  if (packed) {
-    packed_gemm(thread_attention_scratch().v_panels, R, P, n, o, Dv, /*accumulate=*/true, lo, hi);
+inline void tile_context(const PackedWeight* packed, int64_t R, int64_t Dv, int64_t n, const float* P, const float* V,
+                         int64_t ldv, float* o, int64_t lo, int64_t hi) {
+  if (packed != nullptr) {
+    packed_gemm(*packed, R, P, n, o, Dv, /*accumulate=*/true, lo, hi);
   } else {
     gemm_nn(R, Dv, hi - lo, P + lo, n, V + lo * ldv, ldv, o, Dv, /*accumulate=*/true);
   }
@@ -169,6 +173,40 @@ class AttentionPlan {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < sh_.N; ++h)
         for (int64_t q = 0; q < Q; q += unit_rows_) units_.push_back({b, h, q, std::min(q + unit_rows_, Q)});
+    if (tiled_) {
+      const size_t n = probe_slots();
+      probes_.reset(new std::atomic<uint64_t>[n]);
+      for (size_t i = 0; i < n; ++i) probes_[i].store(kNotProbed, std::memory_order_relaxed);
+    }
+  }
+
+  // Long rows in float32: the floats of a store of packed key tiles that the units share (0 where they share
+  // none: shares_tiles), a slot per item, KV head and key tile, as large as the layer's K and V together.  The
+  // units of the query heads that share a KV head, and of each later block of query rows, compute over the same
+  // tiles; packing them anew per unit means reading each key a row of every KV head apart (a 4 KiB page per key
+  // at Qwen3's 8 KV heads of 128), which cost more than the copying itself.  Shared, each tile is read that way
+  // once per call and then streamed from the store's contiguous panels.
+  int64_t tile_store_floats() const {
+    if (!shares_tiles()) return 0;
+    return static_cast<int64_t>(probe_slots()) * (PackedWeight::StorageFloats(sh_.D, key_tile_) +
+                                                  PackedWeight::StorageFloats(key_tile_, sh_.D_v));
+  }
+
+  // Lets the units share `store` (tile_store_floats() floats, alive while they run; nothing to do where that is
+  // 0).  Without it each unit packs the tiles it computes into its thread's scratch; the results are the same
+  // bits either way.
+  void share_tiles(float* store) {
+    const size_t slots = probe_slots();
+    if (!shares_tiles() || store == nullptr || slots == 0) return;
+    const int64_t kf = PackedWeight::StorageFloats(sh_.D, key_tile_);
+    const int64_t vf = PackedWeight::StorageFloats(key_tile_, sh_.D_v);
+    panels_.assign(2 * slots, PackedWeight{});
+    state_.reset(new std::atomic<uint8_t>[slots]);
+    for (size_t i = 0; i < slots; ++i) {
+      panels_[2 * i].UseStorage(store + static_cast<int64_t>(i) * (kf + vf));
+      panels_[2 * i + 1].UseStorage(store + static_cast<int64_t>(i) * (kf + vf) + kf);
+      state_[i].store(kEmpty, std::memory_order_relaxed);
+    }
   }
 
   size_t size() const { return units_.size(); }
@@ -341,9 +379,10 @@ class AttentionPlan {
     // The unit's queries, scaled, in one dense block that every tile reads: in place, the rows of one head lie
     // N * D floats apart, and a block of them maps onto a few sets of L2, from which it is evicted between tiles.
     ensure(as.q, R * D);
+    if (static_cast<int64_t>(as.q_bits.size()) < R) as.q_bits.resize(static_cast<size_t>(R));
     float* qs = as.q.data();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = sh_.scale * q[r * ldq + d];
+    uint32_t* q_bits = as.q_bits.data();
+    scale_rows(q, ldq, R, D, sh_.scale, qs, q_bits);
     const float* bias = bias_.data() + u.b * K;
     const bool add_bias = masked_[u.b] != 0;
     const int64_t lo = valid_[2 * u.b], hi = valid_[2 * u.b + 1];
@@ -360,9 +399,12 @@ class AttentionPlan {
       // Seen in part by some rows of [a, z): a row whose window ends inside the tile, or starts inside it.
       const bool partial = skip_padding && ((wr >= 0 && a + wr < k0 + n - 1) || (wl >= 0 && z - 1 - wl > k0));
       bool may_skip = skip_padding && (hidden || a > r0 || z < r1 || partial);
-      float kmax = 0.f;
       if (may_skip) {
-        if (finite_abs_max(k + k0 * ldk, n, D, ldk, &kmax) && finite_abs_max(v + k0 * ldv, n, Dv, ldv, nullptr)) {
+        const uint64_t probe = probe_tile(u.b, sh_.kv_head(u.h), k0 / T, n, k + k0 * ldk, ldk, v + k0 * ldv, ldv);
+        const uint32_t kbits = static_cast<uint32_t>(probe), vbits = static_cast<uint32_t>(probe >> 32);
+        if (kbits < kInfBits && vbits < kInfBits) {
+          float kmax;
+          std::memcpy(&kmax, &kbits, sizeof kmax);
           skipped_k = std::max(skipped_k, kmax);
           if (hidden) continue;
         } else {  // a non-finite key or value is never skipped: every row computes the whole tile
@@ -371,7 +413,10 @@ class AttentionPlan {
           may_skip = false;
         }
       }
-      const bool packed = pack_tile(n, D, Dv, k + k0 * ldk, ldk, v + k0 * ldv, ldv);
+      const PackedWeight* kp = nullptr;
+      const PackedWeight* vp = nullptr;
+      const bool packed = tile_panels(u, k0 / T, n, k + k0 * ldk, ldk, v + k0 * ldv, ldv, &kp, &vp);
+      if (!packed) kp = vp = nullptr;
       // The tile in bands of rows, each over the keys [c0, c1) that its rows' windows reach, widened to kBand
       // keys (the rest of the band's keys are masked for each of its rows, as skipped keys: see above): under a
       // causal mask the tile on the diagonal is computed as a staircase of bands, not as a square.
@@ -393,7 +438,7 @@ class AttentionPlan {
       const float* rel = relative_row(u.h, r0);
       for (size_t i = 0; i < bands.size(); i += 4) {
         const int64_t b0 = bands[i] - r0, b1 = bands[i + 1] - r0, c0 = bands[i + 2], c1 = bands[i + 3], w = c1 - c0;
-        tile_scores(packed, b1 - b0, n, D, qs + b0 * D, k + k0 * ldk, ldk, s + b0 * n, c0, c1);
+        tile_scores(kp, b1 - b0, n, D, qs + b0 * D, k + k0 * ldk, ldk, s + b0 * n, c0, c1);
         for (int64_t r = b0; r < b1; ++r) {
           float* row = s + r * n + c0;
           if (rel != nullptr) add_row(row, rel + k0 + c0 - r, w);
@@ -413,15 +458,16 @@ class AttentionPlan {
           l[r] = l[r] * corr + sum_row(row, w);
           if (corr != 1.f) scale_row(o + r * Dv, Dv, corr);
         }
-        tile_context(packed, b1 - b0, Dv, n, s + b0 * n, v + k0 * ldv, ldv, o + b0 * Dv, c0, c1);
+        tile_context(vp, b1 - b0, Dv, n, s + b0 * n, v + k0 * ldv, ldv, o + b0 * Dv, c0, c1);
       }
     }
     float* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
     std::vector<int64_t> again;
     for (int64_t r = 0; r < R; ++r) {
       if (skipped_k >= 0.f) {
-        float qmax = 0.f;
-        const bool finite_q = finite_abs_max(q + r * ldq, 1, D, ldq, &qmax);
+        const bool finite_q = q_bits[r] < kInfBits;
+        float qmax;
+        std::memcpy(&qmax, &q_bits[r], sizeof qmax);
         const double bound =
             2.0 * std::fabs(static_cast<double>(sh_.scale)) * static_cast<double>(D) * qmax * skipped_k + rel_max_;
         const double lowest = std::numeric_limits<float>::lowest();
@@ -433,20 +479,115 @@ class AttentionPlan {
           continue;
         }
       }
+      if (r + kAhead < R) prefetch_row(out + (r + kAhead) * ldo, Dv, /*write=*/true);
       const float inv = 1.0f / l[r];
       for (int64_t d = 0; d < Dv; ++d) out[r * ldo + d] = o[r * Dv + d] * inv;
     }
     for (int64_t r : again) tiles(u, r, r + 1, query, key, value, context, /*skip_padding=*/false);
   }
 
-  // Whether rows x[0..n) (each of `cols` floats, leading dimension ld) are all finite; their largest |x| in
-  // *amax when it is given.
-  ATTNCAL_CLONES static bool finite_abs_max(const float* x, int64_t n, int64_t cols, int64_t ld, float* amax) {
+  // qs[r, :] = scale * q[r * ldq, :] for R rows, and the bits of each row's largest |q| in bits[r] (the bound of
+  // the skipping, read at the end of the unit without reading q again).  A unit's rows of one head lie a row of
+  // every head apart (a page each at Qwen3's 16 heads of 128), beyond the reach of the hardware's prefetcher,
+  // which stops at a page: the rows kAhead ahead are asked for while one is copied.
+  ATTNCAL_CLONES static void scale_rows(const float* q, int64_t ldq, int64_t R, int64_t D, float scale, float* qs,
+                                        uint32_t* bits) {
+    for (int64_t r = 0; r < R; ++r) {
+      if (r + kAhead < R) prefetch_row(q + (r + kAhead) * ldq, D, /*write=*/false);
+      const float* src = q + r * ldq;
+      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = scale * src[d];
+      bits[r] = abs_max_bits(src, D);
+    }
+  }
+
+  static constexpr int64_t kAhead = 4;
+  static void prefetch_row(const float* x, int64_t n, bool write) {
+    for (int64_t i = 0; i < n; i += 16) {
+      if (write) {
+        __builtin_prefetch(x + i, 1);
+      } else {
+        __builtin_prefetch(x + i, 0);
+      }
+    }
+  }
+
+  // Key tile t of item b and KV head g (n keys at k, their values at v): the bits of its largest |k| in the low
+  // half and of its largest |v| in the high half (at or above kInfBits: not finite).  Read once per call, by
+  // the first unit that asks, and kept for the others: every unit of the query heads that share the KV head
+  // asks for the same tiles, and under a causal mask a unit asks for every tile past its rows, which it reads
+  // only to skip them (key by key, a row of every KV head apart).  Two units that ask at once both read it and
+  // store the same value.
+  uint64_t probe_tile(int64_t b, int64_t g, int64_t t, int64_t n, const float* k, int64_t ldk, const float* v,
+                      int64_t ldv) const {
+    std::atomic<uint64_t>& slot = probes_[slot_of(b, g, t)];
+    uint64_t probe = slot.load(std::memory_order_relaxed);
+    if (probe == kNotProbed) {
+      probe = abs_max_bits_of(k, n, sh_.D, ldk) | (static_cast<uint64_t>(abs_max_bits_of(v, n, sh_.D_v, ldv)) << 32);
+      slot.store(probe, std::memory_order_relaxed);
+    }
+    return probe;
+  }
+
+  // Key tile t of unit u's item and KV head (n keys at k, their values at v) in packed panels, into *kp and *vp:
+  // from the shared store, packed there by the first unit that asks (share_tiles); or, without a store, or while
+  // another thread is packing it, into this thread's scratch (pack_tile).  False without a packed kernel.
+  bool tile_panels(const AttentionUnit& u, int64_t t, int64_t n, const float* k, int64_t ldk, const float* v,
+                   int64_t ldv, const PackedWeight** kp, const PackedWeight** vp) const {
+    if (state_ != nullptr) {
+      const size_t i = slot_of(u.b, sh_.kv_head(u.h), t);
+      uint8_t st = state_[i].load(std::memory_order_acquire);
+      if (st == kEmpty && state_[i].compare_exchange_strong(st, kPacking, std::memory_order_acq_rel)) {
+        const bool ok = panels_[2 * i].PackTransposed(k, n, sh_.D, ldk) && panels_[2 * i + 1].Pack(v, n, sh_.D_v, ldv);
+        st = ok ? kReady : kDeclined;
+        state_[i].store(st, std::memory_order_release);
+      }
+      if (st == kReady) {
+        *kp = &panels_[2 * i];
+        *vp = &panels_[2 * i + 1];
+        return true;
+      }
+    }
+    AttentionScratch& as = thread_attention_scratch();
+    *kp = &as.k_panels;
+    *vp = &as.v_panels;
+    return pack_tile(n, sh_.D, sh_.D_v, k, ldk, v, ldv);
+  }
+
+  // Whether the units share a store of packed key tiles (tile_store_floats): where a tile serves several query
+  // heads (grouped KV heads), or kMinSharingBlocks blocks of query rows or more (no window on both sides).  With
+  // fewer blocks and one query head per KV head the store saved too little for the memory it takes (the
+  // measurements: docs/native-kernels.md).
+  static constexpr int64_t kMinSharingBlocks = 8;
+  bool shares_tiles() const {
+    if (!tiled_) return false;
+    if (sh_.kv_heads() < sh_.N) return true;
+    const bool bounded = sh_.window_left >= 0 && sh_.window_right >= 0;
+    return !bounded && (sh_.S_q + unit_rows_ - 1) / unit_rows_ >= kMinSharingBlocks;
+  }
+
+  // The slots of the tile probes and the tile store: per item, KV head and key tile (long rows only).
+  size_t probe_slots() const {
+    return tiled_ ? static_cast<size_t>(sh_.B * sh_.kv_heads() * ((sh_.S_k + key_tile_ - 1) / key_tile_)) : 0;
+  }
+  size_t slot_of(int64_t b, int64_t g, int64_t t) const {
+    return static_cast<size_t>((b * sh_.kv_heads() + g) * ((sh_.S_k + key_tile_ - 1) / key_tile_) + t);
+  }
+
+  // The largest |x| over rows x[0..n) (each of `cols` floats, leading dimension ld), as its bits (lanes.h): at or
+  // above kInfBits where one is not finite, which ends the scan.
+  ATTNCAL_CLONES static uint32_t abs_max_bits_of(const float* x, int64_t n, int64_t cols, int64_t ld) {
     uint32_t mx = 0;
     for (int64_t i = 0; i < n && mx < kInfBits; ++i) {
       const uint32_t m = abs_max_bits(x + i * ld, cols);
       mx = m > mx ? m : mx;
     }
+    return mx;
+  }
+
+  // Whether rows x[0..n) (each of `cols` floats, leading dimension ld) are all finite; their largest |x| in
+  // *amax when it is given.
+  static bool finite_abs_max(const float* x, int64_t n, int64_t cols, int64_t ld, float* amax) {
+    const uint32_t mx = abs_max_bits_of(x, n, cols, ld);
     if (mx >= kInfBits) return false;
     if (amax != nullptr) std::memcpy(amax, &mx, sizeof mx);
     return true;
@@ -516,14 +657,27 @@ class AttentionPlan {
   std::vector<char> masked_;  // per item: 1 when some key is masked
   std::vector<int64_t> valid_;  // per item: [first valid key, last valid key + 1)
   std::vector<AttentionUnit> units_;
+  // Long rows: per item, KV head and key tile, probe_tile's answer once a unit has asked (kNotProbed before).
+  static constexpr uint64_t kNotProbed = ~uint64_t{0};
+  mutable std::unique_ptr<std::atomic<uint64_t>[]> probes_;
+  // The shared store (share_tiles): per slot a tile's keys and values in packed panels, and its state.
+  enum : uint8_t { kEmpty, kPacking, kReady, kDeclined };
+  mutable std::vector<PackedWeight> panels_;
+  mutable std::unique_ptr<std::atomic<uint8_t>[]> state_;
 };
 
-// The whole op, serially (the ORT kernel runs the same units on the intra-op pool).
+// The whole op, serially (the ORT kernel runs the same units on the intra-op pool, its key tiles' store in the
+// session's arena).
 template <typename T>
 void calibrated_attention(const T* query, const T* key, const T* value, const int64_t* mask, T* context,
                           const AttentionShape& shape, const AttncalParams& p, const RelativeBias& rel = RelativeBias{}) {
   gemm_init();
-  const AttentionPlan plan(mask, shape, p, rel);
+  AttentionPlan plan(mask, shape, p, rel);
+  std::vector<float> store;
+  if (std::is_same<T, float>::value && plan.tile_store_floats() > 0) {
+    store.resize(static_cast<size_t>(plan.tile_store_floats()));
+    plan.share_tiles(store.data());
+  }
   for (size_t i = 0; i < plan.size(); ++i) plan.run(i, query, key, value, context, p);
 }
 

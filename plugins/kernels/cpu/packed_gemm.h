@@ -43,21 +43,29 @@ class PackedWeight {
   // Packs b^T for b [n, k] (row-major, leading dimension ldb): the keys of an attention tile, so that
   // packed_gemm gives Q * K^T.  Same panels and same refusals as Pack.
   bool PackTransposed(const float* b, int64_t n, int64_t k, int64_t ldb, int64_t panel_width = 0);
+  // Packs into `storage` (at least StorageFloats(k, n) floats, owned by the caller) from then on instead of the
+  // object's own vector: the attention kernel's per-call store of packed key tiles, which every unit reads.
+  void UseStorage(float* storage) { storage_ = storage; }
+  // Floats that k x n takes in panels of any width this header packs.
+  static int64_t StorageFloats(int64_t k, int64_t n) { return (n + 31) / 32 * 32 * k; }
   bool packed() const { return nr_ != 0; }
   bool Matches(int64_t k, int64_t n) const { return packed() && k == k_ && n == n_; }
   int64_t panel_width() const { return nr_; }
   int64_t k() const { return k_; }
   int64_t n() const { return n_; }
-  const float* panel(int64_t p) const { return data_.data() + p * k_ * nr_; }
+  const float* panel(int64_t p) const { return data() + p * k_ * nr_; }
   bool avx512() const { return nr_ == 32; }
 
  private:
   // Sizes the storage for k x n in panels of this CPU's widest kernel (or of panel_width); false, leaving it
   // empty, when there is no such kernel.
   bool Reserve(int64_t k, int64_t n, int64_t panel_width);
+  float* data() { return storage_ != nullptr ? storage_ : data_.data(); }
+  const float* data() const { return storage_ != nullptr ? storage_ : data_.data(); }
 
   int64_t k_ = 0, n_ = 0, nr_ = 0;
   std::vector<float> data_;
+  float* storage_ = nullptr;  // UseStorage's, or null: data_
 };
 
 #if ATTNCAL_PACKED_GEMM
@@ -181,6 +189,41 @@ __attribute__((target("avx2,fma"))) inline void RunAvx2(const PackedWeight& w, i
   Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
 }
 
+// dst[kk * nr + j] = b[j * ldb + kk] for keys j < nc and kk < k: one panel of an attention tile's keys,
+// transposed in blocks of 8 x 8 (three rounds of shuffles) with the edges element by element.  An element loop
+// stores one float at a time, a panel row apart, which was a large part of a tile's packing (the measurement:
+// docs/native-kernels.md).
+__attribute__((target("avx2"))) inline void TransposePanel(const float* b, int64_t nc, int64_t k, int64_t ldb,
+                                                           float* dst, int64_t nr) {
+  int64_t j0 = 0;
+  for (; j0 + 8 <= nc; j0 += 8) {
+    int64_t k0 = 0;
+    for (; k0 + 8 <= k; k0 += 8) {
+      V8 r[8], s[8], t[8];
+      for (int i = 0; i < 8; ++i) __builtin_memcpy(&r[i], b + (j0 + i) * ldb + k0, sizeof(V8));
+      for (int i = 0; i < 8; i += 2) {  // rows i, i+1 interleaved: even and odd columns
+        s[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 2, 10, 4, 12, 6, 14);
+        s[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+      }
+      for (int i = 0; i < 8; i += 4)  // four rows per column pair: columns c, c+4 of rows i..i+3
+        for (int c = 0; c < 2; ++c) {
+          t[i + c] = __builtin_shufflevector(s[i + c], s[i + c + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+          t[i + c + 2] = __builtin_shufflevector(s[i + c], s[i + c + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+      for (int c = 0; c < 4; ++c) {  // rows 0..3 with rows 4..7: columns c and c+4 whole
+        const V8 lo = __builtin_shufflevector(t[c], t[c + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        const V8 hi = __builtin_shufflevector(t[c], t[c + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+        __builtin_memcpy(dst + (k0 + c) * nr + j0, &lo, sizeof(V8));
+        __builtin_memcpy(dst + (k0 + c + 4) * nr + j0, &hi, sizeof(V8));
+      }
+    }
+    for (; k0 < k; ++k0)
+      for (int64_t i = 0; i < 8; ++i) dst[k0 * nr + j0 + i] = b[(j0 + i) * ldb + k0];
+  }
+  for (; j0 < nc; ++j0)
+    for (int64_t kk = 0; kk < k; ++kk) dst[kk * nr + j0] = b[j0 * ldb + kk];
+}
+
 }  // namespace packed
 
 inline bool PackedWeight::Reserve(int64_t k, int64_t n, int64_t panel_width) {
@@ -196,7 +239,7 @@ inline bool PackedWeight::Reserve(int64_t k, int64_t n, int64_t panel_width) {
   k_ = n_ = nr_ = 0;
   if (nr == 0 || k <= 0 || n <= 0) return false;
   const int64_t panels = (n + nr - 1) / nr;
-  data_.resize(static_cast<size_t>(panels * k * nr));
+  if (storage_ == nullptr) data_.resize(static_cast<size_t>(panels * k * nr));
   k_ = k;
   n_ = n;
   nr_ = nr;
@@ -207,7 +250,7 @@ inline bool PackedWeight::Pack(const float* w, int64_t k, int64_t n, int64_t ldw
   if (!Reserve(k, n, panel_width)) return false;
   for (int64_t n0 = 0; n0 < n; n0 += nr_) {
     const int64_t nc = std::min(nr_, n - n0);
-    float* dst = data_.data() + n0 * k;
+    float* dst = data() + n0 * k;
     for (int64_t kk = 0; kk < k; ++kk) {
       std::copy(w + kk * ldw + n0, w + kk * ldw + n0 + nc, dst + kk * nr_);
       std::fill(dst + kk * nr_ + nc, dst + (kk + 1) * nr_, 0.f);  // the last panel's columns past n
@@ -220,12 +263,9 @@ inline bool PackedWeight::PackTransposed(const float* b, int64_t n, int64_t k, i
   if (!Reserve(k, n, panel_width)) return false;
   for (int64_t n0 = 0; n0 < n; n0 += nr_) {
     const int64_t nc = std::min(nr_, n - n0);
-    float* dst = data_.data() + n0 * k;
+    float* dst = data() + n0 * k;
     if (nc < nr_) std::fill(dst, dst + k * nr_, 0.f);  // the last panel's columns past n
-    for (int64_t j = 0; j < nc; ++j) {
-      const float* row = b + (n0 + j) * ldb;
-      for (int64_t kk = 0; kk < k; ++kk) dst[kk * nr_ + j] = row[kk];
-    }
+    packed::TransposePanel(b + n0 * ldb, nc, k, ldb, dst, nr_);
   }
   return true;
 }

@@ -5,7 +5,9 @@
 #define ATTNCAL_ORT_CPU_JOBS_H_
 
 #include <cstddef>
+#include <optional>
 #include <string>
+#include <type_traits>
 
 #include "common/attncal_params.h"
 #include "cpu/calibrated_attention.h"
@@ -29,6 +31,25 @@ inline Ort::Status RunUnits(OrtKernelContext* context, void (*run)(void*, size_t
   return Ort::Status{nullptr};
 }
 
+// Memory from the session's CPU arena for the length of a Compute: ORT keeps the arena's pages from one run to
+// the next, so a kernel's workspace is not faulted in anew on every call (a fresh allocation of tens of MiB
+// costs about as much as what the packed key tiles save).  Ort::Allocator::Alloc throws where there is no room.
+class ArenaBuffer {
+ public:
+  ArenaBuffer(OrtKernelContext* context, size_t bytes)
+      : alloc_(Ort::KernelContext(context).GetAllocator(*Ort::MemoryInfo::CreateCpu(OrtArenaAllocator,
+                                                                                   OrtMemTypeDefault))),
+        data_(alloc_.Alloc(bytes)) {}
+  ~ArenaBuffer() { alloc_.Free(data_); }
+  ArenaBuffer(const ArenaBuffer&) = delete;
+  ArenaBuffer& operator=(const ArenaBuffer&) = delete;
+  float* floats() const { return static_cast<float*>(data_); }
+
+ private:
+  Ort::Allocator alloc_;
+  void* data_;
+};
+
 // The calibrated attention ops: units of (item, head, block of query rows) on the intra-op pool.
 template <typename T>
 struct AttentionJob {
@@ -41,6 +62,27 @@ struct AttentionJob {
     job->plan->run(i, job->q, job->k, job->v, job->out, *job->params);
   }
 };
+
+// Runs an attention plan's units.  Long float32 rows share their packed key tiles through a store in the arena
+// (AttentionPlan::share_tiles); where the arena has no room for it, each unit packs its own, which computes the
+// same bits.
+template <typename T>
+Ort::Status RunAttention(OrtKernelContext* context, attncal::AttentionPlan& plan, const T* q, const T* k, const T* v,
+                         T* out, const AttncalParams* params, const char* op) {
+  std::optional<ArenaBuffer> store;
+  if constexpr (std::is_same<T, float>::value) {
+    if (const int64_t floats = plan.tile_store_floats(); floats > 0) {
+      try {
+        store.emplace(context, sizeof(float) * static_cast<size_t>(floats));
+        plan.share_tiles(store->floats());
+      } catch (const Ort::Exception&) {
+        store.reset();
+      }
+    }
+  }
+  AttentionJob<T> job{&plan, q, k, v, out, params};
+  return RunUnits(context, &AttentionJob<T>::Run, plan.size(), &job, op);
+}
 
 // Appends the projected calibrated attention ops' kernels (projected_attention.cc) on execution provider
 // `ep`: part of RegisterOps (cpu_ops.cc), the CPU provider's one registration.

@@ -104,12 +104,11 @@ struct CpuCalibratedAttention {
         rel.table = widened.data();
       }
     }
-    const attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params, rel);
+    attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params, rel);
     if (plan.size() == 0) return Ort::Status{nullptr};
-    using Job = AttentionJob<Raw>;
-    Job job{&plan, reinterpret_cast<const Raw*>(query.Data()), reinterpret_cast<const Raw*>(key.Data()),
-            reinterpret_cast<const Raw*>(value.Data()), dst, &attrs.calibration.params};
-    return RunUnits(context, &Job::Run, plan.size(), &job, AttentionOpName(AllRows));
+    return RunAttention(context, plan, reinterpret_cast<const Raw*>(query.Data()),
+                        reinterpret_cast<const Raw*>(key.Data()), reinterpret_cast<const Raw*>(value.Data()), dst,
+                        &attrs.calibration.params, AttentionOpName(AllRows));
   }
 };
 

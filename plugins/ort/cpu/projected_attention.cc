@@ -125,26 +125,18 @@ struct CpuCalibratedProjectedAttention {
     float* dst = out.Allocate({shape.B, shape.S_q, hidden});
     g_attention_computes.fetch_add(1);
     if (rows == 0 || hidden == 0) return Ort::Status{nullptr};
-    Ort::KernelContext kctx(context);
-    Ort::MemoryInfo host = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
-    Ort::Allocator alloc = kctx.GetAllocator(*host);
-    struct Buffer {  // freed on every return path
-      Ort::Allocator& a;
-      void* p;
-      ~Buffer() { a.Free(p); }
-    } qkv{alloc, alloc.Alloc(sizeof(float) * static_cast<size_t>(rows * cols))};
-    float* qkv_data = static_cast<float*>(qkv.p);
+    const ArenaBuffer qkv(context, sizeof(float) * static_cast<size_t>(rows * cols));  // freed on every return path
+    float* qkv_data = qkv.floats();
     ProjectionJob pj{input.Data(), weight.Data(), bias.Data(), qkv_data, rows, hidden_in, cols};
     pj.packed = PackedFor(rows, weight.Data(), hidden_in, cols);
     if (pj.packed != nullptr) g_packed_projections.fetch_add(1);
     pj.Plan();
     st = RunUnits(context, &ProjectionJob::Run, pj.Tiles(), &pj, op);
     if (!st.IsOK()) return st;
-    const attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params);
+    attncal::AttentionPlan plan(mask.Data(), shape, attrs.calibration.params);
     if (plan.size() == 0) return Ort::Status{nullptr};
-    using Job = AttentionJob<float>;
-    Job job{&plan, qkv_data, qkv_data + hidden, qkv_data + 2 * hidden, dst, &attrs.calibration.params};
-    return RunUnits(context, &Job::Run, plan.size(), &job, op);
+    return RunAttention(context, plan, qkv_data, qkv_data + hidden, qkv_data + 2 * hidden, dst,
+                        &attrs.calibration.params, op);
   }
 };
 
