@@ -19,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test bench-core plugins gpu-check serving-env install wheel clean
+.PHONY: demo test bench-core plugins gpu-check serving-env cross-tools install wheel clean
 
 install: $(STAMP)
 
@@ -38,6 +38,13 @@ $(TRITON_STAMP): attncal/serving/requirements-triton.txt
 	@touch $(TRITON_STAMP)
 
 serving-env: $(TRITON_STAMP)
+
+# The arm64 check of the CPU kernels (tests/test_aarch64.py) needs Debian's cross compiler and QEMU's user-mode
+# emulation: installed here where apt-get can (as root); elsewhere those tests skip and say why.
+cross-tools:
+	@command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64-static >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user-static; } >/dev/null 2>&1 || \
+	  echo "attncal: g++-aarch64-linux-gnu and qemu-user-static not installed: the arm64 kernel tests skip"
 
 # The demo runs what `pip install .` gives a user: the platform wheel, with the native kernel library compiled
 # into the package (scikit-build-core: a C++17 compiler and CMake; the ONNX Runtime headers come once from npm).
@@ -59,7 +66,7 @@ demo: $(DEMO_STAMP)
 # runs one worker per core, each test file on one worker (module fixtures are built once), the files in
 # collection order, which tests/conftest.py starts with the longest (LONGEST_FILES_FIRST).
 test:
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(TRITON_STAMP)
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(TRITON_STAMP) cross-tools
 	ATTNCAL_REQUIRE_SERVING=1 $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 # Native kernels: the ORT custom-op library (CPU, + CUDA when nvcc is present), and the TensorRT

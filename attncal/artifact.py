@@ -23,6 +23,14 @@ flipped byte is caught before anything runs, while a tool that only rewrites
 the model's doc string keeps it valid.  Weights in an external-data file are
 covered by reference (name, offset, length) only.
 
+An export may come from anyone (a model hub, a shared bucket), so nothing in it
+is followed before it is checked (docs/threat-model.md): `check_external_data`
+checks every external-data reference of a graph (a regular file inside the
+graph's folder, the range within it, the declared shapes within the bytes
+present) before any reader opens one, and the files read whole (attncal.json,
+config and tokenizer files, graph files) are regular files inside the export
+below a size limit.
+
 Layering: this module sits below export, graphs and runtime; it imports nothing
 from them (the calibration config, to validate the stored one, is below it).
 """
@@ -32,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import stat
 import typing
@@ -60,6 +69,21 @@ TWO_GIB = 2 * 1024**3
 # Tensor bytes from which a graph is written with external data (protobuf cannot hold a 2 GiB message; the
 # margin is for the graph structure itself).
 INLINE_LIMIT = TWO_GIB - 64 * 1024**2
+# The limits on what an export can make attncal read or allocate (docs/threat-model.md).  A graph file is one
+# protobuf message, which cannot exceed 2 GiB, so a larger one is not a graph; it is refused before it is read
+# into memory.
+GRAPH_FILE_LIMIT = TWO_GIB - 1
+# attncal.json, config.json and the tokenizer files are read whole into memory.  The largest real ones are
+# tokenizer.json files of 250k-token vocabularies, about 35 MB; 256 MiB leaves seven times that and keeps a
+# hostile file from filling the memory of every process that opens the export.
+LOADER_FILE_LIMIT = 256 * 1024**2
+# attncal.json's `max_seq_length`: tokenizers truncate to it and Triton's tokenizer model pads every batch to it.
+# The longest-context text encoders take 128k tokens; 2^20 is eight times that.
+MAX_SEQ_LENGTH_LIMIT = 2**20
+# Layer counts (attncal.json's `num_layers`) and model dimensions (config.json's hidden size and head count, which
+# size the serving configs and the parity check's batches).  The largest transformers have 16,384-wide hidden
+# states and under 200 layers; 2^16 is four times the widest.
+DIMENSION_LIMIT = 2**16
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Above this many tokens, or with no max length, an export is a long-context one: its sessions run without ONNX
 # Runtime's memory pattern (attncal.runtime.encoder) and its native graph runs its feed-forward blocks over
@@ -131,13 +155,57 @@ def check_dir(path: str | os.PathLike, what: str = "export directory") -> Path:
     return p
 
 
-def read_bytes(path: Path, what: str = "file") -> bytes:
-    """The bytes of a file of the export, with every failure as an ArtifactError naming it."""
+def _size_text(n: int) -> str:
+    return f"{n / 1024**3:,.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:,.1f} MiB"
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether `path`, every symlink followed, is in `folder` (also resolved); lstat and readlink only, so
+    nothing is opened.  A path that is no path (a NUL byte) is not inside."""
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+    except ValueError:
+        return False
+
+
+def _check_regular(path: Path, st: os.stat_result, what: str, limit: int | None) -> None:
+    """ArtifactError unless `st` (of `path`) is a regular file of at most `limit` bytes: a FIFO blocks whoever opens
+    it, a device never ends, and a file above the limit is not what it claims to be."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ArtifactError(path, f"is {_file_kind(st.st_mode)}, not a regular file ({what})")
+    if limit is not None and st.st_size > limit:
+        raise ArtifactError(path, f"is {_size_text(st.st_size)}, above the {_size_text(limit)} limit ({what})")
+
+
+def check_export_file(path: Path, folder: Path, what: str, limit: int | None = None) -> None:
+    """ArtifactError unless `path` resolves (symlinks followed) to a regular file inside `folder` of at most
+    `limit` bytes; checked with stat calls only, before anything opens it."""
+    if not os.path.lexists(path):
+        raise MissingArtifactError(path, f"missing ({what})")
+    if not _inside(path, folder):
+        raise ArtifactError(path, f"resolves outside the export folder {folder} ({what})")
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ArtifactError(path, f"cannot be read ({exc.strerror or exc}; {what})") from None
+    _check_regular(path, st, what, limit)
+
+
+def read_bytes(path: Path, what: str = "file", limit: int = LOADER_FILE_LIMIT) -> bytes:
+    """The bytes of a file of the export, with every failure as an ArtifactError naming it; a file that is not
+    a regular one, or is above `limit` bytes, is refused before it is opened."""
     if not path.exists():
         raise MissingArtifactError(path, f"missing ({what})")
     if path.is_dir():
         raise ArtifactError(path, f"is a directory, expected a {what}")
     check_readable(path, directory=False)
+    _check_regular(path, path.stat(), what, limit)
     try:
         return path.read_bytes()
     except OSError as exc:
@@ -197,6 +265,8 @@ def config_int(export_dir: Path, key: str) -> int:
     for name in _CONFIG_ALIASES.get(key, (key,)):
         value = cfg.get(name)
         if isinstance(value, int) and not isinstance(value, bool):
+            if not 1 <= value <= DIMENSION_LIMIT:
+                raise ArtifactError(export_dir / CONFIG_FILE, f"{name} is {value}, outside 1 to {DIMENSION_LIMIT}")
             return value
     raise ArtifactError(export_dir / CONFIG_FILE, f"has no integer {' / '.join(_CONFIG_ALIASES.get(key, (key,)))}")
 
@@ -298,6 +368,7 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
             raise ArtifactError(path, f"key {key!r} must be {_type_name(types)}, got {meta[key]!r:.80}")
     if not all(_is(x, (int,)) for x in meta["calibrated_layers"]):
         raise ArtifactError(path, "key 'calibrated_layers' must be a list of integers")
+    _check_sizes(meta, path)
     for key in ("inputs", "outputs", "files"):
         if key in meta and not all(isinstance(x, str) for x in meta[key]):
             raise ArtifactError(path, f"key {key!r} must be a list of strings")
@@ -329,6 +400,20 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
     return meta
 
 
+def _check_sizes(meta: dict, path: str | os.PathLike) -> None:
+    """The sizes an `attncal.json` claims, within the limits a reader allocates for (`MAX_SEQ_LENGTH_LIMIT`,
+    `DIMENSION_LIMIT`)."""
+    length = meta.get("max_seq_length")
+    if length is not None and not 1 <= length <= MAX_SEQ_LENGTH_LIMIT:
+        raise ArtifactError(path, f"key 'max_seq_length' is {length}, outside 1 to {MAX_SEQ_LENGTH_LIMIT}")
+    layers = meta.get("num_layers", DIMENSION_LIMIT)
+    if not 1 <= layers <= DIMENSION_LIMIT:
+        raise ArtifactError(path, f"key 'num_layers' is {layers}, outside 1 to {DIMENSION_LIMIT}")
+    outside = [x for x in meta["calibrated_layers"] if not 0 <= x < layers]
+    if outside:
+        raise ArtifactError(path, f"key 'calibrated_layers' holds {outside[0]}, outside 0 to {layers - 1}")
+
+
 def read_metadata(out_dir: str | os.PathLike) -> dict:
     """The validated `attncal.json` of export `out_dir`."""
     out = check_dir(out_dir)
@@ -336,6 +421,7 @@ def read_metadata(out_dir: str | os.PathLike) -> dict:
     if not path.exists():
         raise MissingArtifactError(path, "missing: this is not an attncal export "
                                          "(create one with `attncal export MODEL -o OUT`)")
+    check_export_file(path, out, "attncal metadata file", LOADER_FILE_LIMIT)
     return validate_metadata(read_json(path, "attncal metadata"), path)
 
 
@@ -356,8 +442,13 @@ def loader_files(out_dir: str | os.PathLike) -> list[str]:
 
 
 def check_model_files(out_dir: str | os.PathLike, meta: dict) -> None:
-    """config.json (a JSON object), the loader files `attncal.json` lists, and the onnx/ directory."""
+    """config.json (a JSON object), the loader files `attncal.json` lists, and the onnx/ directory.  Every loader
+    file present (listed or not: the tokenizers read what they find) is a regular file inside the export of at
+    most `LOADER_FILE_LIMIT` bytes, checked before anything reads it."""
     out = Path(out_dir)
+    for name in sorted(LOADER_FILES):
+        if os.path.lexists(out / name):
+            check_export_file(out / name, out, "tokenizer or config file", LOADER_FILE_LIMIT)
     cfg = read_json(out / CONFIG_FILE, "model config")
     if not isinstance(cfg, dict):
         raise ArtifactError(out / CONFIG_FILE, f"expected a JSON object, got {type(cfg).__name__}")
@@ -407,13 +498,157 @@ class _Digest:
             self.h.update(b"|")
 
 
+# The keys of a TensorProto's external_data that ONNX defines; attncal writes the first three.
+_EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
+
+
+def _tensors(model):
+    """(what, TensorProto) for every tensor of a graph that a runtime loads: initializers and node attributes,
+    in subgraphs and functions too (ONNX Runtime follows external data wherever it is), and sparse tensors;
+    for a TensorProto (what a reader of one tensor checks), that tensor."""
+    import onnx
+
+    if isinstance(model, onnx.TensorProto):
+        yield f"initializer {model.name!r}", model
+        return
+
+    def graph(g):
+        for t in g.initializer:
+            yield f"initializer {t.name!r}", t
+        for sp in g.sparse_initializer:
+            yield f"sparse initializer {sp.values.name!r}", sp
+        yield from nodes(g.node)
+
+    def nodes(ns):
+        for n in ns:
+            for a in n.attribute:
+                what = f"attribute {a.name!r} of node {n.name or n.op_type!r}"
+                if a.HasField("t"):
+                    yield what, a.t
+                yield from ((what, t) for t in a.tensors)
+                if a.HasField("sparse_tensor"):
+                    yield what, a.sparse_tensor
+                yield from ((what, sp) for sp in a.sparse_tensors)
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from graph(sub)
+
+    yield from graph(model.graph)
+    for f in model.functions:
+        yield from nodes(f.node)
+
+
+# Bits per element of the tensor types that pack several elements into a byte.
+_PACKED_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4, "INT2": 2, "UINT2": 2, "FLOAT6E2M3": 6, "FLOAT6E3M2": 6}
+
+
+def _declared_size_problem(t) -> str | None:
+    """Why a tensor's declared shape is not backed by the bytes it holds (None when it is): a runtime allocates
+    what the shape says, so dims whose product exceeds the bytes present are refused, not allocated."""
+    import onnx
+
+    if any(d < 0 for d in t.dims):
+        return f"declares a negative dimension {list(t.dims)}"
+    count = math.prod(t.dims)
+    if t.data_type == onnx.TensorProto.STRING:
+        need, have, unit = count, len(t.string_data), "strings"
+    else:
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except (KeyError, ValueError, TypeError):
+            return f"has data type {t.data_type}, which is no ONNX tensor type"
+        bits = _PACKED_BITS.get(onnx.TensorProto.DataType.Name(t.data_type))
+        packed = bits is not None
+        need = -(-count * bits // 8) if packed else count * itemsize
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            have = int({e.key: e.value for e in t.external_data}["length"])
+        elif t.HasField("raw_data"):
+            have = len(t.raw_data)
+        else:  # typed fields: one entry per element (or per packed byte), at most `itemsize` bytes each
+            entries = sum(len(getattr(t, f)) for f in ("float_data", "int32_data", "int64_data", "double_data",
+                                                        "uint64_data"))
+            have = entries * (1 if packed else itemsize)
+        unit = "bytes"
+    if need > have:
+        return f"declares shape {list(t.dims)} ({need:,} {unit}) but holds {have:,} {unit}"
+    return None
+
+
+def _external_problem(t, folder: Path, files: dict) -> str | None:
+    """Why a tensor's external-data reference may not be followed (None when it may): its keys, then its
+    location (relative, inside `folder` with symlinks followed, a regular file), then its range within that
+    file.  `files` caches each location's size; nothing is opened (a FIFO would block the check)."""
+    keys = [e.key for e in t.external_data]
+    for key in keys:
+        if key not in _EXTERNAL_KEYS:
+            return f"external data key {key!r:.40} is not one ONNX defines"
+        if keys.count(key) > 1:
+            return f"external data key {key!r} is repeated"
+    info = {e.key: e.value for e in t.external_data}
+    loc = info.get("location", "")
+    if not loc:
+        return "external data has no location"
+    for key in ("offset", "length"):
+        value = info.get(key, "0" if key == "offset" else None)
+        if value is None:
+            return f"external data has no {key}"
+        if not (value.isascii() and value.isdigit()):
+            return f"external data {key} {value!r:.40} is not a non-negative integer"
+    offset, length = int(info.get("offset", "0")), int(info["length"])
+    if os.path.isabs(loc):
+        return f"external data location {loc!r:.200} is an absolute path"
+    if loc not in files:
+        target = folder / loc
+        if not _inside(target, folder):
+            return f"external data location {loc!r:.200} resolves outside the export folder"
+        try:
+            st = target.stat()
+        except OSError as exc:
+            return f"external data cannot be read (location {loc!r:.200}: {exc.strerror or exc})"
+        if not stat.S_ISREG(st.st_mode):
+            return f"external data location {loc!r:.200} is {_file_kind(st.st_mode)}, not a regular file"
+        files[loc] = st.st_size
+    if offset + length > files[loc]:
+        return (f"external data (offset {offset:,}, length {length:,}) ends past the end of {loc!r:.200} "
+                f"({files[loc]:,} bytes): truncated external data")
+    return None
+
+
+def check_external_data(model, base_dir: str | os.PathLike, graph_file: str | os.PathLike | None = None) -> None:
+    """Refuse a graph whose tensors would make a reader open or allocate anything but what its folder holds;
+    run by every reader of a graph's external data (`graph_digest`, `write_graph_file`, `load_onnx_checked`,
+    which runs before any ONNX Runtime session, the int8 quantizer) before it reads any.
+
+    Each external-data reference must name a relative location that resolves, symlinks followed, to a regular
+    file inside `base_dir` (the graph's folder), with a non-negative integer offset and length whose range lies
+    within that file; every tensor's declared shape must be backed by the bytes it holds or references; a
+    sparse tensor, which ONNX Runtime expands to its dense shape and attncal never writes, is refused.  Raises
+    ArtifactError naming `graph_file` (else `base_dir`) and the tensor.  Only stat calls are made: the check
+    opens nothing, so a FIFO or a device named by a hostile graph is refused, not read.  `model` may also be
+    one TensorProto, for a reader of one tensor."""
+    import onnx
+
+    folder = Path(base_dir)
+    files: dict[str, int] = {}
+    for what, t in _tensors(model):
+        if isinstance(t, onnx.SparseTensorProto):
+            problem = "is a sparse tensor (ONNX Runtime expands it to its dense shape; attncal writes none)"
+        elif t.data_location == onnx.TensorProto.EXTERNAL:
+            problem = _external_problem(t, folder, files) or _declared_size_problem(t)
+        else:
+            problem = _declared_size_problem(t)
+        if problem:
+            raise ArtifactError(graph_file if graph_file is not None else folder, f"{what} {problem}")
+
+
 def graph_digest(model, base_dir: str | os.PathLike | None = None) -> str:
     """sha256 over everything a graph file says except its doc strings and this digest: header,
     opsets, inputs, outputs, weights, nodes, value_info, functions and other metadata.  A weight in an
     external data file is hashed as its reference followed by its bytes, read from `base_dir` (the graph's
-    folder); without `base_dir`, as its reference only."""
+    folder, whose references `check_external_data` checks first); without `base_dir`, as its reference only."""
     import onnx
 
+    if base_dir is not None:
+        check_external_data(model, base_dir)
     d = _Digest()
     d.head(model, [p for p in model.metadata_props if p.key != DIGEST_KEY])
     for t in model.graph.initializer:
@@ -538,6 +773,7 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
     import onnx
 
     base_dir, path = Path(base_dir), Path(path)
+    check_external_data(proto, base_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     inits = list(proto.graph.initializer)
     total = sum(_external_info(t)[2] if t.data_location == onnx.TensorProto.EXTERNAL else t.ByteSize() for t in inits)
@@ -678,14 +914,16 @@ def load_onnx_checked(
 ):
     """Parse an ONNX file (without external weights) or raise ArtifactError naming it.
 
-    Catches a missing, unreadable, empty, truncated or corrupted file; with `interface`,
-    a graph that is not an attncal encoder (inputs input_ids/attention_mask[/token_type_ids],
-    outputs last_hidden_state and sentence_embedding); and a graph whose content does not
-    match its `attncal.digest` (required to be present with `require_digest`, format 2)."""
+    Catches a missing, unreadable, empty, truncated or corrupted file, and one above
+    `GRAPH_FILE_LIMIT` (before reading it); with `interface`, a graph that is not an attncal
+    encoder (inputs input_ids/attention_mask[/token_type_ids], outputs last_hidden_state and
+    sentence_embedding); a graph whose external data or declared shapes `check_external_data`
+    refuses (before anything follows a reference); and a graph whose content does not match its
+    `attncal.digest` (required to be present with `require_digest`, format 2)."""
     import onnx
 
     path = Path(path)
-    data = read_bytes(path, "ONNX graph")
+    data = read_bytes(path, "ONNX graph", GRAPH_FILE_LIMIT)
     if not data:
         raise ArtifactError(path, "empty file (0 bytes); re-export the model")
     try:
@@ -706,6 +944,7 @@ def load_onnx_checked(
                                       f"outputs {', '.join(OUTPUT_NAMES)})")
         if expected_inputs is not None and sorted(inputs) != sorted(expected_inputs):
             raise ArtifactError(path, f"graph inputs {inputs} differ from attncal.json's {list(expected_inputs)}")
+    check_external_data(model, path.parent, path)  # before the digest, or ONNX Runtime, follows a reference
     digest = stored_digest(model)
     if digest is None:
         if require_digest:
@@ -741,6 +980,7 @@ class ExportDir:
 
     def check_graph(self, rel: str, interface: bool = True):
         """Parse and verify one graph of the export; returns the ModelProto (weights not copied out)."""
+        check_export_file(self.path / rel, self.path, "ONNX graph")
         return load_onnx_checked(self.path / rel, interface=interface, require_digest=self.requires_digest,
                                  expected_inputs=self.meta.get("inputs"))
 
@@ -773,6 +1013,8 @@ __all__ = [
     "ArtifactError", "MissingArtifactError", "commit_dir", "ExportDir", "open_export", "read_metadata", "write_metadata",
     "validate_metadata", "check_model_files", "load_onnx_checked", "save_onnx", "save_onnx_proto", "stamp_onnx",
     "graph_digest", "graph_files", "looks_like_export", "loader_files", "check_dir", "read_json",
+    "check_external_data", "check_export_file", "GRAPH_FILE_LIMIT", "LOADER_FILE_LIMIT", "MAX_SEQ_LENGTH_LIMIT",
+    "DIMENSION_LIMIT",
     "ONNX_SUBDIR", "ONNX_FILE", "OPTIMIZED_FILE", "NATIVE_FILE", "NATIVE_GRAPH", "GRAPH_FILES", "EXTERNAL_DATA_FILE", "METADATA_FILE", "CONFIG_FILE",
     "PORTABLE_GRAPH", "OPTIMIZED_GRAPH", "FORMAT_VERSION", "SUPPORTED_FORMATS",
 ]

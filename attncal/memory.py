@@ -14,6 +14,7 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MIB = 1024 ** 2
@@ -117,6 +118,13 @@ def interpreter_rss(imports: str = EXPORT_LIBRARIES) -> int:
     return int(out.stdout.split()[-1]) * _PAGE
 
 
+# A test hook, None otherwise: called as STEP_HOOK(label) in the process that calls `TreeSampler.mark`, at the
+# moment a phase starts, and as STEP_HOOK(None) when the sampler stops.  A test reads high-water marks there,
+# exactly at the phase boundaries (a sample misses a peak shorter than its interval, and a label set from outside
+# lags the phase), or stops the process at a chosen step.
+STEP_HOOK: Callable[[str | None], None] | None = None
+
+
 class TreeSampler:
     """Samples the resident size of a process tree in a background thread, keeping the peak per label.
 
@@ -133,6 +141,8 @@ class TreeSampler:
         self._thread = threading.Thread(target=self._run, name="attncal-rss-sampler", daemon=True)
 
     def mark(self, label: str) -> None:
+        if STEP_HOOK is not None:
+            STEP_HOOK(label)
         self.label = label
 
     def _run(self) -> None:
@@ -150,6 +160,8 @@ class TreeSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if STEP_HOOK is not None:
+            STEP_HOOK(None)
 
     @property
     def peak(self) -> int:

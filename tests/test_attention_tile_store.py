@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from support.cpu import run_on_each_path
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -22,9 +24,9 @@ def test_shared_tiles_give_the_bits_of_unshared_ones_in_any_order(tmp_path):
     subprocess.run(["g++", "-std=gnu++17", "-O3", "-Wall", "-Wextra", "-Werror", "-pthread",
                     "-I", str(REPO / "plugins" / "kernels"), "-I", str(REPO / "benchmarks"),
                     "-o", str(exe), str(REPO / "tests" / "cpp" / "attention_tile_store_test.cpp")], check=True)
-    res = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    lines = res.stdout.splitlines()
-    assert lines[-1] == "0 failure(s)", res.stdout
-    stores = [int(line.split()[2]) for line in lines[:-1]]  # each case's store, checked there against its shape
-    assert len(stores) == 6 and min(stores) == 0 < max(stores), res.stdout
+    for path, res in run_on_each_path([str(exe)]):  # each path's panels: 32 keys wide, or 16
+        assert res.returncode == 0, (path, res.stdout + res.stderr)
+        lines = res.stdout.splitlines()
+        assert lines[-1] == "0 failure(s)", (path, res.stdout)
+        stores = [int(line.split()[2]) for line in lines[:-1]]  # each case's store, checked there against its shape
+        assert len(stores) == 6 and min(stores) == 0 < max(stores), (path, res.stdout)

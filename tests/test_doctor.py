@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-from attncal import CalibrationConfig
-from attncal.cli import main
+from attncal import CalibrationConfig, cpuinfo
+from attncal.cli import doctor, main
 from attncal.export.exporter import ExportOptions, export
 from attncal.graphs.contract import ALL_OP_TYPES
 from attncal.runtime import oplib
 from attncal.synthetic import save_synthetic_model
+from attncal.versions import declared_ranges
 
 
 def test_doctor_reports_setup_and_export(tmp_path, capsys):
@@ -24,6 +25,12 @@ def test_doctor_reports_setup_and_export(tmp_path, capsys):
     assert report["versions"]["onnxruntime"] == ort.__version__ and report["versions"]["torch"] == torch.__version__
     assert report["accelerators"]["ort_providers"] == ort.get_available_providers()
     assert report["threads"]["torch_threads"] == torch.get_num_threads()
+    assert report["cpu"]["class"] == cpuinfo.cpu_class() in cpuinfo.CLASSES
+    tested = report["tested_versions"]
+    assert set(tested) == {"onnxruntime", "onnx", "transformers", "torch", "numpy"}
+    assert tested["onnxruntime"] == {"installed": ort.__version__, "tested": declared_ranges()["onnxruntime"],
+                                     "in_range": True}
+    assert tested["torch"]["installed"] == torch.__version__ and tested["torch"]["in_range"] is True
     lib = oplib.default_library_path()
     native = report["native"]
     if lib is None:
@@ -39,6 +46,16 @@ def test_doctor_reports_setup_and_export(tmp_path, capsys):
     assert main(["doctor"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("## attncal doctor") and "- native:" in text and "- export:" not in text
+
+
+def test_doctor_says_when_a_library_is_outside_the_tested_range(monkeypatch):
+    real = doctor.installed
+    monkeypatch.setattr(doctor, "installed", lambda pkg: "1.0.0" if pkg == "onnxruntime" else real(pkg))
+    monkeypatch.setattr(doctor, "declared_ranges", lambda: {"onnxruntime": ">=1.29", "numpy": ""})
+    tested = doctor.collect()["tested_versions"]
+    assert tested["onnxruntime"] == {"installed": "1.0.0", "tested": ">=1.29", "in_range": False}
+    assert tested["numpy"]["tested"] == "any" and tested["numpy"]["in_range"] is True
+    assert tested["torch"]["tested"] is None and tested["torch"]["in_range"] is None  # not declared: unknown
 
 
 def test_doctor_refuses_a_path_that_is_not_an_export(tmp_path, capsys):

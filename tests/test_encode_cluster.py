@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,14 +28,15 @@ import pytest
 from attncal.cli import main
 from attncal.corpus import encode_corpus, load_manifest, read_embeddings
 from attncal.synthetic import synthetic_text
+from support.hooks import hooked_cli, parked_pid, wait_until
 from support.s3 import MotoServerError, moto_server, upload_tree
-from test_encode_corpus import sigkill_after_shards
 
 TOL = 1e-5
 BUCKET = "attncal-it"
 OPTS = dict(batch_size=8, window=64, shard_size=100, show_progress=False, on_error="skip")
 ROWS_JSONL, ROWS_PARQUET = 1000, 400
 PAD = 8000  # bytes of an unused column per row: corpus bytes the driver must not read, at no encoding cost
+TESTS = Path(__file__).resolve().parent
 
 
 def _policy(*statements: dict) -> str:
@@ -213,24 +213,30 @@ def test_s3_refused_credentials_and_missing_bucket(s3, export, corpus, monkeypat
     assert keys(s3, "denied") == [] and keys(s3, "no-such") == []
 
 
-def _cli(s3, out: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "attncal", "encode", f"s3://{BUCKET}/export", "--input", f"s3://{BUCKET}/corpus/",
-            "--output", out, "--s3-endpoint", s3.endpoint, "--batch-size", "8", "--window", "64", "--shard-size",
-            "100", "--on-error", "skip", "-q", *extra]
+def _cli_args(s3, out: str) -> list[str]:
+    return ["encode", f"s3://{BUCKET}/export", "--input", f"s3://{BUCKET}/corpus/", "--output", out, "--s3-endpoint",
+            s3.endpoint, "--batch-size", "8", "--window", "64", "--shard-size", "100", "--on-error", "skip", "-q"]
 
 
 def test_s3_resume_after_kill_mid_shard(s3, export, corpus, local_run):
-    """SIGKILL the encoding process while it writes a shard to S3 (after two are committed); --resume
-    deletes the temporary objects, trusts only the manifest, and gives the reference run's shards."""
+    """SIGKILL the encoding process in the middle of its third shard's commit, the shard whole on S3 under
+    its temporary name and not moved (support.hooks.KillAt, in that process at exactly that point): the
+    manifest lists the two committed shards; --resume deletes the temporary object, trusts only the
+    manifest, and gives the reference run's shards."""
     out = f"s3://{BUCKET}/killed"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    m = sigkill_after_shards(_cli(s3, out), env, out, 2, endpoint=s3.endpoint)
-    assert m is not None and not m["complete"] and 2 <= len(m["shards"]) < 20, "the kill must land mid-run"
+    proc = subprocess.run(hooked_cli(["kill-at-shard", "written", "part-00002.parquet"], _cli_args(s3, out)),
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    m = load_manifest(out, endpoint=s3.endpoint)
+    assert not m["complete"] and [s["file"] for s in m["shards"]] == ["part-00000.parquet", "part-00001.parquet"]
+    left = [k.rsplit("/", 1)[-1] for k in keys(s3, "killed/")]
+    temporaries = [n for n in left if n.startswith(".")]
+    assert len(temporaries) == 1 and temporaries[0].startswith(".part-00002.parquet."), left
     with pytest.raises(ValueError, match="unfinished encode run"):
         read_embeddings(out, endpoint=s3.endpoint)
     res = encode_corpus(f"s3://{BUCKET}/export", f"s3://{BUCKET}/corpus/", out, s3_endpoint=s3.endpoint, resume=True,
                         **OPTS)
-    assert 0 < res.rows_this_run < res.rows == len(corpus.ids)
+    assert 0 < res.rows_this_run < res.rows == len(corpus.ids) and res.resumed_from == 200
     a, b = load_manifest(local_run, endpoint=s3.endpoint), load_manifest(out, endpoint=s3.endpoint)
     assert b["complete"] and b["runs"] == 2 and a["shards"] == b["shards"] and a["skip_list"] == b["skip_list"]
     assert not [k for k in keys(s3, "killed/") if k.rsplit("/", 1)[-1].startswith(".")]  # no temporary left
@@ -249,14 +255,17 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 import ray
-from attncal.corpus import CorpusInputError, api, encode_corpus
+from attncal.corpus import CorpusInputError, api, encode_corpus, shards
 
 def counters():
     io = dict(x.split(": ") for x in Path("/proc/self/io").read_text().splitlines())
     st = dict(x.split(":", 1) for x in Path("/proc/self/status").read_text().splitlines())
     return int(io["rchar"]), int(st["VmHWM"].split()[0]) * 1024, int(st["VmRSS"].split()[0]) * 1024
 
-address, export, corpus, out, endpoint, piece_bytes = sys.argv[1:7]
+address, export, corpus, out, endpoint, piece_bytes, tests, marker = sys.argv[1:9]
+sys.path.insert(0, tests)
+from support.hooks import Park, ship_with_ray
+ship_with_ray()
 ray.init(address=address, log_to_driver=False)
 api.PIECE_BYTES = int(piece_bytes)
 opts = dict(s3_endpoint=endpoint, engine="ray", workers=2, batch_size=8, window=64, shard_size=100,
@@ -265,6 +274,8 @@ try:
     encode_corpus(export, corpus, out + "-fail", **opts)
 except CorpusInputError as exc:
     print("FAILED", exc)
+# the actor that commits piece 0's shard holds there, its piece unfinished, until the test kills its node
+shards.FAULT_HOOK = Park("committed", "part-000000-000.parquet", marker, until="killed")
 Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident size
 read0, _, rss0 = counters()
 res = encode_corpus(export, corpus, out, on_error="skip", **opts)
@@ -295,18 +306,6 @@ def _raylet_pid(node) -> int:
     from ray._private import ray_constants
 
     return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-
-
-def _encoding_a_piece(node) -> bool:
-    """Whether the node's actor is running a piece: Ray titles a worker `ray::<Class>.<method>` while it
-    runs that method."""
-    for pid in _descendants(_raylet_pid(node)):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"ray::_PieceWorker.run":
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def _kill_node(cluster, node) -> None:
@@ -353,25 +352,18 @@ def test_multi_node_cluster_driver_reads_nothing_and_survives_a_node(s3, export,
                                      aws_access_key_id=s3.driver[0], aws_secret_access_key=s3.driver[1])
         with pytest.raises(botocore.exceptions.ClientError, match="AccessDenied"):
             driver_client.get_object(Bucket=BUCKET, Key="corpus/a.jsonl", Range="bytes=0-0")
+        marker = tmp_path / "parked"
         driver = subprocess.Popen([sys.executable, "-c", DRIVER, cluster.address, f"s3://{BUCKET}/export",
-                                   f"s3://{BUCKET}/corpus/", out, s3.endpoint, str(320 << 10)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        killed_after, m = None, None
-        deadline = time.time() + 240
-        while time.time() < deadline and driver.poll() is None:  # the second run's plan is written
-            m = load_manifest(out, endpoint=s3.endpoint)
-            if m and "plan" in m and not m["complete"]:
-                break
-            time.sleep(0.05)
-        while m and time.time() < deadline and driver.poll() is None:
-            # the first node seen encoding a piece dies: the run then loses an actor and that piece
-            # whatever the timing (a node killed between pieces, or before its actor ran one, may not)
-            busy = next((n for n in nodes if _encoding_a_piece(n)), None)
-            if busy is not None:
-                _kill_node(cluster, busy)
-                killed_after = len(load_manifest(out, endpoint=s3.endpoint).get("pieces", []))
-                break
-            time.sleep(0.02)
+                                   f"s3://{BUCKET}/corpus/", out, s3.endpoint, str(320 << 10), str(TESTS), str(marker)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The node whose actor holds piece 0 (support.hooks.Park) dies: the run loses an actor in the middle
+        # of a piece, whatever the machine's speed.
+        wait_until(lambda: marker.exists() or driver.poll() is not None, 240, "an actor to hold piece 0")
+        killed_after = None
+        if marker.exists():
+            pid = parked_pid(marker)
+            _kill_node(cluster, next(n for n in nodes if pid in _descendants(_raylet_pid(n))))
+            killed_after = len(load_manifest(out, endpoint=s3.endpoint).get("pieces", []))
         stdout, stderr = driver.communicate(timeout=240)
     finally:
         ray.shutdown()

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from attncal.cli import main
-from attncal.corpus import CorpusInputError, encode_corpus, load_manifest, read_embeddings
+from attncal.corpus import CorpusInputError, encode_corpus, load_manifest, read_embeddings, shards
 from attncal.synthetic import synthetic_text
+from support.hooks import Park, hooked_cli, parked_pid, process_gone, ship_with_ray, wait_until
 
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,43 +197,32 @@ def test_cli_errors_are_one_line_exit_2(tiny_export, rows, tmp_path, capsys):
     assert "input files changed" in capsys.readouterr().err
 
 
-def _encode_cmd(export: Path, src: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "attncal", "encode", str(export), "--input", str(src), "--output", str(out),
-            "--batch-size", "8", "--window", "32", "--shard-size", "100", "-q", *extra]
-
-
-def sigkill_after_shards(cmd: list[str], env: dict, out, shards: int, endpoint: str | None = None) -> dict | None:
-    """Run `cmd` and SIGKILL it once the manifest of `out` (a path or URI) lists `shards` shards; return
-    the manifest it left."""
-    proc = subprocess.Popen(cmd, env=env)
-    deadline = time.time() + 120
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            m = load_manifest(out, endpoint=endpoint)
-            if m and len(m["shards"]) >= shards:
-                break
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    return load_manifest(out, endpoint=endpoint)
+def _encode_args(export: Path, src: Path, out: Path, *extra: str) -> list[str]:
+    return ["encode", str(export), "--input", str(src), "--output", str(out), "--batch-size", "8", "--window", "32",
+            "--shard-size", "100", "-q", *extra]
 
 
 def test_resume_after_sigkill_gives_identical_output(tiny_export, tmp_path):
-    """Kill a run with SIGKILL after some shards are complete; --resume completes it; the result is
-    byte-for-byte the shards of an uninterrupted run (ids, order, embeddings) with no row lost or doubled."""
-    rows = make_rows(2000, seed=1)
+    """A run SIGKILLed right after its third shard is committed (support.hooks.KillAt: in the encoding
+    process, at exactly that shard) leaves a manifest listing those three shards and nothing else; --resume
+    completes it, and the result is byte-for-byte the shards of an uninterrupted run (ids, order,
+    embeddings) with no row lost or doubled."""
+    rows = make_rows(600, seed=1)
     src = write_jsonl(tmp_path / "big.jsonl", rows)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    full = tmp_path / "full"
-    subprocess.run(_encode_cmd(tiny_export, src, full), check=True, env=env, timeout=300)
-    killed = tmp_path / "killed"
-    m = sigkill_after_shards(_encode_cmd(tiny_export, src, killed), env, killed, 3)
-    assert m is not None and not m["complete"] and 3 <= len(m["shards"]) < 20, "the kill must land mid-run"
-    subprocess.run(_encode_cmd(tiny_export, src, killed, "--resume"), check=True, env=env, timeout=300)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert main(_encode_args(tiny_export, src, full)) == 0
+    proc = subprocess.run(hooked_cli(["kill-at-shard", "committed", "part-00002.parquet"],
+                                     _encode_args(tiny_export, src, killed)), env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    m = load_manifest(killed)
+    assert not m["complete"] and [s["file"] for s in m["shards"]] == [f"part-{k:05d}.parquet" for k in range(3)]
+    assert sorted(p.name for p in killed.iterdir()) == sorted([s["file"] for s in m["shards"]] +
+                                                              ["manifest.json", "skipped.jsonl"])
+    assert main(_encode_args(tiny_export, src, killed, "--resume")) == 0
     a, b = load_manifest(full), load_manifest(killed)
     assert b["complete"] and b["runs"] == 2 and [s["rows"] for s in a["shards"]] == [s["rows"] for s in b["shards"]]
-    assert not [p for p in killed.iterdir() if p.name.startswith(".")]  # no temporary left
+    assert len(a["shards"]) == 6 and not [p for p in killed.iterdir() if p.name.startswith(".")]  # no temporary left
     for s in a["shards"]:
         ta, tb = pq.read_table(full / s["file"]), pq.read_table(killed / s["file"])
         assert ta.equals(tb), s["file"]
@@ -487,22 +476,26 @@ def test_ray_engine_on_local_2cpu_instance_and_resume(request, tiny_export, rows
     assert sorted(p.name for p in stopped.iterdir()) == sorted(p.name for p in out.iterdir())
 
 
-def test_ray_stop_waits_for_a_running_piece_to_remove_its_shards(request, tiny_export, tmp_path):
+def test_ray_stop_waits_for_a_running_piece_to_remove_its_shards(request, tiny_export, tmp_path, monkeypatch):
     """Stopping the Ray engine (a bad row met by another actor, Ctrl-C) while an actor is half-way
     through a piece: the piece is cancelled, stops at its next batch and deletes the shards it has
     written, and the stop returns only after that, so none of them can land behind the driver's
-    cleanup.  A big piece and a one-row piece go to two actors; once the small one's result is back
-    and the big one has written shards, the engine stops."""
+    cleanup.  A big piece and a one-row piece go to two actors; the big one's actor holds once its
+    second shard is committed (support.hooks.Park) until the stop cancels it; the engine stops once the
+    small one's result is back."""
     request.getfixturevalue("ray_session")
     from attncal.corpus.inputs import plan_pieces, resolve_inputs
     from attncal.corpus.ray_engine import RayEngine
     from attncal.corpus.shards import config_hash
     from attncal.corpus.storage import Location
 
-    big = resolve_inputs(write_jsonl(tmp_path / "big.jsonl", make_rows(20000, seed=3)))[0]
+    big = resolve_inputs(write_jsonl(tmp_path / "big.jsonl", make_rows(200, seed=3)))[0]
     small = resolve_inputs(write_jsonl(tmp_path / "small.jsonl", make_rows(1, seed=4)))[0]
     out = tmp_path / "out"
     out.mkdir()
+    marker = tmp_path / "parked"
+    ship_with_ray()
+    monkeypatch.setattr(shards, "FAULT_HOOK", Park("committed", "part-000000-001.parquet", str(marker)))
     export = Location.parse(tiny_export)
     eng = RayEngine(export, config_hash(export), out=Location.parse(out), batch_size=8, window=32, shard_size=20,
                     text_field="text", id_field="id", on_error="skip", workers=2, num_cpus=2)
@@ -510,12 +503,11 @@ def test_ray_stop_waits_for_a_running_piece_to_remove_its_shards(request, tiny_e
         eng.start()
         results = eng.run([(0, plan_pieces(big, 1 << 30)[0]), (1, plan_pieces(small, 1 << 30, None, 1)[0])])
         assert next(results)["piece"] == 1
-        deadline = time.time() + 120
-        while not list(out.glob("part-000000-*")) and time.time() < deadline:
-            time.sleep(0.05)
-        written = sorted(p.name for p in out.glob("part-000000-*"))
-        assert written, "the big piece wrote no shard"
+        wait_until(marker.exists, 120, "the big piece to hold after its second shard")
+        assert sorted(p.name for p in out.glob("part-000000-*")) == ["part-000000-000.parquet",
+                                                                      "part-000000-001.parquet"]
         results.close()
-    assert not list(out.glob("part-000000-*")), f"the cancelled piece left {written[:3]}"
-    time.sleep(1.0)  # nothing lands later either
+    assert not list(out.glob("part-000000-*")), "the cancelled piece left its shards"
+    # nothing lands later either: the actor that ran the piece has ended, and the output is as it was
+    wait_until(lambda: process_gone(parked_pid(marker)), 60, "the stopped actor to end")
     assert sorted(p.name for p in out.iterdir()) == ["part-000001-000.parquet"]

@@ -6,7 +6,10 @@ Many cases share one session run (a batch of items with their own masks)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,43 @@ def library() -> Path:
         return oplib.build_library()
     except oplib.BuildError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(params=oplib.CPU_PATHS)
+def cpu_path(request, library) -> str:
+    """Each instruction-set path of the CPU kernels (plugins/kernels/cpu/isa.h) in turn, set in this process for
+    the test and the widest restored after; a path this CPU lacks is skipped.  The widest is what the machine's
+    users get; the others are what users of other CPUs get, so every machine checks every path it can run."""
+    if request.param not in oplib.cpu_paths(library):
+        pytest.skip(f"this CPU lacks the {request.param} path")
+    widest = oplib.cpu_path(library)
+    oplib.set_cpu_path(library, request.param)
+    assert oplib.cpu_path(library) == request.param
+    yield request.param
+    oplib.set_cpu_path(library, widest)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("sse9", "ATTNCAL_CPU_PATH=sse9 is not a CPU path: use avx512, avx2 or default"),
+    *[(p, f"ATTNCAL_CPU_PATH={p}: this CPU (or build) lacks that path") for p in oplib.CPU_PATHS[:2]],
+])
+def test_a_forced_cpu_path_is_taken_or_refused_by_name(library, value, message):
+    """ATTNCAL_CPU_PATH, read when the library loads: a path this CPU runs is the one the kernels take; a name that
+    is no path, or a path this CPU lacks, makes registering the library fail with the reason (never run)."""
+    code = ("import sys, onnxruntime as ort\n"
+            "from attncal.runtime import oplib\n"
+            "so = ort.SessionOptions()\n"
+            "try:\n"
+            f"    so.register_custom_ops_library({str(library)!r})\n"
+            "except Exception as e:\n"
+            "    sys.exit(str(e))\n"
+            f"print(oplib.cpu_path({str(library)!r}))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, oplib.CPU_PATH_ENV: value})
+    if value in oplib.cpu_paths(library):
+        assert res.returncode == 0 and res.stdout.strip() == value, res.stdout + res.stderr
+    else:
+        assert res.returncode != 0 and message in res.stderr, res.stdout + res.stderr
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +110,7 @@ def softmax_then_op(spec, float16: bool) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("float16,tol", [(False, 1e-6), (True, 2e-3)], ids=["fp32", "fp16"])
-def test_kernel_matches_oracle_on_20000_cases(library, counters, float16, tol):
+def test_kernel_matches_oracle_on_20000_cases(library, cpu_path, counters, float16, tol):
     """A case is one batch item (its own mask, padding side and length) under one attribute set,
     all of its heads and calibrated rows compared with the oracle."""
     rng = random.Random(1201 + float16)
@@ -112,7 +152,7 @@ def test_kernel_matches_oracle_on_20000_cases(library, counters, float16, tol):
 
 @pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
-def test_threads_and_in_place_are_bit_identical(library, counters, float16, pooling):
+def test_threads_and_in_place_are_bit_identical(library, cpu_path, counters, float16, pooling):
     """1, 2 and 4 intra-op threads, in place (after a Softmax) and out of place (graph input),
     give the same bits; the in-place model really runs in place."""
     spec = op_spec(CalibrationConfig(pooling=pooling, basket_size=16, variant="cls-soft").resolve(), 0)
@@ -142,7 +182,7 @@ def test_threads_and_in_place_are_bit_identical(library, counters, float16, pool
 
 
 @pytest.mark.parametrize("float16", [False, True], ids=["fp32", "fp16"])
-def test_subnormal_fixed_weight_is_divided_not_inverted(library, float16):
+def test_subnormal_fixed_weight_is_divided_not_inverted(library, cpu_path, float16):
     """An all-zero row with a subnormal cls-hard weight: total = w, and 1/total overflows float32;
     the kernel divides by total, so the pooling token gets exactly 1 (what the oracle gives)."""
     w = 1e-40  # float32 subnormal

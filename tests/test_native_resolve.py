@@ -4,11 +4,15 @@ needed: the library location is pointed at temporary files."""
 
 from __future__ import annotations
 
+import fcntl
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from attncal.runtime import oplib
+from support.hooks import wait_until
 
 
 @pytest.fixture()
@@ -37,19 +41,27 @@ def test_default_uses_built_library(built):
     assert oplib.resolve_library(False) is None
 
 
-def test_a_library_being_built_is_handed_out_only_when_the_build_ends(built):
+def test_a_library_being_built_is_handed_out_only_when_the_build_ends(built, monkeypatch):
     """A parallel worker that resolves the library while another builds it waits for the build's lock: the
-    linker writes the library in place, and one loaded mid-link has an invalid ELF header."""
-    import threading
-    import time
+    linker writes the library in place, and one loaded mid-link has an invalid ELF header.  The resolver is
+    let go only once it has asked for the lock (its shared flock, seen through a wrapper), so the check that
+    it got nothing while the build ran does not depend on how soon the thread is scheduled."""
+    asking = threading.Event()
 
+    def flock(fd, op):
+        if op == fcntl.LOCK_SH:
+            asking.set()
+        return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(oplib, "fcntl", SimpleNamespace(flock=flock, LOCK_SH=fcntl.LOCK_SH, LOCK_EX=fcntl.LOCK_EX,
+                                                         LOCK_UN=fcntl.LOCK_UN))
     got = []
     with oplib._locked(built.parent):  # a build of that directory is running
         t = threading.Thread(target=lambda: got.append(oplib.resolve_library()))
         t.start()
-        time.sleep(0.3)
-        assert not got, "resolved while the build was running"
-    t.join(timeout=5)
+        wait_until(lambda: asking.is_set() or got, 60, "the resolver to ask for the build's lock, or return")
+        assert asking.is_set() and not got, "resolved while the build was running"
+    t.join(timeout=60)
     assert got == [built]
 
 

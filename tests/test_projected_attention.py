@@ -21,8 +21,7 @@ from attncal.graphs.contract import attention_op_spec
 from attncal.graphs.single_op import single_op_model
 from test_calibrated_attention import random_attention_spec
 from support.masks import mixed_mask
-from test_native_kernel import library  # noqa: F401  (the built-library fixture)
-from test_packed_gemm import packed_kernels
+from test_native_kernel import cpu_path, library  # noqa: F401  (the built-library and CPU-path fixtures)
 
 
 def session(model, library=None, threads: int = 1) -> ort.InferenceSession:
@@ -72,7 +71,7 @@ def random_case(rng: random.Random, np_rng: np.random.Generator):
     return proj, plain, {"input": x, "weight": w, "bias": b, "attention_mask": mask}, q, k, v
 
 
-def test_native_matches_the_unprojected_op_and_the_function_body(library):
+def test_native_matches_the_unprojected_op_and_the_function_body(library, cpu_path):
     rng, np_rng = random.Random(31), np.random.default_rng(31)
     worst_plain = worst_body = worst_packed = 0.0
     packed_before, packed_runs = packed_count(library), 0
@@ -93,11 +92,10 @@ def test_native_matches_the_unprojected_op_and_the_function_body(library):
     # The projections are float32 GEMMs in all (numpy's here, OpenBLAS's or the packed kernel's): equal up
     # to their rounding.
     assert worst_plain <= 1e-5 and worst_body <= 1e-5 and worst_packed <= 1e-5, (worst_plain, worst_body, worst_packed)
-    if packed_kernels() > 0:
-        assert packed_count(library) - packed_before == packed_runs, "every initializer weight was packed"
+    assert packed_count(library) - packed_before == packed_runs, "every initializer weight was packed"
 
 
-def test_packed_weight_on_model_shapes(library):
+def test_packed_weight_on_model_shapes(library, cpu_path):
     """MiniLM's projection shape (384 -> 3 x 384), both padding sides: the packed weight (taken below 256
     rows: a one-text request, 3 x 83 with a 96-row block cut short) against the weight fed at run time, and
     cblas_sgemm on the same initializer from 256 rows on."""
@@ -115,12 +113,12 @@ def test_packed_weight_on_model_shapes(library):
         before = packed_count(library)
         const_model, const_feeds = constant_weight(model, f)
         packed = session(const_model, library, 2).run(None, const_feeds)[0]
-        assert packed_count(library) - before == (1 if packed_kernels() > 0 and B * K < 256 else 0), (B, K)
+        assert packed_count(library) - before == (1 if B * K < 256 else 0), (B, K)
         assert np.abs(packed - fed).max() <= 1e-5, (B, K, float(np.abs(packed - fed).max()))
 
 
 @pytest.mark.parametrize("constant", [False, True], ids=["weight-fed", "weight-packed"])
-def test_native_is_bit_identical_across_threads_and_counts(library, constant):
+def test_native_is_bit_identical_across_threads_and_counts(library, cpu_path, constant):
     rng, np_rng = random.Random(7), np.random.default_rng(7)
     count = debug_counter(library, "attncal_debug_attention_count")
     from attncal.calibration import CalibrationConfig

@@ -1,27 +1,37 @@
 """int8 exports: dynamic quantization of every graph, calibration kept in fp32, parity judged by cosine to the
 fp32 PyTorch reference with per-precision tolerances; attncal's streamed quantizer against ONNX Runtime's
-`quantize_dynamic` (the reference, here only), graph for graph, weight for weight, output for output."""
+`quantize_dynamic` (the reference, here only), graph for graph, weight for weight, output for output; the CPU
+classes an int8 graph records, and the warning where it runs on another.
+
+The comparisons with ONNX Runtime are of structure (nodes, names, wiring: stable across its releases) and of
+numbers within stated tolerances (`_assert_close_tensor`, `_assert_same_outputs`), not of bytes: with the
+release the quantizer mirrors (attncal.export.quantize.MIRRORS_ORT) they are equal, and another release may
+round a tie differently without the graph being wrong."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from attncal import CalibrationConfig
+from attncal import CalibrationConfig, cpuinfo
 from attncal.calibration import TorchEncoder
+from attncal.corpus.shards import read_embeddings
 from attncal.cli import main
 from attncal.export.exporter import ExportOptions, export
 from attncal import artifact
 from attncal.artifact import DIGEST_KEY, external_data_name, load_onnx_checked
 from attncal.export import quantize
-from attncal.export.quantize import quantize_graph, weight_nodes
+from attncal.export.quantize import graph_record, quantization_record, quantize_graph, weight_nodes
 from attncal.graphs.contract import DOMAIN
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
@@ -29,6 +39,13 @@ from attncal.runtime.parity import TOLERANCES, ParityReport, precision_of
 from attncal.synthetic import save_synthetic_model, synthetic_text
 
 TEXTS = [synthetic_text(n, seed=n) for n in (5, 60, 150, 400)]
+# Tolerances against ONNX Runtime's quantizer.  Scales: float32 from the same float64 division, so equal up to
+# a few ulps.  Quantized weights and zero points: one integer step (a tie rounded the other way), in at most
+# one value of a thousand.  Outputs: a weight one step off moves an output by about a step of its scale.
+SCALE_RTOL = 1e-6
+INT_STEPS = 1
+INT_OFF_SHARE = 1e-3
+OUTPUT_ATOL = 1e-3
 _INT8_OPS = {"MatMulInteger", "DynamicQuantizeMatMul", "QAttention", "DynamicQuantizeLinear", "MatMulIntegerToFloat"}
 
 
@@ -80,8 +97,6 @@ def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path,
     assert main(["check", str(out)]) == 0
     assert "int8" in capsys.readouterr().out
     # `attncal encode` re-indexes with the int8 export: the shards hold what its Encoder computes.
-    from attncal.corpus.shards import read_embeddings
-
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(TEXTS)))
     assert main(["encode", str(out), "--input", str(corpus), "--output", str(tmp_path / "shards"), "-q"]) == 0
@@ -90,6 +105,7 @@ def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path,
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "precision  int8 (attncal's streamed dynamic quantization, equal to onnxruntime" in shown and "(int8)" in shown
+    assert shown.count(f"int8 cpu   figures measured on {cpuinfo.cpu_class()}") == len(meta["graphs"])
 
 
 def test_int8_refusals_and_tolerances(tmp_path):
@@ -120,11 +136,10 @@ def test_int8_minilm_real_weights(tmp_path):
 
 # -- attncal's streamed quantizer against ONNX Runtime's quantize_dynamic ------------------------------------
 
-def _reference(src: Path, dst: Path, per_channel: bool = True) -> None:
-    """ONNX Runtime's quantize_dynamic with the options attncal's int8 export stands for (what the export
-    called before its own quantizer): QInt8 per-channel weights, MatMul / Gemm / Attention, the weight nodes."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
+def _reference(src: Path, dst: Path, per_channel: bool = True, weights: str = quantize.WEIGHT_TYPE,
+               reduce_range: bool = quantize.REDUCE_RANGE) -> None:
+    """ONNX Runtime's quantize_dynamic with the options attncal's int8 export stands for: per-channel weights of
+    the quantizer's type (QUInt8 by default), MatMul / Gemm / Attention, the weight nodes."""
     model = onnx.load(str(src), load_external_data=False)
     quantize._name_unnamed(model)
     nodes = weight_nodes(model)
@@ -132,8 +147,8 @@ def _reference(src: Path, dst: Path, per_channel: bool = True) -> None:
     onnx.save(model, str(named))
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        quantize_dynamic(named, dst, weight_type=QuantType.QInt8, per_channel=per_channel,
-                         op_types_to_quantize=["Attention", "Gemm", "MatMul"], nodes_to_quantize=nodes,
+        quantize_dynamic(named, dst, weight_type=QuantType.QUInt8 if weights == "uint8" else QuantType.QInt8,
+                         per_channel=per_channel, reduce_range=reduce_range, op_types_to_quantize=["Attention", "Gemm", "MatMul"], nodes_to_quantize=nodes,
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         named.unlink(missing_ok=True)
@@ -143,12 +158,12 @@ def _capture_fp32(monkeypatch, dest: Path) -> None:
     """Copy each float32 graph (and its data file) the export hands to the quantizer into `dest` first."""
     real = quantize.quantize_graph
 
-    def spy(path, per_channel=True):
+    def spy(path, *args, **kwargs):
         dest.mkdir(parents=True, exist_ok=True)
         for f in (Path(path), Path(path).with_name(external_data_name(path))):
             if f.exists():
                 shutil.copyfile(f, dest / f.name)
-        return real(path, per_channel)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(quantize, "quantize_graph", spy)
 
@@ -157,16 +172,31 @@ def _serialized(items) -> list[bytes]:
     return [x.SerializeToString(deterministic=True) for x in items]
 
 
+def _assert_close_tensor(ref: onnx.TensorProto, got: onnx.TensorProto) -> None:
+    """The same initializer as numbers: name, type and dims equal; values within SCALE_RTOL (float) or
+    INT_STEPS in at most INT_OFF_SHARE of them (integer)."""
+    assert (got.name, got.data_type, list(got.dims)) == (ref.name, ref.data_type, list(ref.dims)), got.name
+    r, g = numpy_helper.to_array(ref), numpy_helper.to_array(got)
+    if np.issubdtype(r.dtype, np.floating):
+        np.testing.assert_allclose(g, r, rtol=SCALE_RTOL, atol=0, err_msg=got.name)
+        return
+    off = np.abs(g.astype(np.int64) - r.astype(np.int64))
+    assert off.max(initial=0) <= INT_STEPS and np.count_nonzero(off) <= INT_OFF_SHARE * off.size, \
+        f"{got.name}: {np.count_nonzero(off)} of {off.size} values differ, by up to {off.max(initial=0)}"
+
+
 def _assert_same_graph(ref_path: Path, got_path: Path) -> None:
-    """The same model: header, opsets, metadata (attncal's digest aside: ours always has one, stamped by the
-    writer, ONNX Runtime's copies the float32 graph's stale one if any), inputs, outputs, value_info, functions and the node list (types, domains, attributes, wiring, names,
-    order); the same initializers in the same order, each bit-identical (name, type, dims, bytes)."""
+    """The same model: header, opsets, metadata (attncal's digest and int8 record aside: ours always has them,
+    ONNX Runtime's copies the float32 graph's stale digest if any), inputs, outputs, value_info, functions and
+    the node list (types, domains, attributes, wiring, names, order); the same initializers in the same order,
+    each equal as numbers (`_assert_close_tensor`)."""
     ref, got = onnx.load(str(ref_path)), onnx.load(str(got_path))  # external data loaded where there is any
     for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
         assert getattr(got, f) == getattr(ref, f), f
     assert _serialized(got.opset_import) == _serialized(ref.opset_import)
-    props = [[(p.key, p.value) for p in m.metadata_props if p.key != DIGEST_KEY] for m in (ref, got)]
-    assert props[1] == props[0] and any(p.key == DIGEST_KEY for p in got.metadata_props)
+    ours = (DIGEST_KEY, cpuinfo.INT8_RECORD_KEY)
+    props = [[(p.key, p.value) for p in m.metadata_props if p.key not in ours] for m in (ref, got)]
+    assert props[1] == props[0] and {p.key for p in got.metadata_props} >= set(ours)
     assert _serialized(got.functions) == _serialized(ref.functions)
     for f in ("input", "output", "value_info", "sparse_initializer", "node"):
         a, b = _serialized(getattr(ref.graph, f)), _serialized(getattr(got.graph, f))
@@ -176,8 +206,7 @@ def _assert_same_graph(ref_path: Path, got_path: Path) -> None:
                         f"{getattr(got.graph, f)[i] if i < len(b) else None}")
     assert [t.name for t in got.graph.initializer] == [t.name for t in ref.graph.initializer]
     for r, g in zip(ref.graph.initializer, got.graph.initializer):
-        assert (g.data_type, list(g.dims)) == (r.data_type, list(r.dims)), g.name
-        assert numpy_helper.to_array(g).tobytes() == numpy_helper.to_array(r).tobytes(), g.name
+        _assert_close_tensor(r, g)
 
 
 def _feeds(session, seed: int):
@@ -193,16 +222,15 @@ def _feeds(session, seed: int):
 
 
 def _assert_same_outputs(ref_path: Path, got_path: Path) -> None:
-    """ONNX Runtime's outputs of both graphs bit-identical on padded and unpadded batches."""
-    import onnxruntime as ort
-
+    """ONNX Runtime's outputs of both graphs within OUTPUT_ATOL on padded and unpadded batches."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     ref = ort.InferenceSession(str(ref_path), so, providers=["CPUExecutionProvider"])
     got = ort.InferenceSession(str(got_path), so, providers=["CPUExecutionProvider"])
     for feed in _feeds(ref, 0):
         for a, b in zip(ref.run(None, feed), got.run(None, feed)):
-            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), got_path.name
+            assert a.dtype == b.dtype and a.shape == b.shape, got_path.name
+            np.testing.assert_allclose(b, a, rtol=0, atol=OUTPUT_ATOL, err_msg=got_path.name)
 
 
 _INT8 = CalibrationConfig(basket_size=16, strength=0.8)
@@ -275,12 +303,13 @@ def test_external_data_in_and_out_small_blocks(xlmr_int8, tmp_path, monkeypatch)
     data = external.parent / external_data_name(name)
     assert sorted(f.name for f in external.parent.iterdir()) == [name, data.name]
     assert 0 < data.stat().st_size < fp32_data
-    assert any(t.data_location == onnx.TensorProto.EXTERNAL and t.data_type == onnx.TensorProto.INT8
+    weight_type = helper.np_dtype_to_tensor_dtype(np.dtype(quantize.WEIGHT_TYPE))
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL and t.data_type == weight_type
                for t in onnx.load(str(external), load_external_data=False).graph.initializer)
     _assert_same_graph(tmp_path / "ref" / name, external)
     _assert_same_outputs(tmp_path / "ref" / name, external)
     load_onnx_checked(external, interface=True, require_digest=True)
-    with open(data, "r+b") as f:  # a flipped int8 byte is caught by the digest
+    with open(data, "r+b") as f:  # a flipped weight byte is caught by the digest
         f.seek(3)
         b = f.read(1)
         f.seek(3)
@@ -304,8 +333,6 @@ def test_per_tensor_equals_onnxruntime_quantizer(xlmr_int8, tmp_path):
 def test_quantizer_holds_no_float32_copy_of_a_weight(tmp_path, monkeypatch):
     """One 16 MiB float32 weight on disk, read 1 MiB at a time: the quantizer's Python allocations (numpy
     included) stay below half the weight, where ONNX Runtime's hold it and its int8 copy; same graph."""
-    from onnx import TensorProto, helper
-
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4096, 1024), dtype=np.float32)
     w[:, 7] = 0.0  # an all-zero channel: scale 1.0
@@ -330,3 +357,68 @@ def test_quantizer_holds_no_float32_copy_of_a_weight(tmp_path, monkeypatch):
         tracemalloc.stop()
     assert peak < w.nbytes / 2, f"peak {peak / 2**20:.1f} MiB for a {w.nbytes / 2**20:.0f} MiB weight"
     _assert_same_graph(tmp_path / "ref" / "model.onnx", got)
+
+
+@pytest.mark.parametrize("weights, reduce_range, bounds", [("uint8", False, (0, 255)), ("uint8", True, (0, 127)),
+                                                           ("int8", False, (-127, 127)), ("int8", True, (-64, 64))])
+def test_weight_formats_equal_onnxruntime_quantizer(weights, reduce_range, bounds, tmp_path):
+    """Each weight format against quantize_dynamic with the same options, as numbers; the weights fill their
+    range and no more (reduce_range: int8 within [-64, 64], so two products of 255 * 64 fit int16)."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 48), dtype=np.float32)
+    w[3, 5] = 9.0  # an outlier in one channel
+    w[:, 7] = 0.0  # an all-zero channel: scale 1.0
+    w[:, 8] = np.abs(w[:, 8])  # a channel of one sign: the uint8 zero point at the end of its range
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 48])],
+                              [numpy_helper.from_array(w, "w")])
+    src = tmp_path / "src.onnx"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)  # any onnx, any ORT
+    onnx.save(model, str(src))
+    _reference(src, tmp_path / "ref" / "model.onnx", weights=weights, reduce_range=reduce_range)
+    got = tmp_path / "got" / "model.onnx"
+    got.parent.mkdir()
+    shutil.copyfile(src, got)
+    assert quantize_graph(got, weights=weights, reduce_range=reduce_range) == 1
+    _assert_same_graph(tmp_path / "ref" / "model.onnx", got)
+    q = numpy_helper.to_array(next(t for t in onnx.load(str(got)).graph.initializer if t.name == "w_quantized"))
+    assert q.dtype == np.dtype(weights) and (int(q.min()), int(q.max())) == bounds
+    x = rng.standard_normal((5, 64), dtype=np.float32)
+    ref_y, got_y = (ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                    for f in (tmp_path / "ref" / "model.onnx", got))
+    np.testing.assert_allclose(got_y, ref_y, rtol=0, atol=OUTPUT_ATOL)
+    assert graph_record(got) == json.loads(json.dumps(quantization_record(True, weights, reduce_range)))
+
+
+def test_int8_graph_records_its_cpu_classes(xlmr_int8, tmp_path, monkeypatch):
+    """Every graph of an int8 export carries its weights and the CPU class it was made (and checked) on, and
+    the classes its figures cover: with uint8 weights, AVX2 and the VNNI classes alike."""
+    root, meta = xlmr_int8
+    for graph_file in meta["graphs"]:
+        record = graph_record(root / "out" / graph_file)
+        assert record["cpu_class"] == cpuinfo.cpu_class() and record["weights"] == quantize.WEIGHT_TYPE == "uint8"
+        assert record["reduce_range"] is False and record["weight_range"] == [0, 255] and record["per_channel"]
+        assert record["covers"] == list(cpuinfo.VNNI_CLASSES + cpuinfo.PAIR_SUM_CLASSES) or \
+            record["covers"] == [record["cpu_class"]]  # a machine outside those classes covers itself alone
+    monkeypatch.setattr(cpuinfo, "cpu_class", lambda: cpuinfo.AVX2)
+    got = tmp_path / "model.onnx"
+    shutil.copyfile(root / "fp32" / "model.onnx", got)
+    quantize_graph(got)
+    assert graph_record(got)["cpu_class"] == cpuinfo.AVX2 and cpuinfo.AVX2 in graph_record(got)["covers"]
+
+
+def test_encoder_and_inspect_say_when_this_cpu_is_not_covered(xlmr_int8, monkeypatch, capsys):
+    root, _ = xlmr_int8
+    out = root / "out"
+    made_on = graph_record(out / "onnx/model.onnx")["cpu_class"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cpuinfo.Int8CpuWarning)
+        Encoder(out)  # the machine it was made on: covered, silent
+    monkeypatch.setattr(cpuinfo, "cpu_class", lambda: cpuinfo.AARCH64)
+    with pytest.warns(cpuinfo.Int8CpuWarning, match=f"measured on {made_on} and cover .*; this CPU is aarch64"):
+        enc = Encoder(out)
+    assert enc.encode(TEXTS[:1]).shape[0] == 1  # a warning, not a refusal
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("this CPU: aarch64: WARNING") == 3

@@ -26,6 +26,8 @@ from attncal.serving import pbtxt
 from attncal.serving.env import ServingEnvError, check_env
 from attncal.serving.repository import RepoOptions, build_repository, discover
 from attncal.serving.server import TritonServer, diagnose, free_port
+from support.built_once import built_once
+from support.hooks import wait_until
 
 tritonclient = pytest.importorskip("tritonclient")
 import tritonclient.grpc as grpcclient  # noqa: E402
@@ -47,20 +49,23 @@ def _env_or_skip():
         pytest.skip(f"serving env unavailable: {exc}")
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
+def _build_exports(root: Path) -> None:
     from attncal.calibration.config import CalibrationConfig
     from attncal.export.exporter import ExportOptions, export
     from attncal.synthetic import save_synthetic_model
 
-    root = tmp_path_factory.mktemp("serving")
     model = save_synthetic_model("bert", root / "m", seed=3, max_positions=128, max_seq_length=MAX_LEN)
-    cal = root / "cal"
-    raw = root / "raw"
-    export(str(model), cal, ExportOptions(config=CalibrationConfig(basket_size=4, strength=1.0),
-                                          exporter="torchscript", check=False), quiet=True)
-    export(str(model), raw, ExportOptions(calibrate=False, exporter="torchscript", check=False), quiet=True)
-    return {"cal": cal, "raw": raw, "root": root}
+    export(str(model), root / "cal", ExportOptions(config=CalibrationConfig(basket_size=4, strength=1.0),
+                                                   exporter="torchscript", check=False), quiet=True)
+    export(str(model), root / "raw", ExportOptions(calibrate=False, exporter="torchscript", check=False), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """The calibrated and the uncalibrated export of one tiny BERT (and its model directory, `root`/m), built
+    once per run for this module and the others that serve them (support.built_once): read-only."""
+    root = built_once(tmp_path_factory, "serving-exports", _build_exports)
+    return {"cal": root / "cal", "raw": root / "raw", "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +76,8 @@ def encoders(exports):
 
 
 @pytest.fixture(scope="module")
-def repo(exports):
-    path = exports["root"] / "repo"
+def repo(exports, tmp_path_factory):
+    path = tmp_path_factory.mktemp("serving") / "repo"
     build_repository(exports["cal"], path, RepoOptions(name="cal", max_batch=MAX_BATCH, max_queue_delay_us=5000))
     build_repository(exports["raw"], path, RepoOptions(name="raw", max_batch=MAX_BATCH, max_queue_delay_us=5000))
     return path
@@ -309,10 +314,7 @@ def test_temporary_log_dropped_after_clean_stop_kept_otherwise(repo, tmp_path):
     clean = _fake_tritonserver(tmp_path, "clean", f"trap 'exit 0' TERM; touch '{ready}'; while :; do sleep 0.05; done")
 
     def wait_ready() -> None:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert time.monotonic() < deadline, "the fake server never started"
-            time.sleep(0.02)
+        wait_until(ready.exists, 60, "the fake server to start")
         ready.unlink()
 
     ports = dict(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
@@ -466,46 +468,39 @@ def _serve_cmd(repo, ports):
 
 
 def _start_cli(repo, ports):
+    """`attncal serve` started, once it has printed its ready line and the model list after it (or ended)."""
     proc = subprocess.Popen(_serve_cmd(repo, ports), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
     lines: list[str] = []
-    ready = threading.Event()
+    n_models = len(list(Path(repo).glob("*/config.pbtxt")))
+    listed = threading.Event()  # the ready line and every model's line after it were read, or the output ended
 
     def reader():
+        models = None
         for line in proc.stdout:
             lines.append(line)
-            if "ready:" in line:
-                ready.set()
+            if models is None and "ready:" in line:
+                models = 0
+            elif models is not None and re.match(r"^  \S+ v\S+ \S+$", line):
+                models += 1
+            if models == n_models:
+                listed.set()
+        listed.set()
 
     threading.Thread(target=reader, daemon=True).start()
-    deadline = time.monotonic() + 150
-    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if not ready.is_set():
+    if not listed.wait(150) or not any("ready:" in x for x in lines):
         proc.kill()
         pytest.fail("attncal serve did not become ready: " + "".join(lines[-20:]))
-    # The model list follows the ready line: wait for all of it (a bounded poll, not a fixed sleep).
-    n_models = len(list(Path(repo).glob("*/config.pbtxt")))
-
-    def listed() -> int:
-        text = "".join(lines)
-        return len(re.findall(r"^  \S+ v\S+ \S+$", text.split("ready:", 1)[1], re.M))
-
-    while listed() < n_models and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
     pid = int(re.search(r"tritonserver \(pid (\d+)", "".join(lines)).group(1))
     return proc, pid, lines
 
 
-def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
-    """True once no process is left in group `pgid` (killed members may take a moment to be reaped)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
+def _group_gone(pgid: int) -> bool:
+    """Whether no process is left in group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
     return False
 
 
@@ -520,27 +515,13 @@ def test_serve_cli_kill_restart_and_sigterm(exports, encoders, tmp_path):
         text = "".join(lines)
         assert "raw-encoder v1 READY" in text and "raw-tokenizer v1 READY" in text and "127.0.0.1" in text
         ref = encoders["raw"].encode(["restart me"])
-        # Deterministic on any machine speed: the clients run until told to stop (bounded by a
-        # deadline, not by a request count); the server is killed once they have seen
-        # KILL_AFTER_OKS answers, and they are stopped once every client has seen an error.
-        KILL_AFTER_OKS, DEADLINE_S = 20, 60.0
-        outcomes: list[tuple[int, str, float]] = []
+        # The clients send until told to stop; the server is killed once they have seen KILL_AFTER_OKS answers
+        # (mid-load: they are still sending), and they are stopped once every client has seen an error.  What
+        # each error says, not how long it took, shows there was no hang: a dead server's connection is refused
+        # or reset (UNAVAILABLE), where a hung one would leave the client to its own timeout (DEADLINE_EXCEEDED).
+        KILL_AFTER_OKS, DEADLINE_S, n_clients = 20, 60.0, 4
+        outcomes: list[tuple[int, str]] = []  # (client, "ok" or the error's gRPC status)
         stop = threading.Event()
-        deadline = time.monotonic() + DEADLINE_S
-
-        def loader(k: int):
-            c = grpcclient.InferenceServerClient(url)
-            try:
-                while not stop.is_set() and time.monotonic() < deadline:
-                    t0 = time.monotonic()
-                    try:
-                        _ = c.infer("raw", [_inp(["restart me"])], client_timeout=5)
-                        outcomes.append((k, "ok", time.monotonic() - t0))
-                    except InferenceServerException:
-                        outcomes.append((k, "error", time.monotonic() - t0))
-                        time.sleep(0.05)
-            finally:
-                c.close()
 
         def _inp(texts):
             arr = np.array([[t.encode()] for t in texts], dtype=object)
@@ -548,33 +529,38 @@ def test_serve_cli_kill_restart_and_sigterm(exports, encoders, tmp_path):
             i.set_data_from_numpy(arr)
             return i
 
-        def wait_for(pred) -> bool:
-            while not pred():
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.01)
-            return True
+        def loader(k: int):
+            c = grpcclient.InferenceServerClient(url)
+            try:
+                while not stop.is_set():
+                    try:
+                        c.infer("raw", [_inp(["restart me"])], client_timeout=5)
+                        outcomes.append((k, "ok"))
+                    except InferenceServerException as exc:
+                        outcomes.append((k, str(exc.status())))
+                        stop.wait(0.05)
+            finally:
+                c.close()
 
-        n_clients = 4
         threads = [threading.Thread(target=loader, args=(k,), daemon=True) for k in range(n_clients)]
         for t in threads:
             t.start()
-        assert wait_for(lambda: sum(o == "ok" for _, o, _ in outcomes) >= KILL_AFTER_OKS), \
-            f"clients saw {len(outcomes)} outcomes before the deadline, none of them {KILL_AFTER_OKS} answers"
-        os.kill(pid, signal.SIGKILL)  # mid-load: the clients are still sending
-        all_failed = wait_for(lambda: {k for k, o, _ in outcomes if o == "error"} == set(range(n_clients)))
-        stop.set()
-        for t in threads:
-            t.join(timeout=30)
+        try:
+            wait_until(lambda: sum(o == "ok" for _, o in outcomes) >= KILL_AFTER_OKS, DEADLINE_S,
+                       f"the clients to see {KILL_AFTER_OKS} answers")
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: {k for k, o in outcomes if o != "ok"} == set(range(n_clients)), DEADLINE_S,
+                       "every client to see the dead server")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
         assert not any(t.is_alive() for t in threads), "a client hung after the server died"
-        assert all_failed, f"not every client saw the dead server within {DEADLINE_S} s: {outcomes[-8:]}"
-        oks = [d for _, o, d in outcomes if o == "ok"]
-        errs = [d for _, o, d in outcomes if o == "error"]
-        assert len(oks) >= KILL_AFTER_OKS and errs, (len(oks), len(errs))
-        assert max(errs) < 6.0  # clean errors within the client timeout, no hang
+        errors = {o for _, o in outcomes if o != "ok"}
+        assert errors and "StatusCode.DEADLINE_EXCEEDED" not in errors, errors  # clean errors, no hang
         assert proc.wait(timeout=30) == 1  # the CLI notices the server died
         assert "exited unexpectedly" in "".join(lines)
-        assert _group_gone(pid), "a Python stub outlived the killed server"
+        wait_until(lambda: _group_gone(pid), 10, "the killed server's Python stubs to end")
 
         proc, pid, lines = _start_cli(repo, ports)  # restart on the same ports
         assert np.abs(_grpc_embed(url, "raw", ["restart me"]) - ref).max() <= TOL
@@ -582,7 +568,7 @@ def test_serve_cli_kill_restart_and_sigterm(exports, encoders, tmp_path):
         assert proc.wait(timeout=60) == 0
         out = "".join(lines)
         assert "stopped (tritonserver status 0)" in out
-        assert _group_gone(pid), "a Python stub outlived the stopped server"
+        wait_until(lambda: _group_gone(pid), 10, "the stopped server's Python stubs to end")
     finally:
         if proc.poll() is None:
             proc.kill()

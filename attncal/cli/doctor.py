@@ -1,6 +1,7 @@
 """Report this machine's attncal setup (and an export's), to paste into a bug report.
 
-Like `transformers env`: versions, ONNX Runtime providers, the native library (where, what it
+Like `transformers env`: versions (and whether the libraries attncal is tested with are in the ranges it
+declares), the CPU's feature class (what an int8 graph's figures cover), ONNX Runtime providers, the native library (where, what it
 registers, whether it loads), CUDA / TensorRT availability, thread settings and, for an export
 directory, its format, graphs, placements, precision and parity, and the graph `Encoder` would run.
 Nothing is downloaded and nothing is written.
@@ -16,8 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import cpuinfo
+from ..versions import declared_ranges, in_range, installed
+
 _PACKAGES = ("attncal", "torch", "transformers", "onnx", "onnx-ir", "onnxruntime", "onnxruntime-gpu", "numpy",
              "sentence-transformers", "optimum", "optimum-onnx", "scipy-openblas32", "ray", "tritonclient")
+_TESTED = ("onnxruntime", "onnx", "transformers", "torch", "numpy")  # checked against attncal's declared ranges
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,15 +31,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _versions() -> dict[str, str | None]:
-    import importlib.metadata as md
-
     out: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
-    for pkg in _PACKAGES:
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
+    out.update((pkg, installed(pkg)) for pkg in _PACKAGES)
     return out
+
+
+def _tested() -> dict[str, dict[str, Any]]:
+    """Each library of _TESTED: its installed version, the range attncal declares for it (the installed
+    package metadata: pyproject.toml's ranges, which are the tested ones) and whether the version is in it
+    (None: not installed, or not declared)."""
+    ranges = declared_ranges()
+    out = {}
+    for pkg in _TESTED:
+        spec = ranges.get(pkg)
+        out[pkg] = {"installed": installed(pkg), "tested": "any" if spec == "" else spec,
+                    "in_range": in_range(installed(pkg), spec)}
+    return out
+
+
+def _cpu() -> dict[str, str]:
+    return {"machine": platform.machine(), "class": cpuinfo.cpu_class()}
 
 
 def _registered_ops(library: Path) -> dict[str, bool]:
@@ -149,6 +165,7 @@ def _triton() -> dict[str, Any]:
 
 def _export(path: Path) -> dict[str, Any]:
     from ..artifact import open_export
+    from ..export.quantize import graph_record
     from ..runtime import oplib
     from ..runtime.encoder import default_providers, select_graph
 
@@ -161,6 +178,7 @@ def _export(path: Path) -> dict[str, Any]:
         par = info.get("parity") or {}
         graphs[g] = {"placement": info.get("placement"), "fused_attention": info.get("fused_attention"),
                      "quantized_nodes": info.get("quantized_nodes"),
+                     "int8_cpu": cpuinfo.coverage_line(graph_record(path / g)) if info.get("quantized_nodes") else None,
                      "parity": {k: par.get(k) for k in ("precision", "max_abs", "min_cos", "p1_cos", "ok")} or None}
     return {
         "path": str(path), "format": meta.get("format"), "model_type": meta.get("model_type"),
@@ -175,8 +193,8 @@ def _export(path: Path) -> dict[str, Any]:
 
 def collect(export: str | None = None) -> dict[str, Any]:
     """The whole report as a dict (what `--json` prints)."""
-    report = {"versions": _versions(), "native": _native(), "accelerators": _accelerators(), "threads": _threads(),
-              "triton": _triton()}
+    report = {"versions": _versions(), "tested_versions": _tested(), "cpu": _cpu(), "native": _native(),
+              "accelerators": _accelerators(), "threads": _threads(), "triton": _triton()}
     if export is not None:
         report["export"] = _export(Path(export))
     return report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .. import cpuinfo
 from ..artifact import ArtifactError, MissingArtifactError, load_onnx_checked, open_export
 
 
@@ -108,4 +109,7 @@ def run(args: argparse.Namespace) -> int:
             cos = (f", cosine min {par['min_cos']:.5f} p50 {par['p50_cos']:.5f}"
                    if isinstance(par.get("p50_cos"), (int, float)) and par.get("precision") != "fp32" else "")
             print(f"parity     max |Δ| vs PyTorch {par['max_abs']:.3g}{cos} at export ({par.get('precision', 'fp32')})")
+        if isinstance(quant, dict) and quant.get("precision") == "int8":
+            props = {prop.key: prop.value for prop in protos[graph_file].metadata_props}
+            print(f"int8 cpu   {cpuinfo.coverage_line(cpuinfo.int8_record(props))}")
     return 0

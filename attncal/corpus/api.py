@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from ..artifact import PORTABLE_GRAPH, config_int, load_onnx_checked, read_metadata
 from .inputs import (BadRow, CorpusInputError, InputFile, Piece, fingerprint, plan_pieces, read_chunks, rebase,
                      resolve_inputs)
 from .progress import Progress
@@ -105,7 +106,7 @@ def _export(model: str | os.PathLike, endpoint: str | None) -> tuple[Location, d
             raise explain(exc, "export", loc) from None
     p = Path(model).expanduser()
     if (p / METADATA_FILE).is_file():
-        return Location.parse(p), json.loads((p / METADATA_FILE).read_text())
+        return Location.parse(p), read_metadata(p)
     what = "the embedded default model" if str(model) == "default" else (
         f"{p} is a model directory" if (p / "config.json").is_file() else f"{p} is not an attncal export")
     raise ValueError(f"{what}, not an attncal export ({METADATA_FILE} missing): run `attncal export {model} -o OUT` "
@@ -121,19 +122,14 @@ def _local_export(export: Location, digest: str) -> Path:
 
 
 def _dimension(export: Path, meta: dict) -> int:
-    """Embedding size from the graph's output shape (no session needed), else config.json's hidden_size."""
-    import onnx
-
-    from ..export.exporter import ONNX_FILE, ONNX_SUBDIR
-
-    graph = onnx.load(str(export / ONNX_SUBDIR / ONNX_FILE), load_external_data=False).graph
+    """Embedding size from the graph's output shape (no session needed), else config.json's hidden_size.  The
+    graph is checked (its external data, its digest) here, before any worker opens the export."""
+    graph = load_onnx_checked(export / PORTABLE_GRAPH).graph
     for o in graph.output:
         if o.name == "sentence_embedding":
             dims = o.type.tensor_type.shape.dim
             if dims and dims[-1].HasField("dim_value"):
                 return int(dims[-1].dim_value)
-    from ..artifact import config_int
-
     return config_int(export, "hidden_size")
 
 

@@ -38,6 +38,7 @@ import time
 from collections import Counter, deque
 from typing import Iterator
 
+from . import shards
 from .inputs import InputFile, Piece
 from .storage import Location
 
@@ -59,6 +60,7 @@ class _PieceWorker:
 
     def __init__(self, spec: dict) -> None:
         self.spec, self.error = spec, None
+        shards.FAULT_HOOK = spec["fault_hook"]  # the driver's (a test's), in this actor's own process
         try:
             from .local import load_encoder, tokenizer_threads
             from .storage import fetch_tree
@@ -173,7 +175,7 @@ class RayEngine:
         self.cpus_per_worker = cpus_per_worker
         self.spec = {"export": export, "digest": digest, "out": out, "batch_size": batch_size, "window": window,
                      "shard_size": shard_size, "text_field": text_field, "id_field": id_field,
-                     "on_error": on_error, "max_length": max_length}
+                     "on_error": on_error, "max_length": max_length, "fault_hook": shards.FAULT_HOOK}
         self._started = False
         self._starting: dict = {}  # ready() ref -> actor
         self._idle: list = []

@@ -39,6 +39,12 @@ SEQUENTIAL, PIECES = "sequential", "pieces"
 # Options that decide the bytes of the output: a resume must use the same ones.
 OUTPUT_OPTIONS = ("text_field", "id_field", "shard_size", "batch_size", "window", "max_length", "on_error")
 _READ_ATTEMPTS = 5
+# Fault injection for the tests, None otherwise: called as FAULT_HOOK(stage, name) in the process that writes
+# shard `name`, at the two points of its commit where a crash leaves a different state behind: "written" (the
+# whole shard under its temporary name, not moved yet) and "committed" (moved, and recorded by `on_commit`:
+# listed in the manifest of a sequential run).  A test stops the run there (SIGKILL, an exception, a wait),
+# at exactly that shard.  The Ray engine hands it to its actors (`ray_engine`).
+FAULT_HOOK: Callable[[str, str], None] | None = None
 
 
 def shard_name(k: int) -> str:
@@ -177,12 +183,16 @@ class ShardWriter:
         if self.out.is_local:
             with open(self._tmp.url, "rb") as f:
                 os.fsync(f.fileno())
+        if FAULT_HOOK is not None:
+            FAULT_HOOK("written", name)
         self._tmp.move_to(self.out.child(name))
         rows = self._rows
         self.rows_done += rows
         self.shard += 1
         self._writer, self._stream, self._rows, self._tmp = None, None, 0, None
         self.on_commit(name, rows)
+        if FAULT_HOOK is not None:
+            FAULT_HOOK("committed", name)
 
     def finish(self) -> None:
         """Commit the last, partial shard."""

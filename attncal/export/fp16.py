@@ -15,6 +15,9 @@ The converter works on a ModelProto and converts the weights it holds; a large m
 disk instead (`convert_model_to_fp16`): the converter sees the structure, with the weights as external
 references whose type it flips, and each flipped weight is converted from its float32 data when the
 graph is saved, one tensor at a time, with the converter's own clipping.
+
+The patch, the boundary declarations and the clipping rely on the converter of one ONNX Runtime release,
+`MIRRORS_ORT`; with another installed, converting says so once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from unittest import mock
 import numpy as np
 import onnx
 
+from ..versions import warn_if_not_mirrored
+
+MIRRORS_ORT = "1.32"  # the onnxruntime release whose float16 converter this patches and relies on
 METHOD = ("onnxruntime.transformers OnnxModel.convert_float_to_float16 (keep_io_types: int64 inputs, float32 "
           "outputs; calibration nodes kept float32)")
 _BLOCK = 4 * 1024 * 1024  # elements converted at once
@@ -47,6 +53,7 @@ def convert_to_fp16(model: onnx.ModelProto, float32_prefix: str | None) -> tuple
     outputs keep their types, so callers feed and read the same tensors as the float32 graph."""
     from onnxruntime.transformers.onnx_model import OnnxModel
 
+    warn_if_not_mirrored("onnxruntime", MIRRORS_ORT, "attncal's fp16 conversion patches and relies on the converter")
     keep = {n.name for n in model.graph.node if float32_prefix and n.name.startswith(float32_prefix)}
     typed = {v.name for v in model.graph.value_info}
     for name in sorted(_boundary_values(model, keep) - typed):

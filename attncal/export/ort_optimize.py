@@ -12,6 +12,9 @@ working directory, which is therefore the data file's folder.
 A child process, because ONNX Runtime's session and the fusions' protobuf arenas keep their memory until
 the process ends, and because an out-of-memory kill then names this step (`run` reports the signal)
 instead of ending the export without a word.
+
+The stages are those of one ONNX Runtime release's optimize_model, `MIRRORS_ORT`; with another installed,
+optimizing says so once (in the parent process, so the export log has it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..versions import warn_if_not_mirrored
+
+MIRRORS_ORT = "1.32"  # the onnxruntime release whose optimize_model stages `_optimize` rebuilds
 _DISABLED = ["ConstantSharing"]  # what optimize_model disables at level 1 (its ConstantSharing note)
 
 
@@ -68,6 +74,7 @@ def _optimize(src: Path, dst: Path, num_heads: int, hidden_size: int) -> None:
 
 def run(src: Path, dst: Path, num_heads: int, hidden_size: int) -> Path:
     """Optimize `src` into `dst` (+ `<name>_data`) in a child process; returns `dst`, or OptimizerError."""
+    warn_if_not_mirrored("onnxruntime", MIRRORS_ORT, "attncal's optimizer runs the stages of optimize_model")
     dst.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "attncal.export.ort_optimize", str(src), str(dst), "--num-heads", str(num_heads),
            "--hidden-size", str(hidden_size)]

@@ -1,18 +1,27 @@
 """int8 exports: dynamic quantization of the written graphs, calibration kept in fp32, in bounded memory.
 
-Each weight MatMul becomes DynamicQuantizeLinear + MatMulInteger with int8 weights, and ORT's fused
+Each weight MatMul becomes DynamicQuantizeLinear + MatMulInteger with 8-bit weights, and ORT's fused
 `Attention` becomes `QAttention`.  Only nodes that multiply by a weight are quantized (`weight_nodes`): the
 attention core (Q·Kᵀ and P·V MatMuls of the plain graph, the split placement's basket attention, the
 `ai.attncal` calibration and calibrated-attention ops) and every calibration scalar stay fp32, so the
 calibration math is exactly the fp32 math on slightly different activations.
 
 Per-channel weights are the default: per-tensor int8 loses far more cosine to the fp32 embeddings
-(docs/quantization.md gives both on all-MiniLM-L6-v2).
+(docs/quantization.md gives both on all-MiniLM-L6-v2).  So are uint8 weights (U8U8), for one graph that
+computes the same integers on every x86-64 CPU with AVX2 (attncal.cpuinfo): ONNX Runtime's int8-weight (U8S8)
+kernels add the products exactly on VNNI CPUs, but on AVX2 and AVX-512 without VNNI they add two of them in
+saturating int16, which 8-bit int8 weights overflow, so there the same graph computes other sums.  Its U8U8
+kernels widen both operands to int16 and add in int32 on all of them.  7-bit int8 weights (`reduce_range`)
+are exact everywhere too, but lose more to the fp32 embeddings (docs/quantization.md gives the three); U8U8
+gives up the VNNI instructions, so it runs slower than int8 weights there.  Each quantized graph records
+its weights, the CPU class it was made and checked on and the classes its figures cover
+(`quantization_record`, in its ONNX metadata under `attncal.cpuinfo.INT8_RECORD_KEY`).
 
 The graph written is the one `onnxruntime.quantization.quantize_dynamic` writes for these options
-(QInt8 weights, `per_channel`, MatMul / Gemm / Attention restricted to `weight_nodes`, DefaultTensorType
-FLOAT; tests/test_quantize.py compares the two node for node and weight for weight), built the way the rest
-of the exporter works: on the graph's structure, never on its weights.  ONNX Runtime's quantizer loads the
+(`weight_type` QUInt8 or QInt8, `per_channel`, `reduce_range`, MatMul / Gemm / Attention restricted to
+`weight_nodes`, DefaultTensorType FLOAT; tests/test_quantize.py compares the two node for node and weight
+for weight, the weights as numbers), built the way the rest of the exporter works: on the graph's structure,
+never on its weights.  ONNX Runtime's quantizer loads the
 graph with every weight, runs shape inference on it and holds the float32 weights beside their int8 copies
 until it saves (4.4x the float32 weights at bge-m3's size).  Here:
 
@@ -26,15 +35,20 @@ until it saves (4.4x the float32 weights at bge-m3's size).  Here:
   graph is written, into a working data file beside it, and `attncal.artifact.write_graph_file` streams the
   result into place (one file below 2 GiB of tensors, `<graph>.onnx_data` above; atomically, with its digest).
 
+This copies the behaviour of one ONNX Runtime release, `MIRRORS_ORT`; with another installed, quantizing says
+so once (its quantizer, and so the reference the tests compare with, may have changed).
+
 What ONNX Runtime 1.32's quantizer does in this mode, and so what this does:
 
 * Activations: one `DynamicQuantizeLinear` per quantized value (`<x>_QuantizeLinear`, outputs `<x>_quantized`,
   `<x>_scale`, `<x>_zero_point`: uint8, asymmetric, per tensor, at run time), emitted before its first
   consumer and shared by the others.
-* Weights: int8, symmetric, per output channel (the last axis): scale = max(|min(w, 0)|, |max(w, 0)|) * 2 /
-  254 in float64, stored as float32 (1.0 when below float32's smallest normal), zero point 0, q =
-  clip(round-half-even(w / scale), -128, 127) in float32 (`<w>_scale`, `<w>_zero_point`, `<w>_quantized`).
-  reduce_range is off (quantize_dynamic's default).
+* Weights, per output channel (the last axis; `<w>_scale`, `<w>_zero_point`, `<w>_quantized`): the channel's
+  range [min(w, 0), max(w, 0)] (made symmetric for int8) over the integer range [qmin, qmax] in float64 is
+  the scale, stored as float32 (1.0 when below float32's smallest normal); the zero point is 0 for int8 and
+  round(qmin - min / scale) for uint8; q = clip(round-half-even(w / scale) + zero point) in float32, to the
+  type's full range.  [qmin, qmax]: uint8 [0, 255] ([0, 127] with reduce_range), int8 [-127, 127]
+  ([-64, 64] with reduce_range).
 * MatMul: `MatMulInteger` (`<node>_quant`) -> `Cast` to the output's type -> `Mul` by the product of the two
   scales (`<node>_quant_scales_mul`) -> `Mul` (`<node>_quant_output_scale_mul`) writing the original output.
 * Attention: `QAttention` (com.microsoft, `<node>_quant`; inputs q input, q weight, bias, the two scales,
@@ -48,16 +62,28 @@ What ONNX Runtime 1.32's quantizer does in this mode, and so what this does:
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 
+from .. import cpuinfo
+from ..versions import warn_if_not_mirrored
+
 QUANTIZATIONS = ("int8",)
-METHOD = ("attncal's streamed dynamic quantization, equal to onnxruntime.quantization.quantize_dynamic's (QInt8 "
+METHOD = ("attncal's streamed dynamic quantization, equal to onnxruntime.quantization.quantize_dynamic's (QUInt8 "
           "weights per output channel, uint8 activations quantized per batch); attention core and calibration "
           "in fp32")
+MIRRORS_ORT = "1.32"  # the onnxruntime release whose quantize_dynamic this reproduces
+WEIGHTS = ("int8", "uint8")  # quantize_dynamic's weight_type QInt8 (symmetric) / QUInt8 (asymmetric)
+WEIGHT_TYPE = "uint8"  # the default: exact integer sums on every AVX2 / AVX-512 / VNNI kernel (module doc)
+REDUCE_RANGE = False
+# The integer range each weight type's scale maps onto, full or reduced (quant_utils' ONNX_INT_TYPE_SYMMETRIC_RANGE,
+# ONNX_INT_TYPE_RANGE and ONNX_INT_TYPE_REDUCED_RANGE); the quantized values are clipped to the type's full range.
+_WEIGHT_RANGES = {("int8", False): (-127, 127), ("int8", True): (-64, 64),
+                  ("uint8", False): (0, 255), ("uint8", True): (0, 127)}
 _WEIGHT_OPS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "Attention")}
 _OP_TYPES = {"MatMul", "Attention"}  # what ONNX Runtime's dynamic quantizer rewrites of those (Gemm: see above)
 _BLOCK_BYTES = 16 * 1024**2  # float32 bytes of a weight read at once
@@ -81,19 +107,37 @@ def weight_nodes(model) -> list[str]:
     return names
 
 
-def quantize_graph(path: Path, per_channel: bool = True) -> int:
+def quantization_record(per_channel: bool = True, weights: str = WEIGHT_TYPE, reduce_range: bool = REDUCE_RANGE
+                        ) -> dict:
+    """What an int8 graph made here with these options records: its quantization parameters, the CPU class
+    of this machine (where the export's parity check measures it) and the classes those figures cover, and
+    why (attncal.cpuinfo.int8_coverage)."""
+    qmin, qmax = _WEIGHT_RANGES[weights, reduce_range]
+    return {"per_channel": per_channel, "weights": weights, "reduce_range": reduce_range,
+            "weight_range": [qmin, qmax], "activations": "uint8, asymmetric, per tensor, at run time",
+            **cpuinfo.int8_coverage(cpuinfo.cpu_class(), weights, (qmin, qmax))}
+
+
+def quantize_graph(path: Path, per_channel: bool = True, weights: str = WEIGHT_TYPE,
+                   reduce_range: bool = REDUCE_RANGE) -> int:
     """Quantize the graph at `path` in place (written beside it, then renamed); returns how many nodes were
-    quantized.  A float32 data file beside it that the int8 graph no longer needs goes."""
+    quantized.  A float32 data file beside it that the int8 graph no longer needs goes.  The graph's ONNX
+    metadata gains `quantization_record` under attncal.cpuinfo.INT8_RECORD_KEY."""
     from ..artifact import write_graph_file
 
+    warn_if_not_mirrored("onnxruntime", MIRRORS_ORT, "attncal's int8 quantizer reproduces quantize_dynamic")
     path = Path(path)
     model = _structure(path)
     _name_unnamed(model)
     nodes = weight_nodes(model)
     if not nodes:
         raise ValueError(f"{path}: no MatMul/Gemm/Attention node with a weight initializer to quantize")
-    q = _Quantizer(model, path.parent, set(nodes), per_channel)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    q = _Quantizer(model, path.parent, set(nodes), per_channel, weights, reduce_range)
     model, count = q.run()
+    model.metadata_props.add(key=cpuinfo.INT8_RECORD_KEY, value=json.dumps(
+        quantization_record(per_channel, weights, reduce_range), sort_keys=True))
     work = path.with_name(f".{path.name}.quantized_data")
     try:
         with open(work, "wb") as f:  # the computed tensors, one at a time, in the graph's order
@@ -109,6 +153,11 @@ def quantize_graph(path: Path, per_channel: bool = True) -> int:
     finally:
         work.unlink(missing_ok=True)
     return count
+
+
+def graph_record(path: Path) -> dict | None:
+    """The `quantization_record` an int8 graph file carries (None: none), read without its weights."""
+    return cpuinfo.int8_record({p.key: p.value for p in _structure(Path(path)).metadata_props})
 
 
 def _name_unnamed(model) -> None:
@@ -236,6 +285,8 @@ def _blocks(t, base_dir: Path, columns: int):
     (external) or from the proto (small, inline)."""
     from onnx import numpy_helper
 
+    from ..artifact import check_external_data
+    check_external_data(t, base_dir)
     ext = _external(t)
     if ext is None:
         yield numpy_helper.to_array(t).reshape(-1, columns)
@@ -320,8 +371,10 @@ def _remade(node, graph) -> object:
 
 
 class _Quantizer:
-    def __init__(self, model, base_dir: Path, nodes: set[str], per_channel: bool) -> None:
+    def __init__(self, model, base_dir: Path, nodes: set[str], per_channel: bool, weights: str,
+                 reduce_range: bool) -> None:
         self.model, self.base_dir, self.nodes, self.per_channel = model, base_dir, nodes, per_channel
+        self.weights, self.reduce_range = weights, reduce_range
         self.lazy: dict = {}  # initializer name -> writes its bytes to a file (computed when written)
 
     def run(self):
@@ -556,8 +609,8 @@ class _Quantizer:
         return dql.output[0], dql.output[2], dql.output[1]
 
     def _weight(self, name: str) -> tuple[str, str, str]:
-        """(quantized, zero point, scale) names of a weight: int8, symmetric, per output channel (or per
-        tensor); scales now (one pass over the weight), the int8 tensor when written."""
+        """(quantized, zero point, scale) names of a weight, of the quantizer's weight type, per output channel
+        (or per tensor); scales now (one pass over the weight), the 8-bit tensor when written."""
         import onnx
         from onnx import helper, numpy_helper
 
@@ -582,22 +635,23 @@ class _Quantizer:
             hi = b_hi if hi is None else np.maximum(hi, b_hi)
         if lo is None:
             raise ValueError(f"{name}: an empty weight")
-        scale = _symmetric_scale(lo, hi)
+        scale, zero_point = _scale_zero_point(lo, hi, self.weights, self.reduce_range)
         q_name, zp_name, scale_name = name + "_quantized", name + "_zero_point", name + "_scale"
         shape = [dims[-1]] if self.per_channel else []
+        q_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(self.weights))
         new = [helper.make_tensor(scale_name, w.data_type, shape, scale.tolist()),
-               helper.make_tensor(zp_name, onnx.TensorProto.INT8, shape, [0] * scale.size)]
+               helper.make_tensor(zp_name, q_type, shape, zero_point.astype(np.int64).tolist())]
         if _external(w) is None:
             new.append(numpy_helper.from_array(
-                _int8(numpy_helper.to_array(w).reshape(-1, columns), scale).reshape(dims), q_name))
+                _quantized(numpy_helper.to_array(w).reshape(-1, columns), scale, zero_point).reshape(dims), q_name))
         else:
-            t = onnx.TensorProto(name=q_name, data_type=onnx.TensorProto.INT8, dims=dims)
+            t = onnx.TensorProto(name=q_name, data_type=q_type, dims=dims)
             _set_external(t, "", 0, 0)  # a placeholder until written (shape inference reads its dims only)
             base = self.base_dir
 
-            def fill(f, w=w, scale=scale, columns=columns):
+            def fill(f, w=w, scale=scale, zero_point=zero_point, columns=columns):
                 for block in _blocks(w, base, columns):
-                    f.write(_int8(block, scale).tobytes())
+                    f.write(_quantized(block, scale, zero_point).tobytes())
 
             self.lazy[q_name] = fill
             new.append(t)
@@ -608,23 +662,35 @@ class _Quantizer:
         return q_name, zp_name, scale_name
 
 
-def _symmetric_scale(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """ONNX Runtime's symmetric int8 scale of each channel from its float32 min and max (quant_utils'
-    compute_scale_zp with qmin -127, qmax 127): the range is widened to hold 0 and made symmetric, its width
-    divided by 254 in float64 and stored in float32; 1.0 where that is below float32's smallest normal."""
+def _scale_zero_point(lo: np.ndarray, hi: np.ndarray, weights: str, reduce_range: bool
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """ONNX Runtime's scale (float32) and zero point (of the weight type) of each channel from its float32 min
+    and max (quant_utils' compute_scale_zp over `_WEIGHT_RANGES`): the range is widened to hold 0 (and made
+    symmetric for int8), its width divided by the integer range's in float64 and stored in float32; the zero
+    point is the middle of the range (int8: 0) or round(qmin - min / scale) (uint8); scale 1.0 and zero
+    point 0 where the scale is below float32's smallest normal."""
+    qmin, qmax = _WEIGHT_RANGES[weights, reduce_range]
     lo = np.minimum(lo, np.float32(0))
     hi = np.maximum(hi, np.float32(0))
-    absmax = np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64)
-    scale = (absmax - (-absmax)) / (np.float64(127) - np.float64(-127))
-    return np.where(scale < np.finfo(np.float32).tiny, np.float32(1.0), scale.astype(np.float32)).astype(np.float32)
+    if weights == "int8":  # symmetric
+        hi = np.maximum(np.abs(lo), np.abs(hi))
+        lo = -hi
+    scale = (hi.astype(np.float64) - lo.astype(np.float64)) / (np.float64(qmax) - np.float64(qmin))
+    tiny = scale < np.finfo(np.float32).tiny
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero_point = (np.full(scale.shape, np.round((qmin + qmax) / np.float64(2.0))) if weights == "int8"
+                      else np.round(np.float64(qmin) - lo / scale))
+    return (np.where(tiny, np.float32(1.0), scale.astype(np.float32)).astype(np.float32),
+            np.where(tiny, 0.0, zero_point).astype(np.dtype(weights)))
 
 
-def _int8(block: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """quant_utils' quantize_nparray for int8 with zero point 0: float32 division, round half to even,
-    clipped to [-128, 127]."""
-    q = np.round(block.astype(np.float32, copy=False) / scale)
-    np.clip(q, -128, 127, out=q)
-    return q.astype(np.int8)
+def _quantized(block: np.ndarray, scale: np.ndarray, zero_point: np.ndarray) -> np.ndarray:
+    """quant_utils' quantize_nparray: float32 division, round half to even, plus the zero point, clipped to
+    the weight type's full range."""
+    info = np.iinfo(zero_point.dtype)
+    q = np.round(block.astype(np.float32, copy=False) / scale) + zero_point.astype(np.float32)
+    np.clip(q, info.min, info.max, out=q)
+    return q.astype(zero_point.dtype)
 
 
 def _clean_initializers(graph) -> set[str]:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import cpuinfo
 from ..artifact import (
     NATIVE_GRAPH,
     ONNX_FILE,
@@ -147,6 +148,7 @@ class Encoder:
     attncal ops, the native kernel library (plugins/) is registered if it is built
     (`native=None`, the default; `$ATTNCAL_NATIVE=0` or `native=False` turns it off,
     `native=True` requires it); `custom_op_library` names a library explicitly.
+    An int8 graph on a CPU class its parity figures do not cover gets an `attncal.cpuinfo.Int8CpuWarning`.
     """
 
     def __init__(
@@ -219,6 +221,9 @@ class Encoder:
             if not type(exc).__module__.startswith("onnxruntime"):
                 raise
             raise ArtifactError(model_file, f"ONNX Runtime cannot load it ({_first_line(exc)})") from None
+        if (self.meta.get("quantization") or {}).get("precision") == "int8":  # figures hold where its graph says
+            cpuinfo.warn_if_uncovered(cpuinfo.int8_record(self.session.get_modelmeta().custom_metadata_map),
+                                      str(model_file))
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self.input_names = [i.name for i in self.session.get_inputs()]
 

@@ -10,6 +10,7 @@ is present.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -32,6 +33,12 @@ FALLBACK_MESSAGE = ("attncal: native kernel library not installed (`pip install 
 _OFF_VALUES = frozenset({"0", "off", "false", "no"})
 
 PLUGINS_DIR = CHECKOUT / "plugins"
+
+CPU_PATH_ENV = "ATTNCAL_CPU_PATH"
+"""Environment variable that makes the library's CPU kernels take one instruction-set path ("avx512", "avx2" or
+"default": baseline x86-64, the only path off x86-64) instead of the widest this CPU runs; read when the library
+loads (plugins/kernels/cpu/isa.h).  A path the CPU lacks is refused: registering the library fails, naming it."""
+CPU_PATHS = ("avx512", "avx2", "default")
 
 TENSORRT_HEADERS_ENV = "ATTNCAL_TENSORRT_HEADERS"
 """The one setting for TensorRT's public headers, read by the CMake build and the tests: a
@@ -140,6 +147,31 @@ def resolve_library(enabled: bool | None = None, *, notice: bool = True) -> Path
     if notice:
         _say_fallback_once()
     return None
+
+
+def _cpu_path_api(library: str | os.PathLike) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library))  # the same handle as ONNX Runtime's when it has loaded the library
+    lib.attncal_cpu_path.restype = ctypes.c_char_p
+    lib.attncal_cpu_path_supported.argtypes = lib.attncal_set_cpu_path.argtypes = [ctypes.c_char_p]
+    return lib
+
+
+def cpu_path(library: str | os.PathLike) -> str:
+    """The instruction-set path the library's CPU kernels take now (one of CPU_PATHS)."""
+    return _cpu_path_api(library).attncal_cpu_path().decode()
+
+
+def cpu_paths(library: str | os.PathLike) -> list[str]:
+    """The instruction-set paths of CPU_PATHS this CPU runs, widest first ("default" always)."""
+    lib = _cpu_path_api(library)
+    return [p for p in CPU_PATHS if lib.attncal_cpu_path_supported(p.encode())]
+
+
+def set_cpu_path(library: str | os.PathLike, path: str) -> None:
+    """Make the library's CPU kernels take `path` from now on, in this process (tests and benchmarks run every
+    path this way); ValueError when it is no path or this CPU lacks it."""
+    if _cpu_path_api(library).attncal_set_cpu_path(path.encode()) != 0:
+        raise ValueError(f"CPU path {path!r} is not one of {', '.join(cpu_paths(library))} (the paths this CPU runs)")
 
 
 def find_nvcc() -> str | None:

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .. import library_output
-from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, read_metadata
+from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
 from ..calibration.config import CalibrationConfig
 from .encoder import Encoder
 
@@ -202,7 +202,7 @@ def check_parity(
     from ..calibration.encode import TorchEncoder
     from ..memory import available_bytes, float32_weight_bytes, release_freed_memory
 
-    meta = read_metadata(out_dir)
+    meta = open_export(out_dir, graphs=None).meta  # the tokenizer files checked before AutoTokenizer reads them
     out = Path(out_dir)
     texts = list(texts) if texts is not None else builtin_texts()
     if not texts:

@@ -38,12 +38,14 @@ from pathlib import Path
 
 from ..artifact import (
     CONFIG_FILE,
+    LOADER_FILE_LIMIT,
     METADATA_FILE,
     NATIVE_GRAPH,
     OPTIMIZED_FILE,
     ArtifactError,
     MissingArtifactError,
     check_dir,
+    check_export_file,
     config_int,
     load_onnx_checked,
     open_export,
@@ -272,11 +274,13 @@ def _write_model(root: Path, config: dict) -> Path:
 
 def _copy_onnx(exp: dict, dest: Path, key: str = "serve_onnx") -> None:
     """Copy the graph as model.onnx; an external-data file keeps its own name,
-    which is what the graph's tensors reference."""
+    which is what the graph's tensors reference.  The data file is copied only as a regular file inside the
+    export (the graph's references were checked; a data file it does not reference was not)."""
     src = exp[key]
     shutil.copy2(src, dest / "model.onnx")
     data = src.with_name(src.name + "_data")
     if data.exists():
+        check_export_file(data, src.parent, "external data file")
         shutil.copy2(data, dest / data.name)
 
 
@@ -285,6 +289,7 @@ def _copy_tokenizer(out_dir: Path, dest: Path) -> None:
     for f in out_dir.iterdir():
         # Not attncal.json (the encoder's copy carries it) nor the export's log.
         if f.is_file() and f.name != METADATA_FILE and not f.name.startswith(".") and f.suffix != ".log":
+            check_export_file(f, out_dir, "tokenizer file", LOADER_FILE_LIMIT)  # no copy of what is outside it
             shutil.copy2(f, dest / f.name)
 
 

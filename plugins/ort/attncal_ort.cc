@@ -21,6 +21,7 @@
 
 #include "common/relative_position.h"
 #include "cpu/gemm.h"  // kGemmBackend
+#include "cpu/isa.h"
 #include "ort_common.h"
 
 namespace attncal_ort {
@@ -51,6 +52,7 @@ ATTNCAL_ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* 
     return nullptr;
   }
   Ort::InitApi(api);
+  if (const char* error = attncal::isa_error()) return api->CreateStatus(ORT_INVALID_ARGUMENT, error);
   try {
     Ort::CustomOpDomain domain{attncal_ort::kDomain};
     attncal_ort::cpu::RegisterOps(domain);
@@ -98,6 +100,22 @@ ATTNCAL_ORT_EXPORT int attncal_relative_buckets(int64_t buckets, int64_t max_dis
   const float span = attncal::relative_log_span(buckets, max_distance);
   for (int64_t i = 0; i < count; ++i) out[i] = attncal::relative_bucket(first + i, buckets, span);
   return 0;
+}
+
+// The instruction-set path the CPU kernels take (cpu/isa.h): "avx512", "avx2" or "default".
+ATTNCAL_ORT_EXPORT const char* attncal_cpu_path(void) { return attncal::isa_name(attncal::isa_path()); }
+
+// Whether this CPU runs the path named `name`.
+ATTNCAL_ORT_EXPORT int attncal_cpu_path_supported(const char* name) {
+  attncal::IsaPath p;
+  return name != nullptr && attncal::isa_parse(name, &p) && attncal::isa_supported(p) ? 1 : 0;
+}
+
+// Makes the CPU kernels take the path named `name` from now on (tests and benchmarks: every path in one
+// process); 0 on success, -1 (nothing changed) for a name that is no path or one this CPU lacks.
+ATTNCAL_ORT_EXPORT int attncal_set_cpu_path(const char* name) {
+  attncal::IsaPath p;
+  return name != nullptr && attncal::isa_parse(name, &p) && attncal::set_isa_path(p) ? 0 : -1;
 }
 
 ATTNCAL_ORT_EXPORT int attncal_has_cuda(void) { return attncal_ort::cuda::kBuilt ? 1 : 0; }

@@ -24,7 +24,7 @@ from attncal.graphs.contract import FULL_ATTENTION, AttentionGeometry, op_spec, 
 
 from .cases import random_config
 from .masks import mixed_mask
-from .tensors import random_qkv, score_rounding
+from .tensors import accumulation_bound, random_qkv, score_rounding
 
 Config = TypeVar("Config")
 
@@ -130,17 +130,24 @@ def random_attention_batch(rng, gen: torch.Generator, rc, S: int, N: int, D: int
 
 
 def attention_oracle_errors(out, q, k, v, mask, rc, N: int, scale: float, exact: bool, float16: bool,
-                            geometry: AttentionGeometry = FULL_ATTENTION, table: torch.Tensor | None = None):
+                            geometry: AttentionGeometry = FULL_ATTENTION, table: torch.Tensor | None = None,
+                            sums: bool = False):
     """(err, rounding), each [B] (numpy): an ONNX Runtime output's largest error per item against the float64
-    oracle, and the float32 rounding of the scores the bound adds (12·δ·max|v|, `score_rounding` over every
-    valid key, windows ignored: an upper bound; 0 where the scores are exact).  `table`: the relative position
-    bias of a geometry that has one.  Asserts the output's shape and dtype."""
+    oracle (`out` a list of outputs of the same inputs: err a list, one per output, against one oracle), and the float32 rounding of the scores the bound adds (12·δ·max|v|, `score_rounding` over every
+    valid key, windows ignored: an upper bound; 0 where the scores are exact), plus with `sums` that of the
+    kernel's sums (`accumulation_bound`).  `table`: the relative position bias of a geometry that has one.
+    Asserts the output's shape and dtype."""
     ref = attention_reference(q, k, v, mask, rc, N, scale, **vars(geometry), relative_bias=table).numpy()
-    assert out.shape == ref.shape and out.dtype == (np.float16 if float16 else np.float32)
-    err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2))
+    errs = []
+    for o in out if isinstance(out, list) else [out]:
+        assert o.shape == ref.shape and o.dtype == (np.float16 if float16 else np.float32)
+        errs.append(np.abs(o.astype(np.float64) - ref).max(axis=(1, 2)))
+    err = errs if isinstance(out, list) else errs[0]
     B = mask.shape[0]
     n_kv = geometry.num_kv_heads or N
     k_full = k.reshape(B, k.shape[1], n_kv, -1).repeat_interleave(N // n_kv, dim=2).reshape(B, k.shape[1], -1)
     rounding = (np.zeros(B) if exact
                 else (12 * score_rounding(q, k_full, mask, N, scale) * float(v.abs().max())).numpy())
+    if sums:
+        rounding = rounding + accumulation_bound(v, mask)
     return err, rounding

@@ -4,6 +4,7 @@
 * `softmax_reference`: the Softmax-fused ops' spec, the oracle applied to Softmax(scores) in float64;
 * `random_qkv`: Q, K, V of the calibrated attention ops ([B,S,N*D] layout);
 * `score_rounding`: a bound on the float32 rounding of the attention scores, added to the tolerances;
+* `accumulation_bound`: a bound on the float32 rounding of the softmax's sums and of P·V, whatever their order;
 * `plain_attention`: uncalibrated attention over the valid keys in float64.
 
 Every random tensor is drawn from the torch generator passed in, nothing from the global one.
@@ -82,6 +83,20 @@ def score_rounding(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, N: int,
     bound = (D + 1) * (qh.abs() @ kh.abs().transpose(-1, -2)) + (qh @ kh.transpose(-1, -2)).abs()
     bound = bound.masked_fill(mask[:, None, None, :] == 0, 0.0)
     return bound.amax(dim=(1, 2, 3)) * 2.0 ** -24
+
+
+def accumulation_bound(v: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+    """[B]: a first-order bound on what a float32 kernel's sums add to the error of a calibrated attention's
+    context, for any order of summation and any blocking (so for every GEMM and every instruction-set path,
+    OpenBLAS's kernels included, whose order this project does not choose): (4n + 16)·2^-24·max|v| over an
+    item's n valid keys (all S_k where none is valid).  Each weight p_j is exp(s_j - m) times the calibration's
+    factor over a sum of n positive terms (relative error ≤ (n - 1)u for the sum in any order, 2u for the exp,
+    a few u for the factor and the division); the online softmax's rescale exp(m_old - m) adds ≤ 2u per key tile
+    (≤ n tiles); and Σ_j p_j·v_j of n terms, with Σ p_j = 1, is within γ_n·max|v| ≈ n·u·max|v| of its exact
+    value in any order.  Masked keys weigh exactly 0 and add nothing."""
+    n = (mask != 0).sum(dim=1).double()
+    n = torch.where(n > 0, n, float(mask.shape[1]))
+    return ((4 * n + 16) * 2.0 ** -24 * float(v.double().abs().max())).numpy()
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, N: int) -> torch.Tensor:

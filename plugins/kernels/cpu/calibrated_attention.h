@@ -72,8 +72,8 @@ inline void ensure(std::vector<float>& v, int64_t n) {
 
 // A key tile's keys (transposed) and values [n, D] / [n, Dv], packed into cpu/packed_gemm.h's panels in the
 // thread's scratch for tile_scores and tile_context (where the plan has no shared store of packed tiles, or
-// another thread is packing this one into it); false on a CPU without the packed kernel (no AVX2 and FMA),
-// which then runs the GEMM library on whole tiles.  Packing costs n x (D + Dv) copies against R x n x (D + Dv)
+// another thread is packing this one into it).  Every instruction-set path has a packed kernel (cpu/packed_gemm.h);
+// false only for an empty tile.  Packing costs n x (D + Dv) copies against R x n x (D + Dv)
 // multiply-adds.
 // Why not OpenBLAS: its result for a row can depend on how many rows the call has (seen with 256-key tiles),
 // and a row of the key tiles that is computed again alone, without skipping, must equal the same row computed
@@ -490,8 +490,8 @@ class AttentionPlan {
   // the skipping, read at the end of the unit without reading q again).  A unit's rows of one head lie a row of
   // every head apart (a page each at Qwen3's 16 heads of 128), beyond the reach of the hardware's prefetcher,
   // which stops at a page: the rows kAhead ahead are asked for while one is copied.
-  ATTNCAL_CLONES static void scale_rows(const float* q, int64_t ldq, int64_t R, int64_t D, float scale, float* qs,
-                                        uint32_t* bits) {
+  ATTNCAL_ISA_BODY void scale_rows_isa(const float* q, int64_t ldq, int64_t R, int64_t D, float scale, float* qs,
+                                       uint32_t* bits) {
     for (int64_t r = 0; r < R; ++r) {
       if (r + kAhead < R) prefetch_row(q + (r + kAhead) * ldq, D, /*write=*/false);
       const float* src = q + r * ldq;
@@ -499,6 +499,9 @@ class AttentionPlan {
       bits[r] = abs_max_bits(src, D);
     }
   }
+  ATTNCAL_ISA_DISPATCH(void, scale_rows, (const float* q, int64_t ldq, int64_t R, int64_t D, float scale, float* qs,
+                       uint32_t* bits),
+                       (q, ldq, R, D, scale, qs, bits))
 
   static constexpr int64_t kAhead = 4;
   static void prefetch_row(const float* x, int64_t n, bool write) {
@@ -575,7 +578,7 @@ class AttentionPlan {
 
   // The largest |x| over rows x[0..n) (each of `cols` floats, leading dimension ld), as its bits (lanes.h): at or
   // above kInfBits where one is not finite, which ends the scan.
-  ATTNCAL_CLONES static uint32_t abs_max_bits_of(const float* x, int64_t n, int64_t cols, int64_t ld) {
+  ATTNCAL_ISA_BODY uint32_t abs_max_bits_of_isa(const float* x, int64_t n, int64_t cols, int64_t ld) {
     uint32_t mx = 0;
     for (int64_t i = 0; i < n && mx < kInfBits; ++i) {
       const uint32_t m = abs_max_bits(x + i * ld, cols);
@@ -583,6 +586,8 @@ class AttentionPlan {
     }
     return mx;
   }
+  ATTNCAL_ISA_DISPATCH(uint32_t, abs_max_bits_of, (const float* x, int64_t n, int64_t cols, int64_t ld),
+                       (x, n, cols, ld))
 
   // Whether rows x[0..n) (each of `cols` floats, leading dimension ld) are all finite; their largest |x| in
   // *amax when it is given.
@@ -633,17 +638,20 @@ class AttentionPlan {
     return rel_.data() + h * (2 * K - 1) + (K - 1) - q;
   }
 
-  ATTNCAL_CLONES static void scale_row(float* x, int64_t n, float a) {
+  ATTNCAL_ISA_BODY void scale_row_isa(float* x, int64_t n, float a) {
     for (int64_t k = 0; k < n; ++k) x[k] *= a;
   }
+  ATTNCAL_ISA_DISPATCH(void, scale_row, (float* x, int64_t n, float a), (x, n, a))
 
   // sum_lanes in a function of its own: inlined into tiles(), which is not multiversioned, it would be compiled
   // for baseline x86-64 (its 8-lane vector split into SSE halves on the stack; see cpu/lanes.h).
-  ATTNCAL_CLONES static float sum_row(const float* x, int64_t n) { return sum_lanes(x, n); }
-
-  ATTNCAL_CLONES static void add_row(float* x, const float* b, int64_t n) {
+  ATTNCAL_ISA_BODY float sum_row_isa(const float* x, int64_t n) { return sum_lanes(x, n); }
+                                     ATTNCAL_ISA_DISPATCH(float, sum_row, (const float* x, int64_t n), (x, n))
+                                     
+                                     ATTNCAL_ISA_BODY void add_row_isa(float* x, const float* b, int64_t n) {
     for (int64_t k = 0; k < n; ++k) x[k] += b[k];
   }
+  ATTNCAL_ISA_DISPATCH(void, add_row, (float* x, const float* b, int64_t n), (x, b, n))
 
   AttentionShape sh_;
   int64_t rows_ = 1;  // rows of a whole-row block

@@ -1,6 +1,6 @@
 // The softmax's exp on the host: exp(x) for x <= 0 (x - the row max) as a branch-free Cephes-style
 // polynomial (about 1 ulp), one formula for a scalar and for the 8-lane vector of cpu/lanes.h, and
-// exp_shifted_row, exp(x - m) over a row, one body per instruction set picked at load time.  Why not
+// exp_shifted_row, exp(x - m) over a row, one body per instruction-set path (cpu/isa.h).  Why not
 // expf: a branch-free exp lets the row loop vectorise (tests/cpp/exp_row_test.cpp checks it against exp
 // in double, special values included).
 #ifndef ATTNCAL_CPU_EXP_H_
@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu/isa.h"
 #include "cpu/lanes.h"
 
 namespace attncal {
@@ -82,16 +83,17 @@ __attribute__((always_inline)) inline void exp_shifted_row_lanes8(const float* x
   for (; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
 }
 
-// exp(x - m) over a row, one body per instruction set, picked at load time.  AVX-512 runs 16 lanes a step and
-// takes the power of two with vscalefps, one instruction where the other forms take eight (the exp is most of
-// the softmax's time, and at small head sizes the softmax a large part of the attention's).  GCC 12 does not
-// vectorise the scalar loop for AVX2 or baseline x86-64 ("control flow in loop": it does not if-convert the
-// exp's selects without masks), so those run the 8-lane form, one ymm register a step (a 16-lane form, two
-// registers a step, was slower on an AVX2-only core).  The AVX2 version also asks for FMA, which AVX2 does not
-// imply (a target_clones "avx2" clone has none): fused multiply-adds shorten the polynomial's dependency chain.  A CPU with AVX2 and no FMA runs the baseline version.  The
-// measurements behind these choices: see docs/native-kernels.md.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
-__attribute__((target("avx512f"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+// exp(x - m) over a row, one body per instruction-set path (cpu/isa.h).  AVX-512 runs 16 lanes a step and takes
+// the power of two with vscalefps, one instruction where the other forms take eight (the exp is most of the
+// softmax's time, and at small head sizes the softmax a large part of the attention's).  GCC 12 does not vectorise
+// the scalar loop for AVX2 or baseline x86-64 ("control flow in loop": it does not if-convert the exp's selects
+// without masks), so those run the 8-lane form, one ymm register a step (a 16-lane form, two registers a step, was
+// slower on an AVX2-only core).  Both FMA paths fuse the polynomial's multiply-adds the same way, so they give the
+// same bits; vscalefps rounds a subnormal result once, as the two powers of two do.  The measurements behind these
+// choices: see docs/native-kernels.md.
+#if ATTNCAL_ISA_PATHS
+__attribute__((target("avx512f,fma"))) static void exp_shifted_row_avx512(const float* x, float* y, int64_t n,
+                                                                          float m) {
   typedef float Lanes16 __attribute__((vector_size(64)));
   const Lanes16 zero = {}, lo = zero - 104.0f;
   int64_t i = 0;
@@ -107,11 +109,14 @@ __attribute__((target("avx512f"))) static void exp_shifted_row(const float* x, f
   }
   for (; i < n; ++i) y[i] = exp_nonpos(x[i] - m);
 }
-__attribute__((target("avx2,fma"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+__attribute__((target("avx2,fma"))) static void exp_shifted_row_avx2(const float* x, float* y, int64_t n, float m) {
   exp_shifted_row_lanes8(x, y, n, m);
 }
-__attribute__((target("default"))) static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+static void exp_shifted_row_default(const float* x, float* y, int64_t n, float m) {
   exp_shifted_row_lanes8(x, y, n, m);
+}
+static void exp_shifted_row(const float* x, float* y, int64_t n, float m) {
+  ATTNCAL_ISA_SELECT(exp_shifted_row, (x, y, n, m))
 }
 #else
 static void exp_shifted_row(const float* x, float* y, int64_t n, float m) { exp_shifted_row_lanes8(x, y, n, m); }

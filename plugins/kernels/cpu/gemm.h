@@ -25,6 +25,8 @@
 
 #include <cstdint>
 
+#include "cpu/isa.h"
+
 #if defined(ATTNCAL_GEMM_OPENBLAS)
 #include <cblas.h>  // scipy-openblas32: every symbol is scipy_-prefixed
 #include <mutex>
@@ -32,11 +34,6 @@
 #include <Eigen/Core>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
-#define ATTNCAL_GEMM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define ATTNCAL_GEMM_CLONES
-#endif
 
 namespace attncal {
 
@@ -62,8 +59,8 @@ namespace builtin {
 
 // C[M,N] = alpha * A[M,K] * B[N,K]^T: four rows of A against one row of B at a
 // time, the dot products over K in 16 independent lanes (vectorised).
-[[maybe_unused]] ATTNCAL_GEMM_CLONES static void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-                                        const float* B, int64_t ldb, float* C, int64_t ldc) {
+ATTNCAL_ISA_BODY void gemm_nt_isa(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                                  const float* B, int64_t ldb, float* C, int64_t ldc) {
   int64_t i = 0;
   for (; i + 4 <= M; i += 4) {
     const float* a0 = A + i * lda;
@@ -117,11 +114,14 @@ namespace builtin {
     }
   }
 }
+ATTNCAL_ISA_DISPATCH(void, gemm_nt, (int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                                      const float* B, int64_t ldb, float* C, int64_t ldc),
+                     (M, N, K, alpha, A, lda, B, ldb, C, ldc))
 
 // C[M,N] = A[M,K] * B[K,N] (C += with accumulate): each row of C is a sum of rows of B scaled by A's
 // entries; the inner loop runs over N (contiguous), four rows of C at a time.
-[[maybe_unused]] ATTNCAL_GEMM_CLONES static void gemm_nn(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                                        const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+ATTNCAL_ISA_BODY void gemm_nn_isa(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                                  const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   int64_t i = 0;
   for (; i + 4 <= M; i += 4) {
     float* c0 = C + i * ldc;
@@ -158,6 +158,9 @@ namespace builtin {
     }
   }
 }
+ATTNCAL_ISA_DISPATCH(void, gemm_nn, (int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                                      int64_t ldb, float* C, int64_t ldc, bool accumulate),
+                     (M, N, K, A, lda, B, ldb, C, ldc, accumulate))
 
 }  // namespace builtin
 

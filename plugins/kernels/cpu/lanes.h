@@ -1,6 +1,5 @@
 // The 8-lane float vector of the host kernels and the reductions written on it (sums, masked sums, the
-// non-finite probe), plus ATTNCAL_CLONES: the instruction sets the row routines are compiled for and
-// picked from at load time (AVX-512, AVX2, baseline x86-64).
+// non-finite probe).
 #ifndef ATTNCAL_CPU_LANES_H_
 #define ATTNCAL_CPU_LANES_H_
 
@@ -84,16 +83,10 @@ inline uint32_t abs_max_bits(const float* x, int64_t n) {
   return m;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
-#define ATTNCAL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define ATTNCAL_CLONES
-#endif
-
-// The row routines (cpu/row_calibration.h, cpu/exp.h) are ATTNCAL_CLONES themselves, not only their
-// innermost loops: the 8-lane sums below are inlined into their caller and compiled for its target, and for
-// baseline x86-64 GCC lowers a 32-byte vector to two SSE halves kept on the stack, which costs several times
-// the AVX2 form (see docs/native-kernels.md).
+// The row routines (cpu/row_calibration.h, cpu/exp.h) are dispatched per instruction-set path themselves
+// (cpu/isa.h), not only their innermost loops: the 8-lane sums above are inlined into their caller and compiled for
+// its target, and for baseline x86-64 GCC lowers a 32-byte vector to two SSE halves kept on the stack, which costs
+// several times the AVX2 form (see docs/native-kernels.md).
 
 }  // namespace attncal
 

@@ -16,8 +16,9 @@
 // fused multiply-adds, added onto the sum so far), whatever M is: results do not depend on how rows or panels
 // are split over threads, and a row computed alone equals the same row computed among others.
 //
-// x86-64 with GCC/Clang only (function multiversioning by target attribute); elsewhere, or on a CPU
-// without AVX2+FMA, PackedWeight::Pack declines and the caller keeps cpu/gemm.h's GEMM.
+// Every instruction-set path (cpu/isa.h) has a micro-kernel: AVX-512 (panels of 32), AVX2 (panels of 16), and the
+// default path's (panels of 16, 2 x 4 four-float vectors: baseline x86-64's SSE registers, or the build target's
+// elsewhere), so the attention kernel's rows come out the same whatever the rows of a call on every CPU.
 #ifndef ATTNCAL_CPU_PACKED_GEMM_H_
 #define ATTNCAL_CPU_PACKED_GEMM_H_
 
@@ -25,20 +26,18 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__INTEL_COMPILER) && !defined(ATTNCAL_NO_CLONES)
-#define ATTNCAL_PACKED_GEMM 1
-#else
-#define ATTNCAL_PACKED_GEMM 0
-#endif
+#include "cpu/isa.h"
 
 namespace attncal {
 
 // A weight packed for packed_gemm_bias; empty (packed() false) where this machine has no kernel for it.
 class PackedWeight {
  public:
-  // Packs w [k, n] (row-major, leading dimension ldw) for the widest kernel this CPU runs, or for the one of
-  // panel_width 16 (AVX2) or 32 (AVX-512) when given (tests run both).  False, leaving it empty, when there is
-  // no such kernel.  The storage is kept from one Pack to the next (the attention kernel packs per tile).
+  // Packs w [k, n] (row-major, leading dimension ldw) for the kernel of the active instruction-set path
+  // (cpu/isa.h), or in panels of panel_width 16 (AVX2 or default) or 32 (AVX-512) when given and the path allows
+  // it (AVX-512 runs both).  False, leaving it empty, when the path has no such kernel.  A packed weight is run by
+  // the kernel of its panel width on the path active when it runs: 32 by AVX-512's, 16 by AVX2's or the default
+  // path's.  The storage is kept from one Pack to the next (the attention kernel packs per tile).
   bool Pack(const float* w, int64_t k, int64_t n, int64_t ldw, int64_t panel_width = 0);
   // Packs b^T for b [n, k] (row-major, leading dimension ldb): the keys of an attention tile, so that
   // packed_gemm gives Q * K^T.  Same panels and same refusals as Pack.
@@ -68,11 +67,11 @@ class PackedWeight {
   float* storage_ = nullptr;  // UseStorage's, or null: data_
 };
 
-#if ATTNCAL_PACKED_GEMM
 namespace packed {
 
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
 
 // One MR x (NV vectors) block of Y over one block of k: rows x[0..MR), the panel's columns, a chain of K fused
 // multiply-adds from 0 per element, added onto the partial sum stored in y unless this is the first block of
@@ -175,7 +174,8 @@ inline __attribute__((always_inline)) void Run(const PackedWeight& w, int64_t M,
   }
 }
 
-__attribute__((target("avx512f"))) inline void RunAvx512(const PackedWeight& w, int64_t M, const float* x,
+#if ATTNCAL_ISA_PATHS
+__attribute__((target("avx512f,fma"))) inline void RunAvx512(const PackedWeight& w, int64_t M, const float* x,
                                                          int64_t ldx, const float* bias, int64_t p0, int64_t p1,
                                                          float* y, int64_t ldy, bool accumulate, int64_t kb,
                                                          int64_t ke) {
@@ -188,13 +188,30 @@ __attribute__((target("avx2,fma"))) inline void RunAvx2(const PackedWeight& w, i
                                                         int64_t ke) {
   Run<V8, 6, 2>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
 }
+#endif
+
+// The default path's: 2 rows x 16 columns in 8 four-float accumulators, which baseline x86-64's 16 SSE registers
+// hold with the panel row and the broadcast operand (a multiply, then an add: no FMA there).
+inline void RunDefault(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, const float* bias, int64_t p0,
+                       int64_t p1, float* y, int64_t ldy, bool accumulate, int64_t kb, int64_t ke) {
+  Run<V4, 2, 4>(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
+}
+
+// The kernel for w's panel width on the active path (see PackedWeight::Pack).
+inline void RunPacked(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, const float* bias, int64_t p0,
+                      int64_t p1, float* y, int64_t ldy, bool accumulate, int64_t kb, int64_t ke) {
+#if ATTNCAL_ISA_PATHS
+  if (w.avx512()) return RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
+  if (isa_path() != IsaPath::kDefault) return RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
+#endif
+  RunDefault(w, M, x, ldx, bias, p0, p1, y, ldy, accumulate, kb, ke);
+}
 
 // dst[kk * nr + j] = b[j * ldb + kk] for keys j < nc and kk < k: one panel of an attention tile's keys,
 // transposed in blocks of 8 x 8 (three rounds of shuffles) with the edges element by element.  An element loop
 // stores one float at a time, a panel row apart, which was a large part of a tile's packing (the measurement:
 // docs/native-kernels.md).
-__attribute__((target("avx2"))) inline void TransposePanel(const float* b, int64_t nc, int64_t k, int64_t ldb,
-                                                           float* dst, int64_t nr) {
+ATTNCAL_ISA_BODY void TransposePanel_isa(const float* b, int64_t nc, int64_t k, int64_t ldb, float* dst, int64_t nr) {
   int64_t j0 = 0;
   for (; j0 + 8 <= nc; j0 += 8) {
     int64_t k0 = 0;
@@ -223,17 +240,16 @@ __attribute__((target("avx2"))) inline void TransposePanel(const float* b, int64
   for (; j0 < nc; ++j0)
     for (int64_t kk = 0; kk < k; ++kk) dst[kk * nr + j0] = b[j0 * ldb + kk];
 }
+ATTNCAL_ISA_DISPATCH(void, TransposePanel, (const float* b, int64_t nc, int64_t k, int64_t ldb, float* dst, int64_t nr),
+                     (b, nc, k, ldb, dst, nr))
 
 }  // namespace packed
 
 inline bool PackedWeight::Reserve(int64_t k, int64_t n, int64_t panel_width) {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   int64_t nr = 0;
-  if ((panel_width == 0 || panel_width == 32) && avx512) {
+  if ((panel_width == 0 || panel_width == 32) && isa_path() == IsaPath::kAvx512) {
     nr = 32;
-  } else if ((panel_width == 0 || panel_width == 16) && avx2) {
+  } else if (panel_width == 0 || panel_width == 16) {
     nr = 16;
   }
   k_ = n_ = nr_ = 0;
@@ -273,11 +289,7 @@ inline bool PackedWeight::PackTransposed(const float* b, int64_t n, int64_t k, i
 // y[:, p0*nr : p1*nr] (clipped to N) = x * W + bias for panels [p0, p1): columns split only at panel edges.
 inline void packed_gemm_bias(const PackedWeight& w, int64_t M, const float* x, int64_t ldx, const float* bias,
                              int64_t p0, int64_t p1, float* y, int64_t ldy) {
-  if (w.avx512()) {
-    packed::RunAvx512(w, M, x, ldx, bias, p0, p1, y, ldy, false, 0, w.k());
-  } else {
-    packed::RunAvx2(w, M, x, ldx, bias, p0, p1, y, ldy, false, 0, w.k());
-  }
+  packed::RunPacked(w, M, x, ldx, bias, p0, p1, y, ldy, false, 0, w.k());
 }
 
 // y = x * W, or y += x * W with accumulate (the product's block sums added onto y), all columns; or over W's
@@ -287,24 +299,9 @@ inline void packed_gemm(const PackedWeight& w, int64_t M, const float* x, int64_
                         bool accumulate, int64_t kb = 0, int64_t ke = -1) {
   const int64_t panels = (w.n() + w.panel_width() - 1) / w.panel_width();
   if (ke < 0) ke = w.k();
-  if (w.avx512()) {
-    packed::RunAvx512(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate, kb, ke);
-  } else {
-    packed::RunAvx2(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate, kb, ke);
-  }
+  packed::RunPacked(w, M, x, ldx, nullptr, 0, panels, y, ldy, accumulate, kb, ke);
 }
 
-#else  // no packed kernel on this target: Pack declines, callers keep cpu/gemm.h
-
-inline bool PackedWeight::Reserve(int64_t, int64_t, int64_t) { return false; }
-inline bool PackedWeight::Pack(const float*, int64_t, int64_t, int64_t, int64_t) { return false; }
-inline bool PackedWeight::PackTransposed(const float*, int64_t, int64_t, int64_t, int64_t) { return false; }
-inline void packed_gemm_bias(const PackedWeight&, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
-                             float*, int64_t) {}
-inline void packed_gemm(const PackedWeight&, int64_t, const float*, int64_t, float*, int64_t, bool, int64_t = 0,
-                        int64_t = -1) {}
-
-#endif
 
 }  // namespace attncal
 

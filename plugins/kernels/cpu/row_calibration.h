@@ -28,8 +28,8 @@
 //   its softmax, and a calibrated row is calibrated while it is still in the
 //   cache, so calibration adds no memory traffic to the softmax's own.  exp is
 //   cpu/exp.h's branch-free polynomial, so the row loop vectorises; on x86-64
-//   GCC/Clang compile the row routines for AVX-512, AVX2 and baseline and pick
-//   one at load time (target_clones).
+//   the row routines are compiled for AVX-512, AVX2 and baseline and called
+//   through the active instruction-set path (cpu/isa.h).
 //
 // Rows that are fully masked or not finite (the contract, attncal/graphs/contract.py;
 // tests/test_masked_rows.py checks every op against the oracle):
@@ -93,7 +93,7 @@ inline float encode_multiplier(double g, bool tiny) {
 }
 
 // y = x * (0/1 mask m, when the row has holes) * g over one basket, g as encode_multiplier stores it.
-ATTNCAL_CLONES static void scale_basket(const float* x, float* y, int64_t n, float g, const float* m) {
+ATTNCAL_ISA_BODY void scale_basket_isa(const float* x, float* y, int64_t n, float g, const float* m) {
   if (g < 0.f) {  // the scaled multiplier of a tiny basket (rare)
     for (int64_t k = 0; k < n; ++k) y[k] = (x[k] * (m ? m[k] : 1.0f) * 0x1p64f) * -g;
   } else if (m) {
@@ -102,12 +102,14 @@ ATTNCAL_CLONES static void scale_basket(const float* x, float* y, int64_t n, flo
     for (int64_t k = 0; k < n; ++k) y[k] = x[k] * g;
   }
 }
+ATTNCAL_ISA_DISPATCH(void, scale_basket, (const float* x, float* y, int64_t n, float g, const float* m),
+                     (x, y, n, g, m))
 
 // Calibrates one float row x into y (y may alias x); keep: the item's 0/1 key mask when its span has
 // holes, else null (cpu/batch_plan.h: plan_items).  A row holding a NaN or an infinity at any of its K
 // keys comes back NaN at every key (the contract's "NaN in, NaN out"; see the file comment).
-ATTNCAL_CLONES static void calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPlan& it,
-                                             const float* keep, const AttncalParams& p, Scratch& sc) {
+ATTNCAL_ISA_BODY void calibrate_row_f32_isa(const float* x, float* y, int64_t K, const ItemPlan& it,
+                                            const float* keep, const AttncalParams& p, Scratch& sc) {
   const Span& s = it.s;
   const RowPlan& rp = it.rp;
   const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
@@ -148,13 +150,16 @@ ATTNCAL_CLONES static void calibrate_row_f32(const float* x, float* y, int64_t K
   if (p.isolate_first) y[s.start] = static_cast<float>(rs.first_out);
   if (p.isolate_last) y[s.end] = static_cast<float>(rs.last_out);
 }
+ATTNCAL_ISA_DISPATCH(void, calibrate_row_f32, (const float* x, float* y, int64_t K, const ItemPlan& it,
+                     const float* keep, const AttncalParams& p, Scratch& sc),
+                     (x, y, K, it, keep, p, sc))
 
 // ---------------------------------------------------------------- softmax
 
 // max over a row of n > 0 floats in 8 lanes (a single running maximum is a serial chain the
 // compiler may not reorder: ~4 cycles per key).  A NaN score may or may not win the
 // maximum, depending on its lane; either way x - max is NaN at that key, so the softmax sum is NaN.
-ATTNCAL_CLONES static float row_max(const float* x, int64_t n) {
+ATTNCAL_ISA_BODY float row_max_isa(const float* x, int64_t n) {
   Lanes8 mx = {x[0], x[0], x[0], x[0], x[0], x[0], x[0], x[0]};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -166,26 +171,30 @@ ATTNCAL_CLONES static float row_max(const float* x, int64_t n) {
   for (; i < n; ++i) m = x[i] > m ? x[i] : m;
   return m;
 }
+ATTNCAL_ISA_DISPATCH(float, row_max, (const float* x, int64_t n), (x, n))
 
 // y = exp(x - max(x)) / sum over a row of n > 0 floats (y may alias x): ONNX Softmax(axis=-1) of
 // it.  A row whose entries are all equal (e.g. fully masked with the dtype's lowest value) becomes
 // uniform, 1/n at every key.  A row with no finite maximum (all -inf) or holding a NaN or +inf
 // becomes NaN at every key, as ONNX Runtime's Softmax and torch.softmax give: x - max is NaN at
 // some key, exp_nonpos keeps it, and the NaN sum spreads it over the row.
-ATTNCAL_CLONES static void softmax_row(const float* x, float* y, int64_t n) {
+ATTNCAL_ISA_BODY void softmax_row_isa(const float* x, float* y, int64_t n) {
   exp_shifted_row(x, y, n, row_max(x, n));
   const float sum = sum_lanes(y, n);
   const float inv = 1.0f / sum;  // sum >= 1 (the max term is exp(0)), or NaN
   for (int64_t i = 0; i < n; ++i) y[i] *= inv;
 }
+ATTNCAL_ISA_DISPATCH(void, softmax_row, (const float* x, float* y, int64_t n), (x, y, n))
 
 // Widen / narrow float16 rows (vectorisable).
-ATTNCAL_CLONES static void widen_row(const uint16_t* x, float* y, int64_t n) {
+ATTNCAL_ISA_BODY void widen_row_isa(const uint16_t* x, float* y, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] = half_to_float(x[k]);
 }
-ATTNCAL_CLONES static void narrow_row(const float* x, uint16_t* y, int64_t n) {
+ATTNCAL_ISA_DISPATCH(void, widen_row, (const uint16_t* x, float* y, int64_t n), (x, y, n))
+ATTNCAL_ISA_BODY void narrow_row_isa(const float* x, uint16_t* y, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] = float_to_half(x[k]);
 }
+ATTNCAL_ISA_DISPATCH(void, narrow_row, (const float* x, uint16_t* y, int64_t n), (x, y, n))
 
 inline void softmax_row(const uint16_t* x, uint16_t* y, int64_t n, Scratch& sc) {
   if (static_cast<int64_t>(sc.row.size()) < n) sc.row.resize(static_cast<size_t>(n));
@@ -204,9 +213,9 @@ inline void softmax_row(const float* x, float* y, int64_t n, Scratch&) { softmax
 // scalars of common/row_scalars.h, g_b in double; a basket of mass below 2^-64 is scaled as (e * 2^64) * h'
 // (exact powers of two).  A row whose softmax is NaN (all -inf, a NaN or +inf score) has a NaN sum
 // and comes back NaN at every key, as softmax followed by the separate op gives.
-ATTNCAL_CLONES static void softmax_calibrate_row_f32(const float* x, float* y, int64_t K, const ItemPlan& it,
-                                                     const float* keep, const AttncalParams& p,
-                                                     Scratch& sc) {
+ATTNCAL_ISA_BODY void softmax_calibrate_row_f32_isa(const float* x, float* y, int64_t K, const ItemPlan& it,
+                                                    const float* keep, const AttncalParams& p,
+                                                    Scratch& sc) {
   const Span& s = it.s;
   const RowPlan& rp = it.rp;
   const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
@@ -246,6 +255,9 @@ ATTNCAL_CLONES static void softmax_calibrate_row_f32(const float* x, float* y, i
   if (p.isolate_first) y[s.start] = static_cast<float>(rs.first_out);
   if (p.isolate_last) y[s.end] = static_cast<float>(rs.last_out);
 }
+ATTNCAL_ISA_DISPATCH(void, softmax_calibrate_row_f32, (const float* x, float* y, int64_t K, const ItemPlan& it,
+                     const float* keep, const AttncalParams& p, Scratch& sc),
+                     (x, y, K, it, keep, p, sc))
 
 // Softmax, then calibration of the row while it is in the cache.
 inline void softmax_calibrate_row(const float* x, float* y, int64_t K, const ItemPlan& it, const float* keep,
