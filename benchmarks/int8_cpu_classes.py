@@ -1,7 +1,7 @@
 """int8 weight formats on two CPU classes: cosine to the fp32 calibrated export, and time against fp32.
 
-all-MiniLM-L6-v2, calibrated with default options.  Each int8 candidate quantizes the fp32 calibrated
-export's graphs with attncal's quantizer (equal to onnxruntime's quantize_dynamic with the same options):
+all-MiniLM-L6-v2, calibrated with default options.  Each int8 candidate is `attncal export --quantize int8`
+with the quantizer's weight format set (equal to onnxruntime's quantize_dynamic with the same options):
 
 * `int8-u8u8`: uint8 weights per channel, asymmetric (QUInt8, U8U8 kernels; the default);
 * `int8-7bit`: int8 weights per channel in the 7-bit range (QInt8 with reduce_range);
@@ -26,21 +26,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from attncal.artifact import read_metadata, stamp_onnx, write_metadata
 from attncal.bench.engines import interleaved_session_options
 from attncal.bench.timing import interleaved_times, medians
 from attncal.eval.realtext import python_reference_documents
 from attncal.export.exporter import ExportOptions, export
-from attncal.export.quantize import METHOD, quantization_record, quantize_graph
+from attncal.export import quantize
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 
@@ -81,24 +80,10 @@ def prepare(work: Path) -> None:
                    quiet=True)
     for name, (weights, reduce_range) in VARIANTS.items():
         if not (work / name / "attncal.json").exists():
-            _quantized_copy(work / "calibrated", work / name, weights, reduce_range)
-
-
-def _quantized_copy(src: Path, dst: Path, weights: str, reduce_range: bool) -> None:
-    """`src` (an fp32 export) copied to `dst` with every graph quantized with these options."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    meta = read_metadata(tmp)
-    for graph_file, entry in meta["graphs"].items():
-        entry.pop("parity", None)
-        entry["quantized_nodes"] = quantize_graph(tmp / graph_file, weights=weights, reduce_range=reduce_range)
-        stamp_onnx(tmp / graph_file)
-    meta["quantization"] = {"precision": "int8", "method": METHOD,
-                            **quantization_record(True, weights, reduce_range)}
-    meta["parity"] = None
-    write_metadata(tmp, meta)
-    tmp.rename(dst)
+            # The exporter calls the quantizer with its defaults: this variant's weight format instead.
+            fmt = partial(quantize.quantize_graph, weights=weights, reduce_range=reduce_range)
+            with mock.patch.object(quantize, "quantize_graph", fmt):
+                export(default_model_path(), work / name, ExportOptions(quantize="int8", overwrite=True), quiet=True)
 
 
 def passages() -> list[str]:
