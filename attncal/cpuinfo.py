@@ -13,8 +13,8 @@ products:
   arithmetic this module makes no claim about.
 
 So an int8 graph whose integer sums are exact where it was checked computes the same integers on every class
-whose kernels are exact for its weight range; the float parts around them (activation scales, the fp32 ops)
-differ by rounding only.  `int8_coverage` states that claim for a graph; `uncovered` says when this CPU is
+whose kernels are exact for its weight format; the fp32 parts around them differ by rounding, which can move
+an activation by one quantization step, so the embeddings agree closely rather than bit for bit.  `int8_coverage` states that claim for a graph; `uncovered` says when this CPU is
 outside it.  The class comes from Linux's /proc/cpuinfo flags (what the kernel reports the CPU and OS support)
 and `platform.machine()`; under user-mode emulation /proc shows the host's flags, not the emulated CPU's.
 """
@@ -117,7 +117,8 @@ def int8_coverage(checked_on: str, weights: str, weight_range: Sequence[int]) ->
                f"pair sums of {' and '.join(PAIR_SUM_CLASSES)} saturate above {_INT16_MAX}, which "
                f"2 * {_UINT8_MAX} * {weight_max} exceeds")
     return {"cpu_class": checked_on, "covers": list(exact),
-            "why": f"{how}; the covered classes compute the same integers, the float parts differ by rounding only"}
+            "why": f"{how}; the covered classes compute the same integer products, the fp32 parts differ by rounding "
+                   "(which can move an activation by one quantization step)"}
 
 
 def figures_cover(record: dict | None, here: str | None = None) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import cpuinfo
+from ..export.quantize import graph_record
 from ..versions import declared_ranges, in_range, installed
 
 _PACKAGES = ("attncal", "torch", "transformers", "onnx", "onnx-ir", "onnxruntime", "onnxruntime-gpu", "numpy",
@@ -165,7 +166,6 @@ def _triton() -> dict[str, Any]:
 
 def _export(path: Path) -> dict[str, Any]:
     from ..artifact import open_export
-    from ..export.quantize import graph_record
     from ..runtime import oplib
     from ..runtime.encoder import default_providers, select_graph
 
