@@ -43,11 +43,11 @@ CPU_PATHS = ("avx512", "avx2", "default")
 TENSORRT_HEADERS_ENV = "ATTNCAL_TENSORRT_HEADERS"
 """The one setting for TensorRT's public headers, read by the CMake build and the tests: a
 directory holding `NvInferRuntime.h`, its parent (`<dir>/include`), or a root of per-version
-sets `<root>/<version>/include` (laid out as ../shared/third_party/README.md says)."""
+sets `<root>/<version>/include` (docs/install.md)."""
 TENSORRT_HEADERS_HELP = (
     f"set {TENSORRT_HEADERS_ENV} to TensorRT's public headers (a folder of <version>/include sets, "
     "e.g. trt-headers/10.5.0/include, fetched from NVIDIA/TensorRT's include/ as "
-    "../shared/third_party/README.md describes), or pass -DATTNCAL_TENSORRT_INCLUDE_DIR=... to CMake"
+    "docs/install.md describes), or pass -DATTNCAL_TENSORRT_INCLUDE_DIR=... to CMake"
 )
 
 

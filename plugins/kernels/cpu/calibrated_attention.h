@@ -15,7 +15,7 @@
 // * No [B,H,S,S] tensor exists: scratch is R x S_k floats per thread (plus the widened Q, K, V
 //   blocks for float16).  R is chosen so that the block stays in L2 (1 MiB) up to 2,048 keys, which is what
 //   ONNX Runtime's fused CPU Attention does not do: it computes every head's probabilities into
-//   one B*N*S*S buffer first (see ../shared/notes/one-pass-attention.md).
+//   one B*N*S*S buffer first (see docs/native-kernels.md).
 // * The units are independent and each row is computed by exactly one unit whose size depends
 //   only on the shapes, so results are bit-identical at any thread count.
 // * float16 is computed in float32: the block of Q and the head's K and V are widened per unit

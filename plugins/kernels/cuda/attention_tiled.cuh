@@ -1,7 +1,7 @@
 // The tiled CUDA kernel of the calibrated attention ops, ai.attncal::PooledRowCalibratedAttention and
 // ai.attncal::AllRowsCalibratedAttention (attncal/graphs/contract.py, "Calibrated attention"; the
 // float64 spec is attncal.calibration.oracle.attention_reference; the arithmetic is
-// ../shared/notes/one-pass-attention.md).  Semantics: per item b and head h, in float32,
+// docs/native-kernels.md).  Semantics: per item b and head h, in float32,
 //   scores = scale*q*k^T + rel_bias + (0 at valid keys, float32's lowest finite value at masked keys and
 //            at keys outside the row's window, added once)   (k, v: key/value head h / (N / N_kv))
 //   rel_bias[q,k] = the model's relative position bias of head h at offset k - q (0 without one): the
