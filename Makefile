@@ -11,6 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attncal-installed
 DEMO_STAMP := $(VENV)/.attncal-demo-installed
 OVERLAY := $(VENV)/loader-overlay
+LOWEST  := $(VENV)/lowest-overlay
 # Triton's Python-backend stub needs numpy < 2, so the server gets its own environment (no torch).
 TRITON_VENV  ?= .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.attncal-installed
@@ -23,11 +24,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml tests/loaders/requirements.txt
+$(STAMP): pyproject.toml tests/loaders/requirements.txt tests/lowest/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,export,eval,demo,serving,docs]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
+	$(PY) -m pip install -q --no-deps --upgrade --target $(LOWEST) -r tests/lowest/requirements.txt
 	@rm -f $(DEMO_STAMP)
 	@touch $(STAMP)
 

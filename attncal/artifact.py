@@ -93,6 +93,7 @@ LONG_CONTEXT_TOKENS = 512
 # exporter found to give transformers' ids (attncal.runtime.tokenizer); "transformers" (or no key): AutoTokenizer.
 TOKENIZERS = ("tokenizers", "transformers")
 REQUIRED_INPUTS = ("input_ids", "attention_mask")
+
 OUTPUT_NAMES = ("last_hidden_state", "sentence_embedding")
 # Root files a loader (tokenizer, transformers, sentence-transformers) needs; format 2 lists
 # the ones an export has under `files`, and a missing one is reported.
@@ -311,6 +312,9 @@ class ExportMetadata:
     parity: dict | None
     memory_estimate: dict
     tokenizer: str | None = None  # one of TOKENIZERS
+    # Landmark / Mean@k pooling (pooling "landmark" or "mean-every"): attncal.runtime.landmarks.PoolingSpec's
+    # fields, which every tokenizer of the export reads back (the runtime validates them).
+    pooling_spec: dict | None = None
     export_steps: list | None = None  # written once the export's steps have run
     format: int = FORMAT_VERSION
 
@@ -378,6 +382,11 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
                                   f"token_type_ids), got {meta['inputs']}")
     if meta.get("tokenizer") not in (None,) + TOKENIZERS:
         raise ArtifactError(path, f"key 'tokenizer' must be one of {', '.join(TOKENIZERS)}, got {meta['tokenizer']!r:.40}")
+    from .calibration.config import ROW_SET_POOLINGS  # landmark (LMK, multi-CLS) and Mean@k record their parameters
+
+    if (meta.get("pooling_spec") is not None) != (meta["pooling"] in ROW_SET_POOLINGS):
+        raise ArtifactError(path, f"pooling {meta['pooling']!r} " + ("needs key 'pooling_spec'" if meta["pooling"]
+                                  in ROW_SET_POOLINGS else "takes no key 'pooling_spec'"))
     if meta.get("padding_side", "right") not in ("left", "right"):
         raise ArtifactError(path, f"key 'padding_side' must be 'left' or 'right', got {meta['padding_side']!r}")
     if meta["calibrated"]:

@@ -3,14 +3,20 @@
 // the model around it.  Driven by benchmarks/attention_kernel.py, which builds this file against each kernel
 // tree it is given and interleaves the builds round by round.
 //
-//   attention_kernel SHAPE ROUNDS     one line per round: "SHAPE ms HASH"
+//   attention_kernel SHAPE ROUNDS [POOLING [CLOCK]]     one line per round: "SHAPE ms HASH"
 //
 // The rounds run the op's work units serially as the ORT kernel runs them on its pool, with what the kernel keeps
 // from call to call kept here too: a store of packed key tiles where the tree has one (ORT's arena keeps its
 // pages from run to run; a fresh one per call would time the page faults).  The driver times the second round.
-// The op runs uncalibrated (strength 0: every row takes the key tiles or blocks as in an uncalibrated layer) on
-// random float32 inputs with no padding; HASH is an FNV-1a hash of the output's bits, so two builds that compute
-// the same bits print the same hash.
+// POOLING `off` (the default) runs the op uncalibrated (strength 0: every row takes the key tiles or blocks as in an
+// uncalibrated layer); `cls` calibrates the first token's row (the pooled-row op) and `landmark` the row of a
+// landmark closing each chunk of 128 tokens (the all-rows op with marked rows and their own keys isolated), both
+// with the published defaults (cls-soft, lambda 0.5, baskets of 128).  Random float32 inputs with no padding; HASH
+// is an FNV-1a hash of the output's bits, so two builds that compute the same bits print the same hash.  CLOCK `wall`
+// (the default) times a round by the wall clock, `cpu` by the process's CPU time: the program runs one thread, so
+// that is its time on a core, which other jobs on a shared machine inflate less than the wall clock.
+#include <time.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -54,6 +60,40 @@ auto share_tiles(Plan& plan, std::vector<float>& store, int) -> decltype(plan.sh
 template <typename Plan>
 void share_tiles(Plan&, std::vector<float>&, long) {}
 
+// Landmark rows (marked_rows, isolate_self), where the tree has them: false for an older tree.
+template <typename P>
+auto mark_landmarks(P& p, int) -> decltype(p.marked_rows, bool()) {
+  p.marked_rows = 1;
+  p.isolate_self = 1;
+  p.self_mode = ATTNCAL_MODE_ORIGINAL;
+  return true;
+}
+template <typename P>
+bool mark_landmarks(P&, long) {
+  return false;
+}
+
+constexpr int64_t kLandmarkEvery = 128;  // one landmark closing each chunk of 128 tokens
+// ATTNCAL_ROW_MARK (common/attncal_params.h), written as its value so that this file builds against older trees.
+constexpr int64_t kRowMark = 2;
+
+// The calibration of `pooling` on the uncalibrated call's attributes (false: an unknown pooling, or landmark rows
+// on a tree without them); the mask marks the landmarks' rows.
+bool calibrate(const std::string& pooling, int64_t B, int64_t S, AttncalParams* p, std::vector<int64_t>* mask) {
+  if (pooling == "off") return true;
+  p->strength = 0.5f;
+  p->isolate_first = 1;
+  if (pooling == "cls") {
+    p->all_rows = 0;
+    return true;
+  }
+  if (pooling != "landmark" || !mark_landmarks(*p, 0)) return false;
+  p->first_mode = ATTNCAL_MODE_EQUAL;  // the first token is not the landmark rows' pooling token
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = kLandmarkEvery - 1; i < S; i += kLandmarkEvery) (*mask)[b * S + i] = kRowMark;
+  return true;
+}
+
 uint64_t fnv1a(const float* x, size_t n) {
   uint64_t h = 1469598103934665603ull;
   const auto* p = reinterpret_cast<const unsigned char*>(x);
@@ -64,8 +104,13 @@ uint64_t fnv1a(const float* x, size_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: attention_kernel SHAPE ROUNDS\n");
+  if (argc < 3 || argc > 5) {
+    std::fprintf(stderr, "usage: attention_kernel SHAPE ROUNDS [off|cls|landmark [wall|cpu]]\n");
+    return 2;
+  }
+  const std::string clock = argc == 5 ? argv[4] : "wall";
+  if (clock != "wall" && clock != "cpu") {
+    std::fprintf(stderr, "attention_kernel: CLOCK must be wall or cpu, got %s\n", clock.c_str());
     return 2;
   }
   const Shape* s = nullptr;
@@ -85,15 +130,27 @@ int main(int argc, char** argv) {
   std::vector<float> q(s->B * s->S * s->N * s->D), k(s->B * s->S * s->N_kv * s->D), v(k.size()), out(q.size());
   for (auto* t : {&q, &k, &v})
     for (float& x : *t) x = normal(gen);
-  const std::vector<int64_t> mask(s->B * s->S, 1);
+  std::vector<int64_t> mask(s->B * s->S, 1);
+  const std::string pooling = argc == 4 ? argv[3] : "off";
+  if (!calibrate(pooling, s->B, s->S, &p, &mask)) {
+    std::fprintf(stderr, "attention_kernel: no pooling %s in this kernel tree (off, cls, landmark)\n", pooling.c_str());
+    return 2;
+  }
   attncal::gemm_init();
   std::vector<float> store;
+  const auto now_ms = [&clock] {
+    if (clock == "wall")
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+  };
   for (int r = 0; r < rounds; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = now_ms();
     attncal::AttentionPlan plan(mask.data(), sh, p);
     share_tiles(plan, store, 0);
     for (size_t i = 0; i < plan.size(); ++i) plan.run(i, q.data(), k.data(), v.data(), out.data(), p);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = now_ms() - t0;
     std::printf("%s %.2f %016llx\n", s->name, ms, static_cast<unsigned long long>(fnv1a(out.data(), out.size())));
     std::fflush(stdout);
   }

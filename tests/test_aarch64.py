@@ -30,6 +30,7 @@ def build(tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize("name,expect", [
     ("exp_row_test", "40034 values checked"),
     ("packed_gemm_test", "1 kernel(s) tested, 0 failure(s)"),  # the default path's panels of 16
+    ("landmark_rows_test", "rows checked"),
 ])
 def test_kernel_host_tests_pass_on_arm64(tmp_path, name, expect):
     res = subprocess.run([QEMU, str(build(tmp_path, name))], capture_output=True, text=True, timeout=300)

@@ -31,7 +31,22 @@ def test_one_tree_under_two_names_gives_the_same_bits(capsys):
     assert cells[0] == "minilm-512" and float(cells[1]) > 0 and float(cells[2]) > 0 and cells[4] == "yes"
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++)")
+def test_poolings_are_columns_side_by_side(capsys):
+    """`--poolings cls,landmark`: the same build calibrated both ways, a column each, the ratio to the first (timed
+    by CPU time, `--clock cpu`)."""
+    pytest.importorskip("scipy_openblas32")
+    args = ["--shapes", "minilm-512", "--poolings", "cls,landmark", "--rounds", "1", "--clock", "cpu"]
+    assert _module().main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| shape | cls ms | landmark ms | landmark / cls | same bits per pooling |"
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[0] == "minilm-512" and float(cells[1]) > 0 and float(cells[2]) > 0 and cells[4] == "yes"
+    assert float(cells[3]) == pytest.approx(float(cells[2]) / float(cells[1]), rel=0.05)
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--poolings", "max"], "unknown pooling(s) ['max']; use off, cls, landmark"),
     (["--kernels", "nope"], "is not NAME=DIR"),
     (["--kernels", f"a={REPO}"], "is not NAME=DIR"),
     (["--shapes", "bert-huge"], "unknown shape(s) ['bert-huge']"),

@@ -44,19 +44,24 @@ def test_def_matches_the_contract():
     for op in contract.ALL_OP_TYPES:
         assert [r.name for r in rows if r.taken_by(op)] == contract.attribute_names(op), op
     optional = [r for r in rows if not r.required]
-    assert [r.name for r in optional] == ["layer", *contract.GEOMETRY_DEFAULTS]
+    assert [r.name for r in optional] == ["layer", *contract.OPTIONAL_DEFAULTS]
     assert contract.ATTRIBUTES["layer"][1] == "informational"
-    # The geometry's defaults are the table's.
-    assert {r.name: r.default for r in optional[1:]} == contract.GEOMETRY_DEFAULTS
-    # Every exported node carries exactly the attributes the table gives its op, the geometry where it
-    # differs from the defaults.
+    # The optional attributes' defaults (marked rows, geometry) are the table's.
+    assert {r.name: r.default for r in optional[1:]} == contract.OPTIONAL_DEFAULTS
+    # Every exported node carries exactly the attributes the table gives its op, the optional ones where they
+    # differ from the defaults.
     geo = contract.AttentionGeometry(num_kv_heads=2, window_left=3, window_right=0, relative_max_distance=128)
-    for rc in (CalibrationConfig(pooling="cls").resolve(), CalibrationConfig(pooling="mean").resolve()):
-        for spec, full in ((op_spec(rc, 3), True), (op_spec(rc, 3, fused_softmax=True), True),
-                           (attention_op_spec(rc, 3, 4), False), (attention_op_spec(rc, 3, 4, projected=True), False),
-                           (attention_op_spec(rc, 3, 4, geometry=geo), True)):
+    landmark = CalibrationConfig(pooling="landmark", pool_token_id=2, variant="cls-hard").resolve()
+    marks = {"marked_rows": 1, "isolate_self": 1, "self_mode": 2, "self_weight": 0.3}
+    for rc, marked in ((CalibrationConfig(pooling="cls").resolve(), {}),
+                       (CalibrationConfig(pooling="mean").resolve(), {}), (landmark, marks)):
+        for spec, written in ((op_spec(rc, 3), marked), (op_spec(rc, 3, fused_softmax=True), marked),
+                              (attention_op_spec(rc, 3, 4), marked),
+                              (attention_op_spec(rc, 3, 4, projected=True), marked),
+                              (attention_op_spec(rc, 3, 4, geometry=geo), {**marked, **geo.attrs()})):
             taken = [r.name for r in rows if r.taken_by(spec.op_type)]
-            assert list(spec.attrs) == (taken if full else [n for n in taken if n not in contract.GEOMETRY_DEFAULTS])
+            assert list(spec.attrs) == [n for n in taken if n not in contract.OPTIONAL_DEFAULTS or n in written]
+            assert {k: v for k, v in spec.attrs.items() if k in contract.OPTIONAL_DEFAULTS} == pytest.approx(written)
             for r in rows:
                 if r.name in spec.attrs:
                     assert isinstance(spec.attrs[r.name], float if r.type == "FLOAT" else int), (spec.op_type, r.name)

@@ -24,8 +24,8 @@ from attncal.graphs.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTI
                                      SOFTMAX_POOLED_OP, VERSION, attention_op_spec, attribute_names, calibration_of,
                                      input_names, is_all_rows, is_attention, op_spec, resolved_from_attrs,
                                      takes_scores, with_attention)
-from attncal.graphs.contract import (FULL_ATTENTION, GEOMETRY_DEFAULTS, RELATIVE_BIAS_INPUT, AttentionGeometry,
-                                     geometry_from_attrs)
+from attncal.graphs.contract import (FULL_ATTENTION, GEOMETRY_DEFAULTS, OPTIONAL_DEFAULTS, RELATIVE_BIAS_INPUT,
+                                     ROW_SET_DEFAULTS, AttentionGeometry, geometry_from_attrs)
 from attncal.graphs.function_body import make_function
 from attncal.graphs.single_op import single_op_model
 from support.cases import random_config
@@ -158,11 +158,12 @@ def test_function_body_is_standard_onnx_reads_attributes_and_reuses_the_fused_bo
     assert {o.domain: o.version for o in fn.opset_import} == {"": opset}
     assert all(n.domain == "" for n in fn.node)  # standard ONNX only
     refs = {a.ref_attr_name for n in fn.node for a in n.attribute if a.ref_attr_name}
-    # The geometry attributes are optional: the function carries their defaults.  The body without the bias
-    # input has no use for its attribute.
+    # The geometry and marked-row attributes are optional: the function carries their defaults.  The body without
+    # the bias input has no use for its attribute, the pooled op none for the marked rows'.
     defaults = {a.name: helper.get_attribute_value(a) for a in fn.attribute_proto}
-    assert defaults == GEOMETRY_DEFAULTS
-    unread = {"layer"} | ({"relative_max_distance"} if not relative else set())
+    assert defaults == OPTIONAL_DEFAULTS
+    unread = ({"layer"} | ({"relative_max_distance"} if not relative else set())
+              | (set(ROW_SET_DEFAULTS) if not is_all_rows(op_type) else set()))
     assert refs == (set(fn.attribute) | set(defaults)) - unread and {"num_heads", "scale"} <= refs
     # The middle of the body is the Softmax-fused op's body, node for node (minus its final Identity).
     fused = _op_types(make_function(SOFTMAX_ALL_ROWS_OP if is_all_rows(op_type) else SOFTMAX_POOLED_OP,

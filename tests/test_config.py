@@ -75,7 +75,7 @@ def test_layer_out_of_range_is_reported_when_bound():
         ({"basket_size": 0}, r"basket_size: 0 is < 1"),
         ({"basket_size": 2.5}, r"basket_size: 2.5 is not an integer"),
         ({"variant": "soft"}, r"variant: 'soft' is not one of uniform, cls-soft, cls-hard"),
-        ({"pooling": "max"}, r"pooling: 'max' is not one of cls, last, mean, auto"),
+        ({"pooling": "max"}, r"pooling: 'max' is not one of cls, last, mean, landmark, mean-every, auto"),
         ({"self_weight": -0.1}, r"self_weight: .* outside \[0, 1\)"),
         ({"first_weight": -0.5}, r"first_weight: fixed weight -0.5 is < 0"),
         ({"last_weight": "heavy"}, r"last_weight: 'heavy' is not 'equal', 'original' or a number"),
@@ -111,3 +111,69 @@ def test_from_dict_rejects_unknown_fields_and_bad_json():
         CalibrationConfig.from_dict({"lambda": 0.5})
     with pytest.raises(ValueError, match="invalid calibration config JSON"):
         CalibrationConfig.from_json("{not json")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"pooling": "landmark", "pool_token_id": -2}, r"pool_token_id: -2 is not an integer >= -1"),
+        ({"pooling": "landmark", "pool_token_id": 1.5}, r"pool_token_id: 1.5 is not an integer"),
+        ({"pooling": "mean-every", "pool_every": True}, r"pool_every: True is not an integer >= 0"),
+        ({"pooling": "mean-every"}, r"pool_every: mean-every pooling needs pool_every >= 1"),
+        ({"pooling": "cls", "pool_token_id": 102}, r"pool_token_id: is set \(102\) but pooling is 'cls'"),
+        ({"pool_every": 4}, r"pool_every: is set \(4\) but pooling is 'auto'"),
+        ({"pooling": "landmark", "variant": "cls-hard", "self_weight": 0.5, "first_weight": 0.5},
+         r"fixed weights: .* sum to 1; they must sum to < 1"),
+    ],
+)
+def test_row_set_pooling_fields_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CalibrationConfig(**kwargs)
+
+
+def test_landmark_pooling_needs_its_token_to_resolve():
+    unbound = CalibrationConfig(pooling="landmark")  # an export binds the model's SEP (or CLS) later
+    with pytest.raises(ValueError, match="pool_token_id: landmark pooling needs the landmark token's id"):
+        unbound.resolve()
+    rc = CalibrationConfig(pooling="landmark", pool_token_id=7).resolve()
+    assert rc.row_set and not rc.all_rows and rc.pool_token_id == 7
+
+
+@pytest.mark.parametrize(
+    "variant,self_mode,self_weight",
+    [("uniform", MODE_EQUAL, 0.0), ("cls-soft", MODE_ORIGINAL, 0.0), ("cls-hard", MODE_FIXED, 0.3)],
+)
+def test_landmark_rows_isolate_their_own_key_with_the_variant_share(variant, self_mode, self_weight):
+    rc = CalibrationConfig(variant=variant, pooling="landmark", pool_token_id=7).resolve()
+    assert (rc.isolate_first, rc.isolate_last, rc.isolate_self) == (True, False, True)
+    assert (rc.self_mode, rc.self_weight) == (self_mode, self_weight)
+    assert (rc.first_mode, rc.last_mode) == (MODE_EQUAL, MODE_EQUAL)  # not the pooling token: equal
+
+
+def test_mean_every_calibrates_like_mean():
+    every = CalibrationConfig(variant="cls-hard", pooling="mean-every", pool_every=4).resolve()
+    mean = CalibrationConfig(variant="cls-hard", pooling="mean").resolve()
+    assert every.row_set and not every.isolate_self and every.pool_every == 4
+    fields = ("isolate_first", "isolate_last", "first_mode", "first_weight", "last_mode", "last_weight")
+    assert [getattr(every, f) for f in fields] == [getattr(mean, f) for f in fields]
+
+
+def test_row_masks_pick_landmarks_and_every_kth_valid_token():
+    torch = pytest.importorskip("torch")
+    ids = torch.tensor([[0, 0, 101, 5, 102, 6, 7, 102], [101, 102, 5, 6, 102, 102, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0, 0]])
+    lmk = CalibrationConfig(pooling="landmark", pool_token_id=102).resolve().row_mask(ids, mask)
+    assert lmk.tolist() == (ids.eq(102) & mask.bool()).tolist()
+    assert lmk[1, 5].item() is False  # a landmark id under padding is not a row
+    every = CalibrationConfig(pooling="mean-every", pool_every=2).resolve().row_mask(ids, mask)
+    every_second_valid = [torch.nonzero(mask[b]).flatten().tolist()[1::2] for b in range(2)]  # k-1, 2k-1, ...
+    assert [torch.nonzero(every[b]).flatten().tolist() for b in range(2)] == every_second_valid
+    with pytest.raises(ValueError, match="mean pooling has no row mask"):
+        CalibrationConfig(pooling="mean").resolve().row_mask(ids, mask)
+
+
+def test_row_set_pooling_round_trips_through_json():
+    for cfg in (CalibrationConfig(pooling="landmark", pool_token_id=102, variant="cls-hard"),
+                CalibrationConfig(pooling="mean-every", pool_every=8, basket_size=16),
+                CalibrationConfig.off("landmark", pool_token_id=2)):
+        assert CalibrationConfig.from_json(cfg.to_json()) == cfg

@@ -27,7 +27,7 @@ def test_doctor_reports_setup_and_export(tmp_path, capsys):
     assert report["threads"]["torch_threads"] == torch.get_num_threads()
     assert report["cpu"]["class"] == cpuinfo.cpu_class() in cpuinfo.CLASSES
     tested = report["tested_versions"]
-    assert set(tested) == {"onnxruntime", "onnx", "transformers", "torch", "numpy"}
+    assert set(tested) == {"onnxruntime", "onnx", "transformers", "torch", "numpy", "packaging"}
     assert tested["onnxruntime"] == {"installed": ort.__version__, "tested": declared_ranges()["onnxruntime"],
                                      "in_range": True}
     assert tested["torch"]["installed"] == torch.__version__ and tested["torch"]["in_range"] is True

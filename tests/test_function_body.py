@@ -12,7 +12,8 @@ import torch
 from onnx import TensorProto, helper
 
 from attncal.calibration import CalibrationConfig, reference
-from attncal.graphs.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, VERSION, op_spec, resolved_from_attrs
+from attncal.graphs.contract import (ALL_ROWS_OP, DOMAIN, POOLED_OP, ROW_SET_DEFAULTS, VERSION, op_spec,
+                                     resolved_from_attrs)
 from attncal.graphs.function_body import make_function
 from attncal.graphs.single_op import single_op_model
 from support.cases import calibrated_rows, random_config
@@ -70,9 +71,13 @@ def test_function_checks_and_uses_model_opset(op_type, opset):
     (fn,) = model.functions
     assert (fn.domain, fn.name) == (DOMAIN, op_type)
     assert {o.domain: o.version for o in fn.opset_import}[""] == opset
-    # Every attribute is read through a reference, so the body is generic.
+    # Every attribute is read through a reference, so the body is generic; the optional ones carry their defaults
+    # in the function.  The pooled-row op takes the marked-row attributes at their defaults only, and ignores them.
     refs = {a.ref_attr_name for n in fn.node for a in n.attribute if a.ref_attr_name}
-    assert refs == set(fn.attribute) - {"layer"}
+    optional = {a.name for a in fn.attribute_proto}
+    assert optional == set(ROW_SET_DEFAULTS)
+    ignored = {"layer"} | (optional if op_type == POOLED_OP else set())
+    assert refs == (set(fn.attribute) | optional) - ignored
 
 
 def test_function_is_generic_over_attribute_values():

@@ -69,11 +69,16 @@ def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path,
     out = tmp_path / "int8"
     _capture_fp32(monkeypatch, tmp_path / "fp32")
     meta = export(src, out, ExportOptions(config=cfg, quantize="int8", exporter="torchscript"), quiet=True)
+    # The default target is this machine's: int8 weights on a VNNI CPU, uint8 elsewhere.
+    target = quantize.resolve_target("auto")
+    weights = quantize.TARGET_WEIGHTS[target]
+    assert (target == "vnni") == (cpuinfo.cpu_class() in cpuinfo.VNNI_CLASSES)
+    assert meta["quantization"]["target"] == target and meta["quantization"]["weights"] == weights
     # Every graph is the one ONNX Runtime's quantize_dynamic writes from the same float32 graph (mean pooling:
     # all-rows calibration, split placement with ORT Attention; cls: the pooled row, row placement).
     for graph_file in meta["graphs"]:
         name = Path(graph_file).name
-        _reference(tmp_path / "fp32" / name, tmp_path / "ref" / name)
+        _reference(tmp_path / "fp32" / name, tmp_path / "ref" / name, weights=weights)
         _assert_same_graph(tmp_path / "ref" / name, out / graph_file)
         _assert_same_outputs(tmp_path / "ref" / name, out / graph_file)
     assert meta["quantization"]["precision"] == "int8" and meta["quantization"]["per_channel"] is True
@@ -84,6 +89,7 @@ def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path,
         assert (par["tol_max_abs"], par["tol_min_cos"]) == TOLERANCES["int8"]
         assert par["p1_cos"] >= par["min_cos"] and par["p50_cos"] >= par["p1_cos"]
         assert all(b["p50_cos"] is not None for b in par["buckets"])
+        assert par["cpu"]["cpu_class"] == cpuinfo.cpu_class() and par["cpu"]["covers"] == meta["quantization"]["covers"]
         model = onnx.load(str(out / graph_file))
         ops = {n.op_type for n in model.graph.node}
         assert ops & _INT8_OPS, graph_file
@@ -104,7 +110,8 @@ def test_int8_export_quantizes_weights_only_and_checks_cosine(pooling, tmp_path,
     assert ids == [str(i) for i in range(len(TEXTS))] and np.abs(emb - got).max() <= 1e-6
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
-    assert "precision  int8 (attncal's streamed dynamic quantization, equal to onnxruntime" in shown and "(int8)" in shown
+    assert (f"precision  int8 for {target} CPUs (attncal's streamed dynamic quantization, equal to onnxruntime"
+            in shown) and "(int8)" in shown
     assert shown.count(f"int8 cpu   figures measured on {cpuinfo.cpu_class()}") == len(meta["graphs"])
 
 
@@ -114,7 +121,11 @@ def test_int8_refusals_and_tolerances(tmp_path):
         export(src, tmp_path / "a", ExportOptions(quantize="int4"), quiet=True)
     with pytest.raises(ValueError, match="--quantize int8 and --fp16 exclude each other"):
         export(src, tmp_path / "b", ExportOptions(quantize="int8", fp16=True), quiet=True)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="int8_target must be one of auto, vnni, portable, got 'arm'"):
+        export(src, tmp_path / "c", ExportOptions(quantize="int8", int8_target="arm"), quiet=True)
+    with pytest.raises(ValueError, match="--int8-target portable applies to int8 exports: add --quantize int8"):
+        export(src, tmp_path / "d", ExportOptions(int8_target="portable"), quiet=True)
+    assert not any((tmp_path / d).exists() for d in "abcd")
     assert precision_of({"quantization": {"precision": "int8"}}) == "int8"
     assert precision_of({"fp16": True}) == "fp16" and precision_of({}) == "fp32"
     # A quantization that bent the embeddings fails loudly even when every |Δ| is small (the issue's
@@ -245,8 +256,8 @@ def xlmr_int8(tmp_path_factory):
                                dense=((16, "Tanh", True),))
     with pytest.MonkeyPatch.context() as mp:
         _capture_fp32(mp, root / "fp32")
-        meta = export(src, root / "out", ExportOptions(config=_INT8, quantize="int8", exporter="torchscript",
-                                                       check=False), quiet=True)
+        meta = export(src, root / "out", ExportOptions(config=_INT8, quantize="int8", int8_target="portable",
+                                                       exporter="torchscript", check=False), quiet=True)
     assert set(meta["graphs"]) == {"onnx/model.onnx", "onnx/model_optimized.onnx", "onnx/model_optimized_native.onnx"}
     return root, meta
 
@@ -406,6 +417,30 @@ def test_int8_graph_records_its_cpu_classes(xlmr_int8, tmp_path, monkeypatch):
     shutil.copyfile(root / "fp32" / "model.onnx", got)
     quantize_graph(got)
     assert graph_record(got)["cpu_class"] == cpuinfo.AVX2 and cpuinfo.AVX2 in graph_record(got)["covers"]
+
+
+@pytest.mark.parametrize("here, auto", [(cpuinfo.AVX512_VNNI, "vnni"), (cpuinfo.AVX_VNNI, "vnni"),
+                                        (cpuinfo.AVX512, "portable"), (cpuinfo.AVX2, "portable"),
+                                        (cpuinfo.AARCH64, "portable"), (cpuinfo.OTHER, "portable")])
+def test_int8_targets_and_what_their_graphs_cover(here, auto, xlmr_int8, tmp_path, monkeypatch):
+    """auto is vnni on a VNNI CPU and portable elsewhere; a vnni graph (int8 weights) made and checked on a VNNI
+    CPU covers the VNNI classes alone, one made elsewhere covers its own class alone, and a portable one covers
+    every x86-64 class with AVX2 wherever it was made among them."""
+    root, _ = xlmr_int8
+    assert quantize.resolve_target("auto", here) == auto
+    assert quantize.resolve_target("portable", here) == "portable" and quantize.resolve_target("vnni", here) == "vnni"
+    monkeypatch.setattr(cpuinfo, "cpu_class", lambda: here)
+    x86 = list(cpuinfo.VNNI_CLASSES + cpuinfo.PAIR_SUM_CLASSES)
+    for target, covers in (("vnni", list(cpuinfo.VNNI_CLASSES) if here in cpuinfo.VNNI_CLASSES else [here]),
+                           ("portable", x86 if here in x86 else [here])):
+        got = tmp_path / target / "model.onnx"
+        got.parent.mkdir()
+        shutil.copyfile(root / "fp32" / "model.onnx", got)
+        quantize_graph(got, weights=quantize.TARGET_WEIGHTS[target])
+        record = graph_record(got)
+        assert record["weights"] == quantize.TARGET_WEIGHTS[target] and record["covers"] == covers, (target, record)
+    with pytest.raises(ValueError, match="int8 target must be one of auto, vnni, portable, got 'arm'"):
+        quantize.resolve_target("arm", here)
 
 
 def test_encoder_and_inspect_say_when_this_cpu_is_not_covered(xlmr_int8, monkeypatch, capsys):

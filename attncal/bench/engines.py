@@ -11,17 +11,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from ..calibration.config import CalibrationConfig
+from ..runtime.landmarks import PoolingSpec, place
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
            "ort-opt-cal", "ort-opt-split", "ort-opt-native", "ort-native", "ort-cal-lib", "ort-fused", "ort-fused-lib",
-           "ort-split", "ort-row", "ort-int8", "ort-cal-int8")
+           "ort-split", "ort-row", "ort-int8", "ort-cal-int8", "ort-pooled", "ort-opt-pooled")
 
 # engine -> (export directory, graph of that export, calibrated?, native library policy)
 #   ort / ort-opt:   the uncalibrated export's portable / ORT-optimized graph
@@ -37,6 +38,11 @@ ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", 
 #   ort-split/-row:  split / row placement on the portable graph (standard ONNX)
 #   ort-int8 / ort-cal-int8: `attncal export --quantize int8` of the uncalibrated / calibrated model, graph="auto"
 #                    as `Encoder` runs it (compare with ort-opt / ort-opt-cal)
+#   ort-pooled / ort-opt-pooled: the uncalibrated export with the workspace's landmark or Mean@k pooling
+#                    (`--pooling lmk|multi-cls|mean-every`), portable / ORT-optimized graph; each batch of `seq` content
+#                    tokens gets its landmarks inserted (`pooled_feeds`), so it runs the longer rows an export with
+#                    that pooling runs, up to the export's max length, where landmarks replace content (compare
+#                    with ort / ort-opt, the model's own pooling on the same content)
 _ORT_ENGINES = {
     "ort": ("uncal", "portable", False),
     "ort-opt": ("uncal", "optimized", False),
@@ -52,6 +58,8 @@ _ORT_ENGINES = {
     "ort-row": ("row", "portable", None),
     "ort-int8": ("uncal-int8", "auto", None),
     "ort-cal-int8": ("opt-cal-int8", "auto", None),
+    "ort-pooled": ("pooled", "portable", False),
+    "ort-opt-pooled": ("pooled", "optimized", None),
 }
 # An ORT engine followed by a suffix of MEM_PATTERN: the same session with ONNX Runtime's memory pattern on
 # (as ORT's default session options, and so a user's own InferenceSession, have it) or off, whatever the Encoder
@@ -59,7 +67,7 @@ _ORT_ENGINES = {
 MEM_PATTERN = {"+mempattern": True, "+nomempattern": False}
 _EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the workspace's placement)
     "uncal": None, "cal": "softmax", "fused": "fused-softmax", "opt-cal": "bench", "split": "split", "row": "row",
-    "uncal-int8": None, "opt-cal-int8": "bench",
+    "uncal-int8": None, "opt-cal-int8": "bench", "pooled": None,
 }
 _INT8_EXPORTS = ("uncal-int8", "opt-cal-int8")
 DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib",
@@ -109,19 +117,20 @@ class Workspace:
     exports: Path
     threads: int
     placement: str = "auto"  # of ort-opt-cal
+    pooling_spec: dict | None = None  # of the ort-pooled engines: attncal.runtime.landmarks.PoolingSpec's fields
 
     def export_dir(self, name: str) -> Path:
         return self.exports / name
 
     def to_json(self) -> str:
         return json.dumps({"model": str(self.model), "config": self.config.to_dict(), "exports": str(self.exports),
-                           "threads": self.threads, "placement": self.placement})
+                           "threads": self.threads, "placement": self.placement, "pooling_spec": self.pooling_spec})
 
     @classmethod
     def from_json(cls, text: str) -> "Workspace":
         d = json.loads(text)
         return cls(Path(d["model"]), CalibrationConfig.from_dict(d["config"]), Path(d["exports"]), d["threads"],
-                   d.get("placement", "auto"))
+                   d.get("placement", "auto"), d.get("pooling_spec"))
 
 
 def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict[str, str]:
@@ -131,17 +140,23 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
     notes: dict[str, str] = {}
     needed = {_ort_engine(e)[0] for e in engines if _is_ort_engine(e)}
     for name in sorted(needed):
+        if name == "pooled" and ws.pooling_spec is None:
+            notes.update({e: "needs --pooling lmk, multi-cls or mean-every" for e in engines
+                          if _is_ort_engine(e) and _ort_engine(e)[0] == name})
+            continue
         if _cached_export_ok(ws.export_dir(name), quiet):
             continue
         placement = _EXPORTS[name]
         if placement == "bench":
             placement = ws.placement
+        spec = PoolingSpec.from_dict(ws.pooling_spec) if name == "pooled" else None
         # The default exporter, as users export (the exporter makes the TorchScript export ONNX Runtime's
         # optimizer needs itself; Gemma3's bidirectional masks do not trace with TorchScript).
-        opts = ExportOptions(config=ws.config, calibrate=placement is not None, check=False,
+        opts = ExportOptions(config=replace(ws.config, pooling="auto") if spec else ws.config,
+                             calibrate=placement is not None, check=False,
                              overwrite=True, placement=placement or "auto",
-                             optimized=name in ("uncal", "opt-cal", *_INT8_EXPORTS),
-                             quantize="int8" if name in _INT8_EXPORTS else None)
+                             optimized=name in ("uncal", "opt-cal", "pooled", *_INT8_EXPORTS),
+                             quantize="int8" if name in _INT8_EXPORTS else None, pooling_spec=spec)
         try:
             export(ws.model, ws.export_dir(name), opts, quiet=quiet)
         except ValueError as exc:  # e.g. row placement with mean pooling
@@ -257,8 +272,13 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
         so.enable_mem_pattern = pattern
     enc = Encoder(path, providers=["CPUExecutionProvider"], native=native, graph=graph, intra_op_threads=ws.threads,
                   session_options=so)
+    inserted: dict[int, tuple] = {}  # a shape's feeds -> (those feeds, with landmarks): made once per shape
 
     def run_ort(feeds: dict[str, np.ndarray]):
+        if enc.pooling_spec is not None:
+            if id(feeds) not in inserted:
+                inserted[id(feeds)] = (feeds, pooled_feeds(feeds, enc.pooling_spec, enc.max_length))
+            feeds = inserted[id(feeds)][1]
         return enc.run({k: v for k, v in feeds.items() if k in enc.input_names})
 
     run_ort.encoder = enc  # type: ignore[attr-defined]  # for tests and inspection
@@ -281,6 +301,18 @@ def interleaved_session_options(export: Path) -> "onnxruntime.SessionOptions":  
     so = default_session_options(read_metadata(export).get("max_seq_length"))
     so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
+
+
+def pooled_feeds(feeds: dict[str, np.ndarray], spec: PoolingSpec, max_length: int | None = None
+                 ) -> dict[str, np.ndarray]:
+    """`make_feeds`' rows (content tokens, all valid) with the landmarks of `spec` inserted where an export with
+    that pooling places them (`attncal.runtime.landmarks.place`; Mean@k inserts none), within `max_length` as
+    the export's tokenizer keeps them: at the max length the landmarks take the place of content."""
+    other = 11 if spec.token_id == 10 else 10  # content never holds the landmark: rows keep one length
+    rows = [place([other if x == spec.token_id else x for x in row], [0] * len(row), None, spec,
+                  max_length=max_length)[0] for row in feeds["input_ids"].tolist()]
+    ids = np.array(rows, dtype=np.int64).reshape(len(rows), -1)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
 
 
 def make_feeds(batch: int, seq: int, vocab: int = 100, seed: int = 0) -> dict[str, np.ndarray]:

@@ -9,6 +9,12 @@ Everything that depends on the pooling mode (which rows are calibrated, which
 tokens are isolated, how each isolated token is weighted) is resolved by
 `CalibrationConfig.resolve()`, which needs a concrete pooling mode.  Layer
 indices are resolved against a model's layer count by `layer_indices()`.
+
+The row-set poolings pool (and so calibrate) a set of rows chosen from the token
+ids: `landmark` the positions holding `pool_token_id` (LMK pooling with the SEP
+token, multi-CLS with the CLS token), `mean-every` every `pool_every`-th valid
+token (Mean@k).  `row_mask` is that set, defined once here for every
+implementation that needs it as a tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +25,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Sequence, Union
 
 VARIANTS = ("uniform", "cls-soft", "cls-hard")
-POOLINGS = ("cls", "last", "mean")
+POOLINGS = ("cls", "last", "mean", "landmark", "mean-every")
+# The poolings whose calibrated rows are a set selected per token (`row_mask`).
+ROW_SET_POOLINGS = ("landmark", "mean-every")
+# The calibration's mask value of a valid token whose query row is calibrated (row-set poolings; `marked_mask`):
+# 0 = padding, 1 = a valid token, ROW_MARK = a valid token whose row is calibrated.  The op contract's
+# (attncal.graphs.contract) `attention_mask` input carries it, so the ops keep their inputs.
+ROW_MARK = 2
 POOLING_CHOICES = POOLINGS + ("auto",)
 LAYER_PRESETS = ("last-half", "last", "all")
 WEIGHT_WORDS = ("equal", "original")
@@ -28,7 +40,7 @@ WEIGHT_WORDS = ("equal", "original")
 MODE_EQUAL, MODE_ORIGINAL, MODE_FIXED = 0, 1, 2
 MODE_NAMES = {MODE_EQUAL: "equal", MODE_ORIGINAL: "original", MODE_FIXED: "fixed"}
 
-Pooling = Literal["cls", "last", "mean"]
+Pooling = Literal["cls", "last", "mean", "landmark", "mean-every"]
 WeightSpec = Union[str, float, None]
 LayerSpec = Union[str, Sequence[int]]
 
@@ -42,8 +54,13 @@ class ResolvedCalibration:
     """The per-row recipe that both implementations (and the ONNX op) execute.
 
     `pool_last` picks the calibrated row for pooled calibration; `all_rows` means
-    every valid query row is calibrated (mean pooling).  Modes use the integer
-    codes `MODE_EQUAL`, `MODE_ORIGINAL`, `MODE_FIXED`.
+    every valid query row is calibrated (mean pooling); `row_set` means the rows
+    of `row_mask` are (landmark, mean-every).  Modes use the integer codes
+    `MODE_EQUAL`, `MODE_ORIGINAL`, `MODE_FIXED`.
+
+    `isolate_self` (landmark pooling): each calibrated row's own key is its pooling
+    token; it leaves its basket and takes the variant's share (`self_mode`,
+    `self_weight`), also where it is the first or last valid token.
     """
 
     pooling: Pooling
@@ -56,10 +73,19 @@ class ResolvedCalibration:
     last_mode: int
     last_weight: float
     skip_short: bool
+    isolate_self: bool = False
+    self_mode: int = MODE_EQUAL
+    self_weight: float = 0.0
+    pool_token_id: int = -1
+    pool_every: int = 0
 
     @property
     def all_rows(self) -> bool:
         return self.pooling == "mean"
+
+    @property
+    def row_set(self) -> bool:
+        return self.pooling in ROW_SET_POOLINGS
 
     @property
     def pool_last(self) -> bool:
@@ -72,9 +98,36 @@ class ResolvedCalibration:
     @property
     def any_non_equal(self) -> bool:
         """True when some isolated token is not weighted `equal` (step 8 applies)."""
-        return (self.isolate_first and self.first_mode != MODE_EQUAL) or (
-            self.isolate_last and self.last_mode != MODE_EQUAL
+        return (
+            (self.isolate_first and self.first_mode != MODE_EQUAL)
+            or (self.isolate_last and self.last_mode != MODE_EQUAL)
+            or (self.isolate_self and self.self_mode != MODE_EQUAL)
         )
+
+    def row_mask(self, input_ids: Any, attention_mask: Any) -> Any:
+        """The calibrated (and pooled) rows of a row-set pooling: bool [B,S] from `input_ids` and
+        `attention_mask` [B,S] (torch tensors or numpy arrays; only their operators are used, so this
+        module stays free of torch).  `landmark`: the valid positions holding `pool_token_id`;
+        `mean-every`: the valid positions whose 1-based rank among the valid tokens is a multiple of
+        `pool_every` (k-1, 2k-1, ... counted from the first valid token, so left and right padding pick
+        alike), or, in a text of fewer than k valid tokens, its last one (else it would pool nothing)."""
+        valid = attention_mask != 0
+        if self.pooling == "landmark":
+            return valid & (input_ids == self.pool_token_id)
+        if self.pooling == "mean-every":
+            # CumSum of an integer tensor: TorchScript exports a bool one as CumSum on bool, which ONNX refuses.
+            rank = (valid + 0 * attention_mask).cumsum(-1)
+            count = rank[..., -1:]  # the valid tokens of each item: a text shorter than k pools its last one
+            return valid & ((rank % self.pool_every == 0) | ((count < self.pool_every) & (rank == count)))
+        raise ValueError(f"{self.pooling} pooling has no row mask; only {', '.join(ROW_SET_POOLINGS)} have one")
+
+    def marked_mask(self, input_ids: Any, attention_mask: Any) -> Any:
+        """The mask every calibration implementation takes: `attention_mask` as it is, or for a row-set pooling
+        0 at padding, 1 at a valid token and `ROW_MARK` at a valid token whose row is calibrated (`row_mask`),
+        int64 like the mask (torch tensors or numpy arrays)."""
+        if not self.row_set:
+            return attention_mask
+        return (attention_mask != 0) * 1 + self.row_mask(input_ids, attention_mask) * (ROW_MARK - 1)
 
 
 @dataclass(frozen=True)
@@ -87,6 +140,11 @@ class CalibrationConfig:
     mode implies: cls -> (True, False), last -> (True, True), mean -> (False, False).
     `first_weight`/`last_weight` override the variant's weight for that isolated
     token: "equal", "original" or a float (a fixed share).
+
+    `pool_token_id` is the landmark token of `landmark` pooling (-1: not bound yet;
+    an export binds the model's SEP, or its CLS for multi-CLS); `pool_every` is
+    the k of `mean-every` pooling.  Row-set poolings isolate the first token by
+    default and, for `landmark`, each row's own key (`ResolvedCalibration`).
     """
 
     variant: str = "cls-soft"
@@ -100,6 +158,8 @@ class CalibrationConfig:
     skip_short: bool = True
     first_weight: WeightSpec = None
     last_weight: WeightSpec = None
+    pool_token_id: int = -1
+    pool_every: int = 0
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -130,14 +190,30 @@ class CalibrationConfig:
                 raise _err(name, f"{value!r} is not a boolean")
         for name in ("first_weight", "last_weight"):
             object.__setattr__(self, name, _normalise_weight(name, getattr(self, name)))
+        for name, lowest in (("pool_token_id", -1), ("pool_every", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise _err(name, f"{value!r} is not an integer >= {lowest}")
+        if self.pool_token_id != -1 and self.pooling != "landmark":
+            raise _err("pool_token_id", f"is set ({self.pool_token_id}) but pooling is {self.pooling!r}; "
+                       "only landmark pooling selects rows by token id")
+        if self.pool_every != 0 and self.pooling != "mean-every":
+            raise _err("pool_every", f"is set ({self.pool_every}) but pooling is {self.pooling!r}; "
+                       "only mean-every pooling takes every k-th token")
+        if self.pooling == "mean-every":
+            self._check_bound("mean-every")
         if self.pooling != "auto":
-            self.resolve()  # validates the fixed-weight budget for this pooling
+            self._resolve(self.pooling)  # validates the fixed-weight budget for this pooling
 
     @classmethod
-    def off(cls, pooling: str) -> "CalibrationConfig":
-        """No calibration (strength 0) for `pooling`: what an uncalibrated export's native graph places, the
-        attention op of that pooling computing plain attention in every layer."""
-        return cls(pooling=pooling, strength=0.0)
+    def off(cls, pooling: str, pool_token_id: int = -1, pool_every: int = 0) -> "CalibrationConfig":
+        """No calibration (strength 0) for `pooling` (with its landmark token or k): what an uncalibrated
+        export's native graph places, the attention op of that pooling computing plain attention in every
+        layer.  A row-set pooling without its token or k gets mean pooling's op, which at strength 0 computes
+        the same plain attention."""
+        if (pooling == "landmark" and pool_token_id < 0) or (pooling == "mean-every" and pool_every < 1):
+            pooling, pool_token_id, pool_every = "mean", -1, 0
+        return cls(pooling=pooling, strength=0.0, pool_token_id=pool_token_id, pool_every=pool_every)
 
     # ------------------------------------------------------------------ resolve
     def with_pooling(self, pooling: str) -> "CalibrationConfig":
@@ -153,11 +229,25 @@ class CalibrationConfig:
                 f"{pooling!r} must be resolved to one of {', '.join(POOLINGS)} before "
                 "calibrating (bind the config to a model, or pass pooling explicitly)",
             )
-        default_iso = {"cls": (True, False), "last": (True, True), "mean": (False, False)}[pooling]
+        self._check_bound(pooling)
+        return self._resolve(pooling)
+
+    def _check_bound(self, pooling: str) -> None:
+        """A row-set pooling needs what selects its rows: the landmark token's id, or k."""
+        if pooling == "landmark" and self.pool_token_id < 0:
+            raise _err("pool_token_id", "landmark pooling needs the landmark token's id (>= 0); bind the config "
+                       "to a model or set pool_token_id")
+        if pooling == "mean-every" and self.pool_every < 1:
+            raise _err("pool_every", "mean-every pooling needs pool_every >= 1 (every k-th valid token)")
+
+    def _resolve(self, pooling: str) -> ResolvedCalibration:
+        default_iso = {"cls": (True, False), "last": (True, True), "mean": (False, False),
+                       "landmark": (True, False), "mean-every": (False, False)}[pooling]
         iso_first = default_iso[0] if self.isolate_first is None else self.isolate_first
         iso_last = default_iso[1] if self.isolate_last is None else self.isolate_last
-        # The pooling token's own position; for mean pooling the first token plays it.
-        pool_pos = "last" if pooling == "last" else "first"
+        # The pooling token's own position: for landmark pooling each row's own key, for mean and mean-every
+        # pooling the first token plays it.
+        pool_pos = {"last": "last", "landmark": "self"}.get(pooling, "first")
 
         def preset(pos: str) -> tuple[int, float]:
             if self.variant == "uniform" or pos != pool_pos:
@@ -177,9 +267,11 @@ class CalibrationConfig:
 
         fm, fw = mode_for("first", self.first_weight)
         lm, lw = mode_for("last", self.last_weight)
+        iso_self = pool_pos == "self"
+        sm, sw = preset("self") if iso_self else (MODE_EQUAL, 0.0)
         fixed_sum = (fw if iso_first and fm == MODE_FIXED else 0.0) + (
             lw if iso_last and lm == MODE_FIXED else 0.0
-        )
+        ) + (sw if iso_self and sm == MODE_FIXED else 0.0)
         if fixed_sum >= 1.0:
             raise _err(
                 "fixed weights",
@@ -196,6 +288,11 @@ class CalibrationConfig:
             last_mode=lm,
             last_weight=lw,
             skip_short=self.skip_short,
+            isolate_self=iso_self,
+            self_mode=sm,
+            self_weight=sw,
+            pool_token_id=self.pool_token_id,
+            pool_every=self.pool_every,
         )
 
     def layer_indices(self, num_layers: int) -> list[int]:

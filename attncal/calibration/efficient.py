@@ -4,7 +4,8 @@ Differences from the oracle (`attncal.calibration.oracle.reference`), all of
 which keep the math identical:
 
 * Only the calibrated rows are read and written (the pooling row of each head,
-  or every valid row for mean pooling); the result is written back in place.
+  every valid row for mean pooling, the marked rows for landmark and mean-every
+  pooling); the result is written back in place.
 * The batch geometry (valid span, content span, basket count) is computed once
   per batch by `compute_geometry` and reused by every calibrated layer.
 * Each item's content span is aligned to offset 0 of a buffer of length
@@ -20,11 +21,11 @@ which keep the math identical:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, ROW_MARK, CalibrationConfig, ResolvedCalibration
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,16 @@ def apply(
             qvalid = geom.token_mask[:, None, :, None]
             new = torch.where(qvalid, new.to(probs.dtype), probs[ai])
             probs[ai] = new
+        elif rc.row_set:
+            if Q != K:
+                raise ValueError(f"{rc.pooling} pooling calibrates the marked rows of self-attention: Q == K, "
+                                 f"got Q={Q}, K={K}")
+            # One row set per marked (item, row) pair: the pair's item geometry, its own key at its row.
+            item, r = torch.nonzero(attention_mask[ai] == ROW_MARK, as_tuple=True)  # item: index into ai
+            if item.numel():
+                b = ai[item]
+                rows = probs[b, :, r, :].to(work)  # [P,H,K], a copy
+                probs[b, :, r, :] = _calibrate(rows, _pairs(geom, item), rc, own=r).to(probs.dtype)
         else:
             r = geom.end if rc.pool_last else geom.start
             if Q == 1:
@@ -163,16 +174,29 @@ def apply(
             if bool((r >= Q).any()):
                 raise ValueError(f"pooling row {int(r.max())} is outside the {Q} query rows")
             rows = probs[ai, :, r, :].to(work)  # [A,H,K], a copy
-            probs[ai, :, r, :] = _calibrate(rows, geom, rc).to(probs.dtype)
+            own = geom.end if rc.pool_last else geom.start
+            probs[ai, :, r, :] = _calibrate(rows, geom, rc, own=own).to(probs.dtype)
     return probs
 
 
-def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> torch.Tensor:
+def _pairs(g: BatchGeometry, item: torch.Tensor) -> BatchGeometry:
+    """The geometry of the active items `item` [P] (indices into `g.active_idx`, repeats allowed): one entry
+    per calibrated (item, row) pair."""
+    pick = lambda t: None if t is None else t[item]  # noqa: E731
+    return replace(g, active_idx=g.active_idx[item], start=g.start[item], end=g.end[item], c0=g.c0[item],
+                   content_len=g.content_len[item], t=g.t[item], token_mask=g.token_mask[item],
+                   align_idx=pick(g.align_idx), align_valid=g.align_valid[item], basket_of_pos=g.basket_of_pos[item],
+                   content_pos=g.content_pos[item])
+
+
+def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration,
+               own: torch.Tensor | None = None) -> torch.Tensor:
     """Calibrate rows `x[A,R,K]` (R rows per active item), overwriting `x`, and return it.
 
-    `x` must be a private copy (the caller gathers it).  Apart from it, only
-    O(A·R·n_baskets) memory is allocated on the right-padding path; the
-    left-padding path allocates two more [A,R,K]-sized buffers.
+    `own` [A]: the key of each entry's rows that is their own (their pooling token), which `rc.isolate_self`
+    isolates.  `x` must be a private copy (the caller gathers it).  Apart from it, only O(A·R·n_baskets)
+    memory is allocated on the right-padding path; the left-padding path allocates two more
+    [A,R,K]-sized buffers.
     """
     A, R, K = x.shape
     S, n_max = g.basket_size, g.n_max
@@ -185,6 +209,20 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
     end_idx = g.end[:, None, None].expand(A, R, 1)
     z_first = torch.gather(z, -1, start_idx)
     z_last = torch.gather(z, -1, end_idx)
+    t = g.t.to(x.dtype)[:, None, None]  # [A,1,1]
+    iso_self = rc.isolate_self
+    if iso_self:
+        if own is None:
+            raise ValueError("isolate_self needs each row's own key")
+        # The own key is the row's pooling token: it takes the self share, in place of the first or last
+        # key's where it is that key, else it leaves its basket (zeroed before the sums; written last).
+        own_idx = own[:, None, None].expand(A, R, 1)
+        z_own = torch.gather(z, -1, own_idx)
+        own_first = (own == g.start) & rc.isolate_first  # [A]
+        own_last = (own == g.end) & rc.isolate_last
+        own_content = ~(own_first | own_last)
+        z.scatter_(-1, own_idx, 0.0)
+        t = t + own_content.to(x.dtype)[:, None, None]
     if g.common_c0 is not None:
         # Right padding: every content span starts at the same offset c0, so the
         # baskets are a view of the key axis.  The only non-content token inside
@@ -204,7 +242,6 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
         aligned.mul_(g.align_valid[:, None, :].to(x.dtype))
         basket_mass = aligned.view(A, R, n_max, S).sum(-1)
         del aligned
-    t = g.t.to(x.dtype)[:, None, None]  # [A,1,1]
     nonzero = basket_mass != 0
     # A basket mass below 2^-64 (subnormal probabilities behind a dominant key) would overflow
     # 1 / A_k in float32.  Then (rarely) the multipliers are kept scaled by 2^-64 and z by 2^64:
@@ -214,25 +251,38 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
     f = torch.where(nonzero, 1.0 / (torch.where(nonzero, basket_mass, 1.0) * pre) / t, 0.0)
     content_sum = nonzero.sum(-1, keepdim=True).to(x.dtype) / t  # sum_j cal_j: [A,R,1]
 
-    def share(enabled: bool, mode: int, weight: float, z_pos: torch.Tensor) -> torch.Tensor:
-        if not enabled:
+    def share(enabled: bool | torch.Tensor, mode: int, weight: float, z_pos: torch.Tensor) -> torch.Tensor:
+        if enabled is False:
             return torch.zeros_like(content_sum)
         if mode == MODE_EQUAL:
-            return (1.0 / t).expand_as(content_sum)
-        if mode == MODE_ORIGINAL:
-            return z_pos
-        if mode == MODE_FIXED:
-            return torch.full_like(content_sum, weight)
-        raise ValueError(f"unknown weight mode {mode}")
+            s = (1.0 / t).expand_as(content_sum)
+        elif mode == MODE_ORIGINAL:
+            s = z_pos
+        elif mode == MODE_FIXED:
+            s = torch.full_like(content_sum, weight)
+        else:
+            raise ValueError(f"unknown weight mode {mode}")
+        return s if enabled is True else torch.where(enabled[:, None, None], s, 0.0)
 
-    s_first = share(rc.isolate_first, rc.first_mode, rc.first_weight, z_first)  # step 7
-    s_last = share(rc.isolate_last, rc.last_mode, rc.last_weight, z_last)
-    if rc.any_non_equal:  # step 8
-        budget = (1.0 - s_first - s_last).clamp(min=0.0)
-        scale = torch.where(content_sum != 0, budget / torch.where(content_sum != 0, content_sum, 1.0), 1.0)
+    first_on = rc.isolate_first if not iso_self or not rc.isolate_first else ~own_first
+    last_on = rc.isolate_last if not iso_self or not rc.isolate_last else ~own_last
+    s_first = share(first_on, rc.first_mode, rc.first_weight, z_first)  # step 7
+    s_last = share(last_on, rc.last_mode, rc.last_weight, z_last)
+    s_own = share(True, rc.self_mode, rc.self_weight, z_own) if iso_self else torch.zeros_like(content_sum)
+    # Step 8 applies where one of the row's isolated keys takes a share that is not `equal`.
+    if iso_self:
+        non_equal = torch.full((A,), rc.self_mode != MODE_EQUAL, device=x.device)
+        if rc.isolate_first and rc.first_mode != MODE_EQUAL:
+            non_equal |= ~own_first
+        if rc.isolate_last and rc.last_mode != MODE_EQUAL:
+            non_equal |= ~own_last
+        non_equal = non_equal[:, None, None]
     else:
-        scale = torch.ones_like(content_sum)
-    total = content_sum * scale + s_first + s_last  # step 9
+        non_equal = torch.tensor(rc.any_non_equal, device=x.device)
+    budget = (1.0 - s_first - s_last - s_own).clamp(min=0.0)
+    scale = torch.where(non_equal & (content_sum != 0), budget / torch.where(content_sum != 0, content_sum, 1.0),
+                        1.0)
+    total = content_sum * scale + s_first + s_last + s_own  # step 9
     # Divide (rather than multiply by 1/total): a tiny fixed weight can make total subnormal.
     total = torch.where(total != 0, total, 1.0)  # a zero total skips normalisation
     # Step 10 as one multiplier per basket: out_j = z_j * (lam * f_k * scale / total + 1 - lam).
@@ -257,6 +307,8 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration) -> to
         z.scatter_(-1, start_idx, lam * (s_first / total) + (1.0 - lam) * z_first)
     if rc.isolate_last:
         z.scatter_(-1, end_idx, lam * (s_last / total) + (1.0 - lam) * z_last)
+    if iso_self:
+        z.scatter_(-1, own_idx, lam * (s_own / total) + (1.0 - lam) * z_own)
     if bool(not_finite.any()):
         z.masked_fill_(not_finite, float("nan"))
     return z

@@ -7,6 +7,7 @@ length, pooling, normalisation).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
@@ -15,7 +16,7 @@ import torch
 
 from ..modelinfo import ModelInfo, forward_kwargs, load_dense_head, load_model_info, load_transformer
 from .config import POOLINGS, CalibrationConfig
-from .patching import calibrate
+from .patching import LayerInputs, ResumeAt, calibrate
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -91,24 +92,42 @@ class TorchEncoder:
         )
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    @torch.no_grad()
     def forward(
         self, batch: dict[str, torch.Tensor], config: CalibrationConfig | None = None, implementation: str = "auto"
     ) -> torch.Tensor:
         """Pooled (and, per the model's config, normalised) embeddings of one tokenized batch."""
+        return self.run(batch, config, implementation=implementation)[0]
+
+    @torch.no_grad()
+    def run(
+        self,
+        batch: dict[str, torch.Tensor],
+        config: CalibrationConfig | None = None,
+        *,
+        implementation: str = "auto",
+        capture: Sequence[int] = (),
+        resume: tuple[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward`, and the input hidden states of the layers in `capture` ({layer: [B,S,D]}).
+
+        `resume=(layer, hidden)` starts the forward at `layer` with `hidden` as its input (taken by an
+        earlier `capture` of the same batch): the layers below are not computed, so configurations that
+        calibrate only from `layer` up share them (`attncal.calibration.patching.ResumeAt`)."""
         pooling = self.pooling_for(config)
         kwargs = {**batch, **forward_kwargs(self.model)}
-        if config is not None:
-            with calibrate(self.model, config, pooling=pooling, implementation=implementation):
-                hidden = self.model(**kwargs).last_hidden_state
-        else:
+        with contextlib.ExitStack() as stack:
+            if config is not None:
+                stack.enter_context(calibrate(self.model, config, pooling=pooling, implementation=implementation))
+            tap = stack.enter_context(LayerInputs(self.model, capture)) if capture else None
+            if resume is not None:
+                stack.enter_context(ResumeAt(self.model, *resume))
             hidden = self.model(**kwargs).last_hidden_state
         emb = pool(hidden, batch["attention_mask"], pooling)
         if self.head is not None:
             emb = self.head(emb)
         if self.info.normalize:
             emb = torch.nn.functional.normalize(emb, p=2, dim=-1)
-        return emb
+        return emb, ({} if tap is None else tap.captured)
 
     def encode(
         self,

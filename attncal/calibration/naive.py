@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, ROW_MARK, CalibrationConfig, ResolvedCalibration
 
 
 def naive_apply(
@@ -31,19 +31,28 @@ def naive_apply(
     C = length - n_iso
     S = rc.basket_size
     n = (C + S - 1) // S
-    t = (n + n_iso).to(p.dtype)[:, :, None, None]  # [B,1,1,1]
     rel = pos - c0
     content = (rel >= 0) & (rel < C)
+    is_first = (pos == start)[:, None, None, :]
+    is_last = (pos == end)[:, None, None, :]
+    qpos = torch.arange(Q, device=p.device)
+    # The row's own key (its pooling token), which isolate_self takes out of its basket: [B,1,Q,K] one-hot.
+    own_pos = qpos[None, :] if Q == K else (end if rc.pool_last else start)  # [1|B,Q|1]
+    is_own = (pos[:, None, :] == own_pos[..., None])[:, None].expand(B, 1, Q, K)
+    iso_self = rc.isolate_self
+    own_first = (is_own & is_first).any(-1, keepdim=True) & rc.isolate_first  # [B,1,Q,1]
+    own_last = (is_own & is_last).any(-1, keepdim=True) & rc.isolate_last
+    own_content = ~(own_first | own_last) if iso_self else torch.zeros_like(own_first)
+    t = (n + n_iso)[:, :, None, None].to(p.dtype) + own_content.to(p.dtype)  # [B,1,Q|1,1]
     n_slots = int(n.max().clamp(min=1))
     basket = torch.where(content, rel // S, n_slots)  # non-content keys go to a dump slot
     basket4 = basket[:, None, None, :].expand(B, H, Q, K)  # full-size index tensor
     z = p * mask[:, None, None, :]
+    in_basket = z.masked_fill(is_own, 0.0) if iso_self else z
     sums = torch.zeros(B, H, Q, n_slots + 1, dtype=p.dtype, device=p.device)
-    sums.scatter_add_(-1, basket4, z)
+    sums.scatter_add_(-1, basket4, in_basket)
     A = torch.gather(sums, -1, basket4)  # full-size
-    cal = torch.where(content[:, None, None, :] & (A != 0), z / torch.where(A != 0, A, 1.0) / t, 0.0)
-    is_first = (pos == start)[:, None, None, :]
-    is_last = (pos == end)[:, None, None, :]
+    cal = torch.where(content[:, None, None, :] & (A != 0), in_basket / torch.where(A != 0, A, 1.0) / t, 0.0)
 
     def share(mode: int, w: float, is_pos: torch.Tensor) -> torch.Tensor:
         if mode == MODE_EQUAL:
@@ -57,22 +66,28 @@ def naive_apply(
     zero = torch.zeros(B, H, Q, 1, dtype=p.dtype, device=p.device)
     sf = share(rc.first_mode, rc.first_weight, is_first) if rc.isolate_first else zero
     sl = share(rc.last_mode, rc.last_weight, is_last) if rc.isolate_last else zero
-    if rc.any_non_equal:
-        budget = (1 - sf - sl).clamp(min=0)
-        csum = cal.sum(-1, keepdim=True)
-        cal = torch.where(csum != 0, cal * budget / torch.where(csum != 0, csum, 1.0), cal)
-    if rc.isolate_first:
-        cal = torch.where(is_first, sf, cal)
-    if rc.isolate_last:
-        cal = torch.where(is_last, sl, cal)
+    so = share(rc.self_mode, rc.self_weight, is_own) if iso_self else zero
+    first_on = torch.full_like(own_first, rc.isolate_first) & ~(own_first & iso_self)
+    last_on = torch.full_like(own_last, rc.isolate_last) & ~(own_last & iso_self)
+    sf, sl = torch.where(first_on, sf, 0.0), torch.where(last_on, sl, 0.0)
+    non_equal = ((first_on & (rc.first_mode != MODE_EQUAL)) | (last_on & (rc.last_mode != MODE_EQUAL))
+                 | torch.full_like(first_on, iso_self and rc.self_mode != MODE_EQUAL))
+    budget = (1 - sf - sl - so).clamp(min=0)
+    csum = cal.sum(-1, keepdim=True)
+    cal = torch.where(non_equal & (csum != 0), cal * budget / torch.where(csum != 0, csum, 1.0), cal)
+    cal = torch.where(is_first & first_on, sf, cal)
+    cal = torch.where(is_last & last_on, sl, cal)
+    if iso_self:
+        cal = torch.where(is_own, so, cal)
     total = cal.sum(-1, keepdim=True)
     cal = torch.where(total != 0, cal / torch.where(total != 0, total, 1.0), cal)
     out = rc.strength * cal + (1 - rc.strength) * z
-    qpos = torch.arange(Q, device=p.device)[None, :]
     if rc.all_rows:
-        rows = (qpos >= start) & (qpos <= end)
+        rows = (qpos[None, :] >= start) & (qpos[None, :] <= end)
+    elif rc.row_set:
+        rows = attention_mask == ROW_MARK
     else:
-        rows = qpos == (0 if Q == 1 else (end if rc.pool_last else start))
+        rows = qpos[None, :] == (0 if Q == 1 else (end if rc.pool_last else start))
     active = (C > 0) & (length > 0)
     if rc.skip_short:
         active &= C >= S

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+from .config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, ROW_MARK, CalibrationConfig, ResolvedCalibration
 from .relative_position import relative_bias as position_bias
 
 
@@ -24,6 +24,8 @@ def reference(
 
     Q == K, or Q == 1 for pooled calibration: then the single row is the
     pooling row (its query was computed separately, as in row placement).
+    For a row-set pooling (landmark, mean-every) the calibrated rows are those
+    whose mask value is `ROW_MARK` (`ResolvedCalibration.marked_mask`); Q == K.
     Returns a new tensor of the input dtype; the input is not modified.
 
     A calibrated row that holds a NaN or an infinity at any of its K keys (masked
@@ -37,9 +39,12 @@ def reference(
     B, H, Q, K = probs.shape
     if tuple(attention_mask.shape) != (B, K):
         raise ValueError(f"attention_mask must be [B,K]=[{B},{K}], got {tuple(attention_mask.shape)}")
+    if rc.row_set and Q != K:
+        raise ValueError(f"{rc.pooling} pooling calibrates the marked rows of self-attention: Q == K, got Q={Q}, K={K}")
     a_all = probs.detach().to(torch.float64).cpu().numpy()
     out = a_all.copy()
-    mask = attention_mask.detach().cpu().numpy() != 0
+    values = attention_mask.detach().cpu().numpy()
+    mask = values != 0
     for b in range(B):
         valid = np.nonzero(mask[b])[0]
         if valid.size == 0:
@@ -47,15 +52,18 @@ def reference(
         start, end = int(valid[0]), int(valid[-1])
         if rc.all_rows:
             rows = list(range(start, end + 1))
+        elif rc.row_set:
+            rows = [int(q) for q in np.nonzero(values[b] == ROW_MARK)[0]]
         elif Q == 1:
             rows = [0]  # a single row is the pooling row itself (row placement)
         else:
             rows = [end if rc.pool_last else start]
-        for h in range(H):
-            for q in rows:
-                if q >= Q:
-                    continue
-                new = _calibrate_row(a_all[b, h, q], mask[b], start, end, rc)
+        for q in rows:
+            if q >= Q:
+                continue
+            own = q if Q == K else (end if rc.pool_last else start)  # the row's own key
+            for h in range(H):
+                new = _calibrate_row(a_all[b, h, q], mask[b], start, end, own, rc)
                 if new is not None:
                     out[b, h, q] = new
     # float16/bfloat16/float32 values survive the float64 round trip exactly, so
@@ -64,9 +72,9 @@ def reference(
 
 
 def _calibrate_row(
-    a: np.ndarray, mask: np.ndarray, start: int, end: int, rc: ResolvedCalibration
+    a: np.ndarray, mask: np.ndarray, start: int, end: int, own: int, rc: ResolvedCalibration
 ) -> np.ndarray | None:
-    """Steps 1-10 of the specification for one row; None means 'leave it as is'."""
+    """Steps 1-10 of the specification for one row whose own key is `own`; None means 'leave it as is'."""
     length = end - start + 1
     iso_first, iso_last = rc.isolate_first, rc.isolate_last
     n_iso = int(iso_first) + int(iso_last)
@@ -83,22 +91,29 @@ def _calibrate_row(
         # NaN at every key, masked keys included: never partly finite, never finite.
         return np.full_like(a, np.nan)
     z = np.where(mask, a, 0.0)
+    # The isolated keys: (position, weight mode, fixed share).  With isolate_self the row's own key is its
+    # pooling token: it takes the self share, in place of the first or last key's when it is that key, else
+    # it leaves its basket as one more isolated key.
+    isolated = [(pos, mode, w) for pos, enabled, mode, w in (
+        (start, iso_first, rc.first_mode, rc.first_weight),
+        (end, iso_last, rc.last_mode, rc.last_weight),
+    ) if enabled]
+    content = z[c0 : c0 + C].copy()
+    if rc.isolate_self:
+        isolated = [(pos, mode, w) for pos, mode, w in isolated if pos != own]
+        if c0 <= own < c0 + C:
+            content[own - c0] = 0.0
+        isolated.append((own, rc.self_mode, rc.self_weight))
     n = -(-C // S)
-    t = n + n_iso
+    t = n + len(isolated)
     cal = np.zeros_like(z)
-    # Basket k covers [c0 + k*S, min(c0 + (k+1)*S, c0 + C)); A_k is its mass.
-    content = z[c0 : c0 + C]
+    # Basket k covers [c0 + k*S, min(c0 + (k+1)*S, c0 + C)); A_k is its mass (the own key left out).
     A = np.add.reduceat(content, np.arange(0, C, S))  # [n]
     A_per_pos = np.repeat(A, S)[:C]
     with np.errstate(divide="ignore", invalid="ignore"):
         cal[c0 : c0 + C] = np.where(A_per_pos != 0, content / A_per_pos / t, 0.0)
     iso: list[tuple[int, float]] = []
-    for pos, enabled, mode, w in (
-        (start, iso_first, rc.first_mode, rc.first_weight),
-        (end, iso_last, rc.last_mode, rc.last_weight),
-    ):
-        if not enabled:
-            continue
+    for pos, mode, w in isolated:
         if mode == MODE_EQUAL:
             share = 1.0 / t
         elif mode == MODE_ORIGINAL:
@@ -108,7 +123,7 @@ def _calibrate_row(
         else:
             raise ValueError(f"unknown weight mode {mode}")
         iso.append((pos, share))
-    if any(m != MODE_EQUAL for m, e in ((rc.first_mode, iso_first), (rc.last_mode, iso_last)) if e):
+    if any(mode != MODE_EQUAL for _, mode, _ in isolated):
         budget = max(0.0, 1.0 - sum(s for _, s in iso))
         content_sum = cal.sum()
         if content_sum != 0:

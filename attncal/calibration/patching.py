@@ -36,7 +36,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
@@ -521,6 +521,8 @@ class CalibrationPatch:
         sites = find_attention(model)
         base = sites.base
         orig_impl = base.config._attn_implementation
+        self.config = config if config.pooling != "auto" else config.with_pooling(pooling)  # type: ignore[arg-type]
+        rc = self.config.resolve()
         if sites.path == "softmax":
             if implementation == "split":
                 raise UnsupportedArchitectureError(
@@ -528,17 +530,16 @@ class CalibrationPatch:
                     f"{type(base).__name__} computes its own softmax (use implementation='efficient')"
                 )
             implementation = "efficient" if implementation == "auto" else implementation
-        elif implementation == "auto":
-            implementation = "efficient" if orig_impl in (None, "eager", IMPL_NAME) else "split"
+        elif implementation == "auto":  # split calibration computes one pooled row or all rows, not a row set
+            implementation = "efficient" if orig_impl in (None, "eager", IMPL_NAME) or rc.row_set else "split"
         self.implementation = implementation
-        self.config = config if config.pooling != "auto" else config.with_pooling(pooling)  # type: ignore[arg-type]
         self.model = model
         self.base = base
         self.path: AttentionPath = sites.path
         mods = list(sites.modules)
         self.layers = self.config.layer_indices(len(mods))
         impl_fn = _IMPLEMENTATIONS.get(implementation, _efficient)
-        self._shared = _ForwardState(rc=self.config.resolve(), impl=impl_fn, split_mode=split_mode)
+        self._shared = _ForwardState(rc=rc, impl=impl_fn, split_mode=split_mode)
         self._modules = mods
         self._active = False
         self._hooks: list[Any] = []
@@ -562,6 +563,7 @@ class CalibrationPatch:
                 self._hooks += _softmax_hooks(mods[i])
         params = list(inspect.signature(base.forward).parameters)
         self._mask_pos = params.index("attention_mask") if "attention_mask" in params else None
+        self._ids_pos = params.index("input_ids") if "input_ids" in params else None
         self._hooks.append(base.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
         self._active = True
 
@@ -576,6 +578,15 @@ class CalibrationPatch:
             mask = args[self._mask_pos]
         if mask is not None and mask.dim() != 2:
             raise ValueError(f"attncal needs a 2-D attention_mask [batch, seq], got shape {tuple(mask.shape)}")
+        rc = self._shared.rc
+        if rc.row_set:  # the calibrated rows travel in the mask, marked (ResolvedCalibration.marked_mask)
+            ids = kwargs.get("input_ids")
+            if ids is None and self._ids_pos is not None and len(args) > self._ids_pos:
+                ids = args[self._ids_pos]
+            if ids is None:
+                raise ValueError(f"{rc.pooling} pooling calibrates the rows its input_ids select; this forward "
+                                 "has no input_ids (inputs_embeds?)")
+            mask = rc.marked_mask(ids, torch.ones_like(ids) if mask is None else mask)
         self._shared.token_mask = mask
         self._shared.geometry = None
 
@@ -615,3 +626,128 @@ def calibrate(
     `split_mode` ("loop" or "batched") picks how the split basket terms are run.
     """
     return CalibrationPatch(model, config, pooling=pooling, implementation=implementation, split_mode=split_mode)
+
+
+# --------------------------------------------------------------------------- running part of the layers
+@dataclass(frozen=True)
+class LayerBlocks:
+    """The transformer block of every layer, in layer order, and what a block's forward returns: a tensor
+    (`tuple_len` 0) or a tuple of `tuple_len` items whose first is the hidden states."""
+
+    blocks: tuple[nn.Module, ...]
+    tuple_len: int
+
+
+def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A block's input hidden states: its first positional argument, else its `hidden_states` keyword."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def layer_blocks(model: nn.Module) -> LayerBlocks:
+    """The blocks of `model`'s layers, found from the attention modules (cached on the base model).
+
+    A layer's block is the element of the model's one `num_hidden_layers`-long ModuleList that holds the
+    layer's attention module; its output form is read from one forward on the probe batch."""
+    sites = find_attention(model)
+    base = sites.base
+    cached = getattr(base, "_attncal_blocks", None)
+    if cached is not None:
+        return cached
+    n = len(sites.modules)
+    blocks = None
+    for lst in base.modules():
+        if isinstance(lst, nn.ModuleList) and len(lst) == n and all(
+                any(m is a for m in blk.modules()) for blk, a in zip(lst, sites.modules)):
+            blocks = tuple(lst)
+            break
+    if blocks is None:
+        raise UnsupportedArchitectureError(
+            f"{type(base).__name__}: no list of {n} layer blocks holds the attention modules in layer order")
+    seen: list[Any] = []
+    hook = blocks[0].register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            base(**_probe_batch(base))
+    finally:
+        hook.remove()
+    out = seen[0]
+    found = LayerBlocks(blocks, len(out) if isinstance(out, tuple) else 0)
+    base._attncal_blocks = found  # type: ignore[attr-defined]
+    return found
+
+
+class LayerInputs:
+    """While active, every forward of the model records the input hidden states of the blocks `layers`
+    (a detached copy each, in `captured[layer]`)."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[int]) -> None:
+        found = layer_blocks(model)
+        self.captured: dict[int, torch.Tensor] = {}
+        self._hooks = [found.blocks[i].register_forward_pre_hook(self._recorder(i), with_kwargs=True)
+                       for i in sorted(set(layers))]
+
+    def _recorder(self, layer: int) -> Callable:
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.captured[layer] = _hidden_arg(args, kwargs).detach().clone()
+        return record
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self) -> "LayerInputs":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class ResumeAt:
+    """While active, a forward of the model starts at block `layer` with `hidden` as that block's input:
+    the blocks below it pass their input on without computing, and `hidden` (taken from an earlier forward
+    by `LayerInputs`) replaces what reaches block `layer`.  The embeddings still run (cheap; the model's
+    masks and position inputs come from them) and so does everything from `layer` up, calibration included.
+
+    Exact for blocks that hand only their hidden states to the next (BERT, RoBERTa, DistilBERT, MPNet,
+    ModernBERT, Qwen3, Gemma3); T5 hands its position bias on from the first block, which a skipped block
+    cannot, so callers check a resumed forward against a full one before relying on it."""
+
+    def __init__(self, model: nn.Module, layer: int, hidden: torch.Tensor) -> None:
+        found = layer_blocks(model)
+        if not 0 <= layer < len(found.blocks):
+            raise ValueError(f"layer {layer} is out of range for a model with {len(found.blocks)} layers")
+        rest = (None,) * (found.tuple_len - 1)
+
+        def skipped(*args: Any, **kwargs: Any) -> Any:
+            given = _hidden_arg(args, kwargs)
+            return (given, *rest) if found.tuple_len else given
+
+        def replace_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            given = _hidden_arg(args, kwargs)
+            if given.shape != hidden.shape:
+                raise ValueError(f"resuming at layer {layer}: the batch's hidden states are {tuple(given.shape)}, "
+                                 f"the stored ones {tuple(hidden.shape)}")
+            h = hidden.to(dtype=given.dtype, device=given.device)
+            if args:
+                return (h, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": h}
+
+        self._blocks = found.blocks[:layer]
+        for blk in self._blocks:
+            blk.forward = skipped  # an instance attribute: nn.Module.__call__ runs it instead of the class's
+        self._hook = found.blocks[layer].register_forward_pre_hook(replace_input, with_kwargs=True)
+
+    def remove(self) -> None:
+        for blk in self._blocks:
+            blk.__dict__.pop("forward", None)
+        self._blocks = ()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __enter__(self) -> "ResumeAt":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

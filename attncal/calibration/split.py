@@ -90,6 +90,9 @@ def split_calibrated_attention(
     """
     if mode not in SPLIT_MODES:
         raise ValueError(f"mode must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
+    if rc.row_set:  # each marked row's own key leaves its basket: no contiguous key range per basket term
+        raise ValueError(f"split calibration computes one row or every row; {rc.pooling} pooling calibrates the rows "
+                         "marked in its mask: calibrate the probabilities (attncal.calibration.apply)")
     g = geometry
     lam = float(rc.strength)
     if lam == 0.0 or not g.any_active:

@@ -25,7 +25,7 @@ from ..modelinfo import ModelNotFoundError, UnsupportedModelError
 
 EXIT_USAGE = 2
 # Commands whose third-party chatter is captured; each gets -v/--verbose.
-CAPTURED_COMMANDS = ("export", "check", "bench", "eval", "encode", "demo")
+CAPTURED_COMMANDS = ("export", "check", "bench", "eval", "encode", "demo", "tune")
 VERBOSE_HELP = ("show the warnings and messages of torch, transformers and ONNX Runtime as they come "
                 "(by default they are kept off the console){where}")
 # ValueError covers calibration.patching's UnsupportedArchitectureError, which is not imported here: that
@@ -88,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def _commands() -> list[tuple[str, str, Callable]]:
-    from . import bench, check, demo, doctor, encode, eval, export, inspect, serve, triton_repo
+    from . import bench, check, demo, doctor, encode, eval, export, inspect, serve, triton_repo, tune
 
     return [
         ("export", "export an encoder to ONNX with the calibration op", export),
@@ -96,6 +96,7 @@ def _commands() -> list[tuple[str, str, Callable]]:
         ("inspect", "list the calibrated layers of an export", inspect),
         ("bench", "latency, throughput and peak memory of calibrated vs uncalibrated engines", bench),
         ("eval", "measure position bias and retrieval effect of calibration configs", eval),
+        ("tune", "decide whether and how to calibrate a model on your documents (sweep, intervals, rule)", tune),
         ("triton-repo", "generate a Triton model repository from an export", triton_repo),
         ("serve", "serve a model repository with Triton Inference Server", serve),
         ("encode", "re-index a corpus with an export: streaming, sharded, resumable (local, triton, ray)", encode),

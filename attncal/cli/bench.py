@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from . import CLIError, add_calibration_args, config_from_args, write_command_log
+from .pooling import add_pooling_args, pooling_choices
 
 LOG_FILE = "attncal-bench.log"
 LOG_FILE_HELP = f"they are written to OUT/{LOG_FILE}"
@@ -69,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="placement of the ort-opt-cal engine's optimized graph (default %(default)s)")
     p.add_argument("--workdir", default=None, help="where exports are built and cached, per model, config and attncal code (default: OUT/../.bench-cache)")
     add_calibration_args(p)
+    add_pooling_args(p)
+    for action in p._actions:
+        if action.dest == "pooling":
+            action.help += ("; lmk, multi-cls and mean-every apply to the engines ort-pooled and ort-opt-pooled, "
+                            "which run --seq content tokens with their landmarks, the others keep the model's pooling")
 
 
 def run_triton(args: argparse.Namespace) -> int:
@@ -120,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"give either MODEL or --synthetic {{{','.join(SYNTHETIC_SHAPES)}}}")
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.parent / ".bench-cache"
+    (args.pooling, spec), = pooling_choices(args)
     config = config_from_args(args)
     if args.synthetic:
         from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
@@ -156,17 +163,20 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench import engines as bench_engines
 
+    spec_dict = spec.to_dict() if spec is not None else None
     key = f"{info.model_type}-" + hashlib.sha256(
-        f"{model}|{config.to_json()}|{args.placement}|{bench_engines.export_code_fingerprint()}".encode()
+        f"{model}|{config.to_json()}|{args.placement}|{spec_dict}|{bench_engines.export_code_fingerprint()}".encode()
     ).hexdigest()[:12]
-    ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads, placement=args.placement)
+    ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads, placement=args.placement,
+                   pooling_spec=spec_dict)
     notes = build_exports(ws, engines)
     rows, skipped = run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
                               memory=not args.no_memory, memory_probes=args.memory_probes)
     notes.update(skipped)
     from ..bench.engines import peer_engine
 
-    meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "engines": engines,
+    meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "pooling_spec": spec_dict,
+            "engines": engines,
             "peer": peer_engine([r.engine for r in rows]),
             "seq": seqs, "batch": batches, "repeats": args.repeats,
             "memory_probes": None if args.no_memory else args.memory_probes, "machine": machine_info(args.threads)}

@@ -12,7 +12,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="an attncal export directory")
     p.add_argument("--texts", default=None, help="a UTF-8 file with one text per line (default: built-in set)")
     p.add_argument("--reference", default=None, help="the source model (default: the path in attncal.json)")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4, help="texts per ONNX Runtime call (default %(default)s)")
     p.add_argument("--custom-op-library", default=None, help="run with this native attncal op library")
     p.add_argument("--no-native", dest="native", action="store_const", const=False, default=None,
                    help="use the ONNX function body even when the native library is built ($ATTNCAL_NATIVE=0)")

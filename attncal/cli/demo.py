@@ -1,6 +1,7 @@
-"""The main job on the embedded default model: export all-MiniLM-L6-v2 calibrated and uncalibrated, show on real
-prose whether calibration finds passages by their late parts (`demo_position`), then check both against PyTorch
-and compare their cost."""
+"""The main job on the embedded default model, all-MiniLM-L6-v2: export it calibrated and uncalibrated.
+
+Then show on real prose whether calibration finds passages by their late parts (`demo_position`), check both
+exports against PyTorch and compare their cost."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="model directory or cached hub id (default: the embedded all-MiniLM-L6-v2)")
     p.add_argument("--out", default="demo-out", help="where the two exports are written (default %(default)s)")
-    p.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
+    p.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo",
+                   help="torch.onnx exporter of both exports (default %(default)s)")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per model for the latency figures")
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=None,
                    help="run the calibration op with the attncal native library (default: when built, "

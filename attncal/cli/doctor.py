@@ -23,7 +23,7 @@ from ..versions import declared_ranges, in_range, installed
 
 _PACKAGES = ("attncal", "torch", "transformers", "onnx", "onnx-ir", "onnxruntime", "onnxruntime-gpu", "numpy",
              "sentence-transformers", "optimum", "optimum-onnx", "scipy-openblas32", "ray", "tritonclient")
-_TESTED = ("onnxruntime", "onnx", "transformers", "torch", "numpy")  # checked against attncal's declared ranges
+_TESTED = ("onnxruntime", "onnx", "transformers", "torch", "numpy", "packaging")  # checked against attncal's declared ranges
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

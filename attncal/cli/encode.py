@@ -1,5 +1,6 @@
-"""Re-index a corpus with an attncal export: streaming JSONL/CSV/Parquet in, Parquet shards + manifest out,
-local paths or object-storage URIs."""
+"""Re-index a corpus with an attncal export: streaming, sharded, resumable.
+
+JSONL/CSV/Parquet in, Parquet shards and a manifest out; local paths or object-storage URIs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from . import CLIError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("out", metavar="OUT_OR_MODEL",
+    p.add_argument("out", metavar="OUT",
                    help="an attncal export directory or its URI (a model or `default` is refused: run `attncal export` "
                         "first)")
     p.add_argument("--input", "-i", required=True, action="append",
@@ -23,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=None, help="truncate to N tokens (default: the export's)")
     p.add_argument("--workers", type=int, default=1,
                    help="local: worker processes; triton: concurrent requests; ray: Encoder actors (default 1)")
-    p.add_argument("--engine", choices=("local", "triton", "ray"), default="local")
+    p.add_argument("--engine", choices=("local", "triton", "ray"), default="local",
+                   help="where the model runs: the attncal Encoder in this process (local), a Triton server "
+                        "(triton) or Ray actors (ray) (default %(default)s)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run: keep what its manifest lists, encode the rest")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail",

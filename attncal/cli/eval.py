@@ -10,6 +10,9 @@ Examples:
                                                      # real-prose example (the Python Language Reference)
   attncal eval --compare uncal/ cal/ int8/ --data my-posq --out drift/
                                                      # retrieval drift of exports against the first one
+  attncal eval default --data my-posq --strength 0 --pooling mean,lmk,multi-cls,mean-every \
+      --lmk-every 32,64,128 --mean-every 64 --out pooling/
+                                                     # landmark pooling zero-shot against the model's own
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..calibration.config import CalibrationConfig
 from . import CLIError, add_calibration_args, config_from_args, write_command_log
+from .pooling import add_pooling_args, pooling_choices
 
 DEFAULT_STRENGTHS = "0,0.25,0.5,0.75,1"
 LOG_FILE = "attncal-eval.log"
@@ -95,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for query sentences and dropped words, and for "
                    "the bootstrap of --compare (default 0)")
     add_calibration_args(p)
+    add_pooling_args(p, sweep=True)
     for action in p._actions:  # eval sweeps λ: --strength takes a comma-separated list here
         if action.dest == "strength":
             action.type = _strengths
@@ -105,8 +111,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
     """Configs and optional names from a YAML list of mappings (or a mapping with a 'configs' list)."""
     import yaml
-
-    from ..calibration.config import CalibrationConfig
 
     path = Path(path)
     if not path.is_file():
@@ -121,33 +125,61 @@ def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
         doc = doc["configs"]
     if not isinstance(doc, list) or not doc:
         raise ValueError(f"{path}: expected a non-empty list of calibration config mappings")
+    from ..eval.encoders import PooledConfig
+    from ..runtime.landmarks import PoolingSpec
+
     configs, names = [], []
     for i, item in enumerate(doc, 1):
         if not isinstance(item, dict):
             raise ValueError(f"{path}: item {i} is not a mapping")
         item = dict(item)
         names.append(item.pop("name", None))
+        spec = item.pop("pooling_spec", None)  # landmark / Mean@k: {style: lmk, every: 64, token: "[SEP]"}
         try:
-            configs.append(CalibrationConfig.from_dict(item))
+            config = CalibrationConfig.from_dict(item)
+            configs.append(config if spec is None else PooledConfig.of(config, PoolingSpec.from_dict(spec)))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}: item {i}: {exc}") from None
     return configs, names
 
 
 def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None]:
-    from ..eval.report import config_label
+    """The configs to sweep and their labels: every strength with every pooling asked for."""
+    from ..eval.encoders import PooledConfig
 
     if args.configs:
         if args.strength is not None:
             raise CLIError("--configs and --strength are exclusive; put the strengths in the YAML file")
         configs, names = load_grid(args.configs)
-        return configs, [n or config_label(c) for n, c in zip(names, configs)]
-    configs = []
-    for s in args.strength or _strengths(DEFAULT_STRENGTHS):
-        ns = argparse.Namespace(**vars(args))
-        ns.strength = s
-        configs.append(config_from_args(ns))
-    return configs, None
+    else:
+        configs, names = [], []
+        for s in args.strength or _strengths(DEFAULT_STRENGTHS):
+            for pooling, spec in pooling_choices(args, sweep=True):
+                ns = argparse.Namespace(**vars(args))
+                ns.strength, ns.pooling = s, pooling
+                config = config_from_args(ns)
+                configs.append(config if spec is None else PooledConfig.of(config, spec))
+                names.append(None)
+    if any(isinstance(c, PooledConfig) for c in configs):  # the landmark token, named in the labels and the report
+        from transformers import AutoTokenizer
+
+        from ..modelinfo import load_model_info
+
+        tokenizer = AutoTokenizer.from_pretrained(str(load_model_info(args.model).path))
+        configs = [c.bound(tokenizer) if isinstance(c, PooledConfig) else c for c in configs]
+    return configs, [n or _label(c) for n, c in zip(names, configs)]
+
+
+def _label(config) -> str:
+    """`config_label`, with a landmark / Mean@k pooling said in words."""
+    from ..eval.encoders import PooledConfig
+    from ..eval.report import config_label
+
+    if not isinstance(config, PooledConfig):
+        return config_label(config)
+    base = {k: v for k, v in config.to_dict().items() if k not in ("pooling", "pool_token_id", "pool_every",
+                                                                   "pooling_spec")}
+    return f"{config_label(CalibrationConfig(**base))} {config.spec.describe()}"
 
 
 def _posq_options(args: argparse.Namespace):
@@ -214,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
     makers = [f for f in ("make_synthetic", "make_posq", "make_posq_example") if getattr(args, f)]
     if len(makers) > 1:
         raise CLIError(" and ".join("--" + f.replace("_", "-") for f in makers) + " are exclusive")
+    from ..eval.runner import is_export
+
+    # The configs are checked before a set is built, so a refused config leaves nothing behind.
+    swept = _configs_from_args(args) if args.model is not None and not is_export(args.model) else ([], None)
     if args.make_posq:
         return _make_posq(args)
     if args.make_posq_example:
@@ -230,12 +266,10 @@ def run(args: argparse.Namespace) -> int:
         args.data = args.make_synthetic
     if args.model is None or args.data is None:
         raise CLIError("give MODEL and --data DIR (or --make-synthetic DIR)")
-    from ..eval.runner import is_export
-
     if is_export(args.model) and (args.configs or args.strength is not None):
         raise CLIError(f"{args.model} is an export: only its stored calibration can be evaluated; "
                        "drop --configs/--strength or pass the model directory")
-    configs, labels = ([], None) if is_export(args.model) else _configs_from_args(args)
+    configs, labels = swept
     data = load_dataset(args.data, split=args.split, n_groups=args.position_groups)
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     opts = EvalOptions(configs=configs, labels=labels, baselines=baselines, top_k=args.top_k,

@@ -18,8 +18,8 @@ from . import CLIError
 _CONFLICTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("model",), "the exports to compare are given to --compare; the first is the baseline"),
     (("configs", "strength", "variant", "basket_size", "layers", "pooling", "self_weight", "isolate_first",
-      "isolate_last", "skip_short", "first_weight", "last_weight"),
-     "an export evaluates its stored calibration only; pass a model directory as MODEL to sweep configs"),
+      "isolate_last", "skip_short", "first_weight", "last_weight", "lmk_every", "lmk_token", "mean_every"),
+     "an export evaluates its stored calibration and pooling only; pass a model directory as MODEL to sweep configs"),
     (("baselines", "sea_chunk_tokens"), "baselines need the uncalibrated PyTorch model; compare an uncalibrated "
                                         "export instead"),
     (("length_buckets", "max_length"), "not supported with --compare (an export's max length is fixed at export)"),

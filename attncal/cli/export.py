@@ -6,12 +6,14 @@ import argparse
 from pathlib import Path
 
 from . import CLIError, add_calibration_args, config_from_args
+from .pooling import add_pooling_args, pooling_choices
 
 LOG_FILE_HELP = "they are written to OUT/attncal-export.log"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..export.exporter import DEFAULT_OPSET, EXPORTERS
+    from ..export.quantize import INT8_TARGETS, QUANTIZATIONS
     from ..graphs.placement_names import CHOICES as PLACEMENT_CHOICES
     from ..modelinfo import TESTED_MODEL_TYPES
 
@@ -27,13 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory, a hub id already in the local HF cache, or 'default'")
     p.add_argument("-o", "--out", required=True, help="output directory (sentence-transformers/optimum layout)")
     add_calibration_args(p)
+    add_pooling_args(p)
     p.add_argument("--no-calibration", action="store_true", help="export the uncalibrated model")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset, >= 18 (default %(default)s)")
     p.add_argument("--fp16", action="store_true", help="export weights and activations in float16")
-    p.add_argument("--quantize", choices=("int8",), default=None,
-                   help="int8: quantize every graph with ONNX Runtime's dynamic quantization (int8 weights per "
-                        "channel; attention core and calibration stay fp32), for CPU serving; parity is then "
-                        "judged by cosine to the fp32 PyTorch reference (see attncal check)")
+    p.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
+                   help="int8: quantize every graph with attncal's streamed dynamic quantizer (weights per channel, "
+                        "activations per batch; attention core and calibration stay fp32), for CPU serving; parity "
+                        "is then judged by cosine to the fp32 PyTorch reference (see attncal check). Excludes --fp16")
+    p.add_argument("--int8-target", choices=INT8_TARGETS, default="auto",
+                   help="the CPUs an int8 export is for: vnni (int8 weights: exact and fastest on AVX-512 VNNI and "
+                        "AVX-VNNI CPUs, saturating on others), portable (uint8 weights: the same integers on every "
+                        "x86-64 CPU with AVX2, slower on VNNI CPUs), auto (default: vnni on a VNNI CPU, else "
+                        "portable)")
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")
@@ -42,13 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on the ORT-optimized graph and fused-softmax on the portable graph; plus, beside the "
                         "ORT-optimized graph, onnx/model_optimized_native.onnx with the projected-attention "
                         "placement (fp32; attention for --fp16 and --quantize), which the runtime picks where the "
-                        "attncal native library is loaded). "
+                        "attncal native library is loaded; models without an ORT-optimized graph get a native graph "
+                        "with the op in every layer). "
                         "softmax: op after each calibrated Softmax; fused-softmax: one op computes the Softmax and "
                         "the calibration; row: the pooling row is recomputed beside the attention; split: "
-                        "calibration as attention over baskets, no probabilities, no custom op; attention: the "
-                        "ORT-optimized graph's calibrated layers become their Q/K/V projections and one calibrated "
-                        "attention op each; projected-attention: one op each that also computes the projections "
-                        "(float32 only)")
+                        "calibration as attention over baskets, no probabilities, no custom op; attention: every "
+                        "layer of the ORT-optimized graph becomes its Q/K/V projections and one calibrated attention "
+                        "op (strength 0 where the config does not calibrate); projected-attention: one op per layer "
+                        "that also computes the projections (float32 only)")
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
                    help="do not write onnx/model_optimized.onnx (the ORT-optimized graph; written where ONNX "
                         "Runtime's transformer optimizer fuses every layer's attention)")
@@ -62,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..export.exporter import ExportError, ExportOptions, ParityError, export
 
+    (args.pooling, spec), = pooling_choices(args)
     opts = ExportOptions(
         config=config_from_args(args),
         calibrate=not args.no_calibration,
@@ -74,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         placement=args.placement,
         optimized=args.optimized,
         quantize=args.quantize,
+        int8_target=args.int8_target,
         memory_check=args.memory_check,
+        pooling_spec=spec,
     )
     from ..export.watch import Watch
 
@@ -86,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     except ExportError as exc:
         raise CLIError(str(exc), code=1) from None
     print(f"exported {meta['model_type']} -> {args.out}")
+    if meta.get("pooling_spec"):
+        from ..runtime.landmarks import PoolingSpec
+
+        print(f"pooling {meta['pooling']}: {PoolingSpec.from_dict(meta['pooling_spec']).describe()}")
     if meta["calibrated"]:
         print(f"calibrated layers {meta['calibrated_layers']}: {meta['placement_reason']}")
     else:

@@ -56,6 +56,9 @@ def _describe_graph(model_file: Path, placement: str | None, model=None,
             print(f"           strength 0 in {off} of {len(nodes)} op nodes: plain attention there (calibration off)")
         print("runs     with the attncal native library (one-pass calibrated attention kernel); `attncal.Encoder` "
               f"picks this graph only when the library is loaded, else {fallback}")
+    elif any(is_all_rows(n.op_type) and any(a.name == "marked_rows" and a.i for a in n.attribute) for n in nodes):
+        print("note: the rows calibrated are those marked in the mask from input_ids (landmark or every-k-th "
+              "pooling), which needs the full probabilities")
     elif any(is_all_rows(n.op_type) for n in nodes):
         print("note: mean pooling calibrates every valid query row, which needs the full probabilities; "
               "--placement split avoids them")
@@ -87,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                            if meta.get("tokenizer") == "tokenizers" else "transformers' AutoTokenizer"))
     quant = meta.get("quantization")
     if isinstance(quant, dict):
-        print(f"precision  {quant.get('precision')} ({quant.get('method')})")
+        target = f" for {quant['target']} CPUs" if quant.get("target") else ""
+        print(f"precision  {quant.get('precision')}{target} ({quant.get('method')})")
     elif meta.get("fp16"):
         method = meta.get("fp16_method")
         print("precision  fp16 (portable graph exported in fp16" + (f"; ORT-optimized graphs: {method})" if method

@@ -37,6 +37,13 @@ class Resamples:
         return int(self.indices[0].shape[0]) if self.indices else 0
 
 
+def describe(n_resamples: int, seed: int, level: float, compared: str) -> dict:
+    """What results.json records about the intervals; `compared` says what is paired with what."""
+    return {"resamples": n_resamples, "seed": seed, "level": level,
+            "method": f"paired: {compared} on the same resamples; queries resampled with replacement within their "
+                      "position group; HM and PSI recomputed per resample; percentile interval"}
+
+
 def draw_resamples(query_groups: Sequence[str], groups: Sequence[str], n_resamples: int, seed: int) -> Resamples:
     """Stratified resamples of the queries; drawn once, so every comparison uses the same ones."""
     if n_resamples < 1:
@@ -89,3 +96,11 @@ def paired_deltas(
                     "undefined": int(np.count_nonzero(~np.isfinite(col)))}
     return out
 
+
+
+def paired_mean_delta(values: np.ndarray, base: np.ndarray, resamples: Resamples, level: float = LEVEL) -> dict:
+    """{"delta", "ci"} of the mean over all queries of `values` minus `base` (per-query, same order), on the
+    same resamples: the aggregate nDCG@10 or Recall@10 of a set without position groups."""
+    diff = np.asarray(values, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+    means = diff[np.concatenate(resamples.indices, axis=1)].mean(axis=1)
+    return {"delta": float(diff.mean()), "ci": _interval(means, level)}

@@ -26,16 +26,17 @@ from typing import Sequence
 import numpy as np
 
 from ..artifact import open_export
-from .bootstrap import LEVEL, Resamples, draw_resamples, paired_deltas
+from .bootstrap import LEVEL, Resamples, describe, draw_resamples, paired_deltas
 from .compare_report import (
     delta_table, export_labels, plot_drift, precision_of, scores_table, truncation_note,
 )
 from .data import Dataset
 from .encoders import EncodeCache, OnnxBackend
 from .metrics import per_query, score_delta, scores_from_per_query
-from .output import atomic_output_dir, check_out_dir, hash_texts, json_default, library_versions
+from .output import atomic_output_dir, cache_record, check_out_dir, hash_texts, json_default, library_versions
 from .runner import (
-    TOP_K, effective_max_length, exact_search, queries_left_uncalibrated, token_counts, truncation_stats,
+    METRICS, TOP_K, effective_max_length, exact_search, queries_left_uncalibrated, token_counts,
+    truncation_stats,
 )
 
 DEFAULT_RESAMPLES = 1000
@@ -216,15 +217,10 @@ def compare_exports(paths: Sequence[str | Path], data: Dataset, opts: CompareOpt
                     "queries_per_group": {g: sum(1 for q in qids if data.group[q] == g) for g in data.groups}},
         "groups": list(data.groups),
         "top_k": opts.top_k,
-        "metrics": {"library": "ir-measures", "measures": ["nDCG@10", "R@10"], "relevance": "binary",
-                    "hm": "harmonic mean of group nDCG@10", "psi": "1 - min/max of group nDCG@10"},
-        "bootstrap": {"resamples": opts.n_resamples, "seed": opts.seed, "level": opts.level,
-                      "method": "paired: every export on the same resamples; queries resampled with replacement "
-                                "within their position group; HM and PSI recomputed per resample; percentile "
-                                "interval"},
+        "metrics": METRICS,
+        "bootstrap": describe(opts.n_resamples, opts.seed, opts.level, "every export"),
         "rows": rows,
-        "cache": {"dir": None if cache.root is None else str(cache.root), "hits": cache.hits,
-                  "misses": cache.misses, "repaired": list(cache.repaired)},
+        "cache": cache_record(cache),
         "notes": notes,
         "versions": library_versions(),
         "seconds": round(time.perf_counter() - t0, 1),

@@ -65,7 +65,8 @@ def scores_table(rows: list[dict], groups: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _with_ci(entry: dict | None) -> str:
+def with_ci(entry: dict | None) -> str:
+    """A paired delta as a signed figure with its interval ("+0.012 [-0.003, +0.027]"); "n/a" without one."""
     if not entry or entry.get("delta") is None:
         return "n/a"
     ci = entry.get("ci")
@@ -80,8 +81,8 @@ def delta_table(rows: list[dict], groups: tuple[str, ...], level: float) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows[1:]:
         d = row["delta"]
-        cells = [row["label"], *(_with_ci(d.get(f"group_{g}")) for g in groups), _with_ci(d.get("hm")),
-                 _with_ci(d.get("psi"))]
+        cells = [row["label"], *(with_ci(d.get(f"group_{g}")) for g in groups), with_ci(d.get("hm")),
+                 with_ci(d.get("psi"))]
         lines.append("| " + " | ".join(cells) + " |")
     return f"Deltas with paired bootstrap {100 * level:g} % intervals:\n\n" + "\n".join(lines) + "\n"
 

@@ -194,7 +194,12 @@ def _as_position(value: Any, where: str) -> float:
     return pos
 
 
-def _load_beir(root: Path, split: str, n_groups: int) -> Dataset:
+def read_beir(root: Path, split: str) -> tuple[dict[str, str], dict[str, str], dict[str, float],
+                                                 dict[str, dict[str, int]]]:
+    """(corpus, queries, positions, qrels) of a BEIR-layout directory, every id cross-checked.
+
+    A document's title, when present, is prefixed to its text; `positions` holds the queries that give one
+    (in queries.jsonl or positions.tsv) and may be empty; `qrels` keeps the relevant (score > 0) pairs."""
     c_file = root / "corpus.jsonl"
     corpus: dict[str, str] = {}
     for lineno, obj in _read_jsonl(c_file):
@@ -244,11 +249,16 @@ def _load_beir(root: Path, split: str, n_groups: int) -> Dataset:
     _require_nonempty(corpus, c_file, queries, q_file)
     if not qrels:
         raise DataError(f"{r_file}: no relevant (score > 0) query-document pairs")
+    return corpus, queries, positions, qrels
+
+
+def _load_beir(root: Path, split: str, n_groups: int) -> Dataset:
+    corpus, queries, positions, qrels = read_beir(root, split)
     missing = [q for q in qrels if q not in positions]
     if missing:
         raise DataError(
-            f"{q_file}: {len(missing)} judged queries have no relative position (first: {missing[0]!r}); "
-            f"give each a \"position\" in [0, 1] or list them in {p_file.name}"
+            f"{root / 'queries.jsonl'}: {len(missing)} judged queries have no relative position "
+            f"(first: {missing[0]!r}); give each a \"position\" in [0, 1] or list them in positions.tsv"
         )
     names = group_names(n_groups)
     group = {q: names[position_group(positions[q], n_groups)] for q in qrels}

@@ -7,6 +7,10 @@ Two backends share one small interface (`encode(texts, config)`):
 * `OnnxBackend` - an `attncal export` directory run through `attncal.runtime.Encoder`;
   the calibration is baked into the graph, so only the stored config can be evaluated.
 
+Landmark (LMK, multi-CLS) and Mean@k pooling are swept as `PooledConfig`s: a calibration config with the
+pooling's tokenization (`attncal.runtime.landmarks.PoolingSpec`), which the torch backend tokenizes with and
+pools by (strength 0: the pooling alone, zero-shot).
+
 Corpus embeddings are cached on disk under a key made of the model's
 fingerprint, the calibration config (bound to the model's pooling), the data
 hash and what was encoded, so a changed config (or model, or corpus) is a miss.
@@ -18,6 +22,7 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,6 +42,35 @@ def _json_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
 
+@dataclass(frozen=True)
+class PooledConfig(CalibrationConfig):
+    """A calibration config with landmark or Mean@k pooling: `pooling_spec` is the
+    `attncal.runtime.landmarks.PoolingSpec` as a dict (its landmark token resolved when a backend binds it),
+    so it is part of the config's JSON and of the embedding cache's key."""
+
+    pooling_spec: dict | None = None
+
+    @classmethod
+    def of(cls, config: CalibrationConfig, spec) -> "PooledConfig":
+        """`config` with the pooling of `spec` (a PoolingSpec)."""
+        base = {k: v for k, v in config.to_dict().items() if k not in ("pooling", "pool_token_id", "pool_every")}
+        fields = {"pooling": spec.pooling} if spec.inserts else spec.config_fields()
+        return cls(**base, **fields, pooling_spec=spec.to_dict())
+
+    @property
+    def spec(self):
+        from ..runtime.landmarks import PoolingSpec
+
+        return PoolingSpec.from_dict(self.pooling_spec)
+
+    def bound(self, tokenizer) -> "PooledConfig":
+        """This config with its landmark token resolved against a model's transformers tokenizer."""
+        from ..runtime.landmarks import resolve
+
+        spec = resolve(self.spec, tokenizer)
+        return replace(self, pooling_spec=spec.to_dict(), **spec.config_fields())
+
+
 class TorchBackend:
     """A model directory (or `default`) evaluated in PyTorch; can apply any calibration config."""
 
@@ -53,7 +87,10 @@ class TorchBackend:
         self.label = str(model)
 
     def bind(self, config: CalibrationConfig | None) -> CalibrationConfig | None:
-        """The config with `auto` pooling replaced by the model's pooling (what the cache key uses)."""
+        """The config with `auto` pooling replaced by the model's pooling, and a landmark pooling's token
+        resolved against the model's tokenizer (what the cache key uses)."""
+        if isinstance(config, PooledConfig):
+            return config.bound(self.tokenizer)
         return None if config is None else config.with_pooling(self.encoder.pooling_for(config))
 
     def fingerprint(self) -> str:
@@ -65,11 +102,49 @@ class TorchBackend:
     def encode(self, texts: Sequence[str], config: CalibrationConfig | None, *, desc: str = "encode") -> np.ndarray:
         from tqdm.auto import tqdm
 
+        pooled = self._pooled(config) if isinstance(config, PooledConfig) else None
         out = []
         for i in tqdm(range(0, len(texts), self.batch_size), desc=desc, unit="batch", leave=False):
-            batch = self.encoder.tokenize(texts[i : i + self.batch_size])
-            out.append(self.encoder.forward(batch, config).float().cpu().numpy())
+            part = texts[i : i + self.batch_size]
+            emb = pooled(part) if pooled is not None else self.encoder.forward(self.encoder.tokenize(part), config)
+            out.append(emb.float().cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, self.encoder.model.config.hidden_size), np.float32)
+
+
+    def landmarks(self, config: "PooledConfig"):
+        """The tokenizer of a landmark / Mean@k config (`attncal.runtime.landmarks.Landmarks`, called on texts):
+        what every runtime of an export with that pooling tokenizes with."""
+        from ..runtime.landmarks import Landmarks, transformers_encode
+
+        tok = self.tokenizer
+        return Landmarks(self.bind(config).spec, transformers_encode(tok), max_length=self.max_length,
+                         pad_id=tok.pad_token_id, padding_side=self.info.padding_side,
+                         truncation_side=tok.truncation_side)
+
+    def _pooled(self, config: "PooledConfig"):
+        """Embeddings of a batch with landmark / Mean@k pooling: tokenized by `landmarks`, pooled over the
+        config's rows (`row_mask`), then the Dense modules and the normalisation; calibrated, those are the rows
+        calibrated (the patch marks them from the batch's input_ids)."""
+        import torch
+
+        from ..calibration.encode import pool
+        from ..modelinfo import forward_kwargs
+        config = self.bind(config)
+        rc = config.resolve()
+        landmarks = self.landmarks(config)
+        enc = self.encoder
+        names = set(self.tokenizer.model_input_names)
+
+        @torch.no_grad()
+        def run(texts: Sequence[str]) -> torch.Tensor:
+            batch = {k: torch.from_numpy(v).to(enc.device) for k, v in landmarks(texts).items() if k in names}
+            hidden = enc.model(**batch, **forward_kwargs(enc.model)).last_hidden_state  # strength 0 (checked)
+            emb = pool(hidden, rc.row_mask(batch["input_ids"], batch["attention_mask"]), "mean")
+            if enc.head is not None:
+                emb = enc.head(emb)
+            return torch.nn.functional.normalize(emb, p=2, dim=-1) if self.info.normalize else emb
+
+        return run
 
 
 class OnnxBackend:

@@ -62,6 +62,23 @@ def hash_texts(texts: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def display_path(path: str | Path | None) -> str | None:
+    """`path` as `~/...` when it lies under the home directory, else as given: results.json is shared and
+    committed, and names no one's home."""
+    if path is None:
+        return None
+    try:
+        return str(Path("~") / Path(path).resolve().relative_to(Path.home().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def cache_record(cache) -> dict:
+    """What results.json records about the embedding cache (attncal.eval.encoders.EncodeCache)."""
+    return {"dir": display_path(cache.root), "hits": cache.hits, "misses": cache.misses,
+            "repaired": list(cache.repaired)}
+
+
 def library_versions() -> dict:
     """Versions of the libraries a result depends on, recorded in results.json for reproducing it."""
     from importlib.metadata import PackageNotFoundError, version

@@ -11,7 +11,7 @@ from ..calibration.config import CalibrationConfig
 HEADERS = {"begin": "begin", "middle": "mid", "end": "end"}
 _SHORT = {"variant": "", "basket_size": "basket", "layers": "layers", "pooling": "pooling",
           "self_weight": "w", "isolate_first": "iso-first", "isolate_last": "iso-last", "skip_short": "skip-short",
-          "first_weight": "first", "last_weight": "last"}
+          "first_weight": "first", "last_weight": "last", "pool_token_id": "token", "pool_every": "every"}
 
 
 def config_label(cfg: CalibrationConfig) -> str:

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from ..calibration.config import CalibrationConfig
+from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from .data import Dataset
-from .encoders import Backend, EncodeCache, OnnxBackend, TorchBackend, chunker_id, segment_embed_average
+from .encoders import Backend, EncodeCache, OnnxBackend, PooledConfig, TorchBackend, chunker_id, segment_embed_average
 from .metrics import group_scores, score_delta
-from .output import atomic_output_dir, check_out_dir, hash_texts, json_default, library_versions
+from .output import atomic_output_dir, cache_record, check_out_dir, hash_texts, json_default, library_versions
 from .report import config_label, markdown_table, plot_groups_vs_strength, plot_hm_psi_vs_strength, truncation_section
 
 BASELINES = ("sea",)
 TOP_K = 100
+# What results.json records about the measures (every report that scores position groups writes it).
+METRICS = {"library": "ir-measures", "measures": ["nDCG@10", "R@10"], "relevance": "binary",
+           "hm": "harmonic mean of group nDCG@10", "psi": "1 - min/max of group nDCG@10"}
 
 
 @dataclass
@@ -197,20 +200,18 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
     chunker = None
     for kind, label, cfg, b in tqdm(jobs, desc="configs", unit="config"):
         if kind == "baseline":
-            holder: dict = {}
-
-            def compute() -> np.ndarray:
-                emb, holder["chunker"] = segment_embed_average(b, d_texts, opts.sea_chunk_tokens)
-                return emb
-
-            emb = cache.get_or_encode(b, None, fp, f"sea-{chunker_id()}-{opts.sea_chunk_tokens}", compute)
-            chunker = holder.get("chunker", f"{chunker_id()} ({opts.sea_chunk_tokens} tokens, cached)")
+            emb, chunker = sea_embeddings(cache, b, d_texts, fp, opts.sea_chunk_tokens)
         else:
             def encode_corpus(b=b, cfg=cfg, label=label) -> np.ndarray:
                 return b.encode(d_texts, cfg, desc=f"encode corpus {label}")
 
             emb = cache.get_or_encode(b, cfg, fp, "corpus", encode_corpus)
-        run = exact_search(q_emb, emb, qids, dids, opts.top_k)
+        queries = q_emb
+        if isinstance(cfg, PooledConfig):  # queries pooled as the passages are (their landmarks), uncalibrated
+            q_cfg = replace(cfg, strength=0.0)
+            queries = cache.get_or_encode(b, q_cfg, hash_texts(q_texts), "queries",
+                                          lambda b=b, q_cfg=q_cfg: b.encode(q_texts, q_cfg, desc="encode queries"))
+        run = exact_search(queries, emb, qids, dids, opts.top_k)
         row = {"label": label, "kind": kind, "config": None if cfg is None else b.bind(cfg).to_dict()}
         row.update(_scores_dict(data, run, qids, bucket_of_query))
         if truncation["passages_truncated"]:
@@ -230,12 +231,10 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
         },
         "groups": list(data.groups),
         "top_k": opts.top_k,
-        "metrics": {"library": "ir-measures", "measures": ["nDCG@10", "R@10"], "relevance": "binary",
-                    "hm": "harmonic mean of group nDCG@10", "psi": "1 - min/max of group nDCG@10"},
+        "metrics": METRICS,
         "rows": rows,
         "sea_chunker": chunker,
-        "cache": {"dir": None if cache.root is None else str(cache.root), "hits": cache.hits, "misses": cache.misses,
-                  "repaired": list(cache.repaired)},
+        "cache": cache_record(cache),
         "notes": notes,
         "versions": library_versions(),
         "seconds": round(time.perf_counter() - t0, 1),
@@ -243,6 +242,19 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
     if out_path is not None:
         _write(out_path, results, data, backend, plain, configs, labels, opts)
     return results
+
+
+def sea_embeddings(cache: EncodeCache, backend: Backend, texts: Sequence[str], data_fp: str,
+                   chunk_tokens: int) -> tuple[np.ndarray, str]:
+    """The SEA baseline's corpus embeddings (through the cache) and the chunker that made them."""
+    holder: dict = {}
+
+    def compute() -> np.ndarray:
+        emb, holder["chunker"] = segment_embed_average(backend, texts, chunk_tokens)
+        return emb
+
+    emb = cache.get_or_encode(backend, None, data_fp, f"sea-{chunker_id()}-{chunk_tokens}", compute)
+    return emb, holder.get("chunker", f"{chunker_id()} ({chunk_tokens} tokens, cached)")
 
 
 def token_counts(tokenizer, texts: Sequence[str]) -> list[int]:
@@ -323,10 +335,13 @@ def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Bac
                 plot_hm_psi_vs_strength(rows, tmp / "hm_psi_vs_strength.png")
                 results["plots"]["hm_psi_vs_strength"] = "hm_psi_vs_strength.png"
             torch_enc = plain if isinstance(plain, TorchBackend) else None
-            if torch_enc is not None and configs:
+            # The baskets of one passage's pooled row: the example passage is tokenized without landmarks, so
+            # landmark and Mean@k configs have no plot.
+            shown = [j for j, c in enumerate(configs) if c.pooling not in ROW_SET_POOLINGS]
+            if torch_enc is not None and shown:
                 from .attention import basket_mass, plot_basket_mass
 
-                i = max(range(len(configs)), key=lambda j: configs[j].strength)
+                i = max(shown, key=lambda j: configs[j].strength)
                 mass = basket_mass(torch_enc.encoder, _example_passage(data), configs[i])
                 plot_basket_mass(mass, labels[i], tmp / "attention_baskets.png")
                 results["plots"]["attention_baskets"] = "attention_baskets.png"

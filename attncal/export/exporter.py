@@ -173,10 +173,11 @@ def load_for_export(info: ModelInfo, fp16: bool = False):
 
 
 def torch_export(
-    info: ModelInfo, pooling: str, onnx_path: Path, opset: int, exporter: str, fp16: bool = False, model=None
+    info: ModelInfo, pooling: str | tuple, onnx_path: Path, opset: int, exporter: str, fp16: bool = False, model=None
 ) -> list[str]:
     """Export encoder + pooling to `onnx_path` (single file, external data when needed); returns input names.
-    `model`: the already loaded model (`load_for_export`), else it is loaded here."""
+    `pooling`: `ExportPlan.pooling_head`; `model`: the already loaded model (`load_for_export`), else it is
+    loaded here."""
     import torch
     import inspect
 
@@ -518,7 +519,7 @@ def _torch_export(run: _Run, torch_model) -> None:
     raw_path = run.tmp / ".raw" / ONNX_FILE
     try:
         with library_output.third_party_output():
-            run.input_names = torch_export(info, plan.pooling, raw_path, plan.opts.opset, plan.opts.exporter,
+            run.input_names = torch_export(info, plan.pooling_head, raw_path, plan.opts.opset, plan.opts.exporter,
                                            fp16=plan.opts.fp16, model=torch_model)
         del torch_model
         if plan.opts.exporter == "dynamo" and plan.estimate.weights >= RELEASE_FROM_BYTES:
@@ -584,7 +585,7 @@ def _optimize(run: _Run) -> Path | None:
             ts_raw = run.ts_root / ONNX_FILE
             step = "the TorchScript export ONNX Runtime's optimizer needs"
             with library_output.third_party_output():
-                torch_export(info, plan.pooling, ts_raw, plan.opts.opset, "torchscript")
+                torch_export(info, plan.pooling_head, ts_raw, plan.opts.opset, "torchscript")
             release_freed_memory(plan.estimate.weights)
             ts_raw = _weights_on_disk(ts_raw)
             step = "ONNX Runtime's transformer optimizer"
@@ -646,7 +647,7 @@ def _native_graph(run: _Run, ts_raw: Path) -> None:
         run.log(f"[2/4] ORT-optimized graph with {placement} placement in every layer, for the native library "
                 f"({NATIVE_GRAPH})")
         with library_output.third_party_output():
-            native_model, _ = _optimized_graph(plan.info, ts_raw, plan.config or CalibrationConfig.off(plan.pooling),
+            native_model, _ = _optimized_graph(plan.info, ts_raw, plan.config or plan.off_config(),
                                                placement, plan.info.num_layers, run.ts_root, run.cache)
         entry = run.graphs[NATIVE_GRAPH] = {
             "placement": placement, "fused_attention": count_fused_attention(native_model),
@@ -701,7 +702,7 @@ def _native_plain_graph(run: _Run) -> None:
     run.meter.step("native graph")
     model = ir.load(run.raw_path)
     try:
-        placed = pap.place(model, plan.config, plan.pooling, info.num_layers, shape)
+        placed = pap.place(model, plan.config or plan.off_config(), plan.pooling, info.num_layers, shape)
     except pap.REFUSALS as exc:
         run.log(f"note: no {NATIVE_GRAPH}: the calibrated attention op does not replace this model's attention "
                 f"({_first_line(exc)})")
@@ -727,19 +728,23 @@ def _native_plain_graph(run: _Run) -> None:
 
 
 def _quantize(run: _Run) -> None:
-    """int8 exports: every graph quantized (attncal.export.quantize), its digest stamped."""
+    """int8 exports: every graph quantized (attncal.export.quantize) in its target's weight format, its digest
+    stamped."""
     opts = run.plan.opts
     if opts.quantize is None:
         return
-    from .quantize import METHOD, quantize_graph
+    from .quantize import TARGET_WEIGHTS, method, quantization_record, quantize_graph, resolve_target
 
+    target = resolve_target(opts.int8_target)
+    weights = TARGET_WEIGHTS[target]
     run.meter.step("int8 quantization")
-    run.log(f"[2/4] quantizing every graph to {opts.quantize} (streamed dynamic quantization, "
-            "per-channel weights; attention core and calibration stay fp32)")
+    run.log(f"[2/4] quantizing every graph to {opts.quantize} for {target} CPUs ({weights} weights per channel, "
+            "streamed dynamic quantization; attention core and calibration stay fp32)")
     for graph_file, entry in run.graphs.items():
         with library_output.third_party_output():
-            entry["quantized_nodes"] = quantize_graph(run.tmp / graph_file)
-    run.quantization = {"precision": opts.quantize, "method": METHOD, "per_channel": True}
+            entry["quantized_nodes"] = quantize_graph(run.tmp / graph_file, weights=weights)
+    run.quantization = {"precision": opts.quantize, "method": method(weights), "target": target,
+                        **quantization_record(weights=weights)}
     for graph_file in run.graphs:  # the quantized graph's digest (the others carry theirs)
         stamp_onnx(run.tmp / graph_file)
 
@@ -751,7 +756,7 @@ def _tokenizer_runtime(run: _Run, max_length: int | None) -> str:
     from ..runtime.tokenizer import FAST, TRANSFORMERS, verify_fast_tokenizer
 
     prompts = (read_prompts(run.tmp)[0] or {}).values()
-    why = verify_fast_tokenizer(run.tmp, max_length, run.plan.info.padding_side, list(prompts))
+    why = verify_fast_tokenizer(run.tmp, max_length, run.plan.info.padding_side, list(prompts), run.plan.pooling_spec)
     if why is None:
         return FAST
     run.log(f"note: the runtime tokenizes with transformers: {why}")
@@ -796,6 +801,7 @@ def _metadata(run: _Run) -> ExportMetadata:
         memory_estimate={"float32_weights_mib": round(est.weights / 1024**2, 1),
                          "steps_mib": {k: round(v / 1024**2, 1) for k, v in est.steps.items()}},
         tokenizer=tokenizer,
+        pooling_spec=plan.pooling_spec.to_dict() if plan.pooling_spec is not None else None,
     )
     write_metadata(run.tmp, meta)
     return meta
@@ -815,9 +821,12 @@ def _parity(run: _Run, meta: ExportMetadata, check_fn: Callable | None) -> None:
     for graph_file in run.graphs:
         report = (check_fn(run.tmp, quiet=run.quiet, graph=graph_file) if check_fn is not None
                   else check_parity(run.tmp, quiet=run.quiet, graph=graph_file, reference_cache=references))
-        run.graphs[graph_file]["parity"] = report.to_dict()
+        figures = report.to_dict()
+        if run.quantization is not None:  # int8 figures hold on the CPU classes whose kernels compute these integers
+            figures["cpu"] = {key: run.quantization[key] for key in ("cpu_class", "covers", "why")}
+        run.graphs[graph_file]["parity"] = figures
         if graph_file.endswith(ONNX_FILE):
-            meta.parity = report.to_dict()
+            meta.parity = figures
         write_metadata(run.tmp, meta)
         if not report.ok:
             raise ParityError(f"parity check of {graph_file} failed: {report.summary()}")

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from ..calibration.config import CalibrationConfig
+from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from ..graphs.placement_names import CHOICES as PLACEMENTS
 from ..modelinfo import ModelInfo
+from ..runtime.landmarks import PoolingSpec
 from .memory_plan import MemoryEstimate
-from .quantize import QUANTIZATIONS
+from .quantize import INT8_TARGETS, QUANTIZATIONS
 
 EXPORTERS = ("dynamo", "torchscript")
 DEFAULT_OPSET = 18
@@ -42,7 +43,11 @@ class ExportOptions:
     placement: str = "auto"  # one of PLACEMENTS (attncal.graphs.placements)
     optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
     quantize: str | None = None  # "int8": every written graph quantized (attncal.export.quantize)
+    int8_target: str = "auto"  # the CPUs an int8 export is made for: one of INT8_TARGETS (attncal.export.quantize)
     memory_check: bool = True  # refuse before step 1 when the estimate exceeds the memory available (memory_plan)
+    # Landmark (lmk, multi-cls) or Mean@k pooling, with its tokenization: attncal.runtime.landmarks.  The config's
+    # pooling is then this one's (leave it auto).
+    pooling_spec: PoolingSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,21 @@ CONFLICTS: tuple[Conflict, ...] = (
                        "--placement softmax", dict(placement="row", fp16=True)),
     Conflict(lambda o: o.quantize is not None and o.quantize not in QUANTIZATIONS,
              lambda o: _one_of("quantize", QUANTIZATIONS, o.quantize), dict(quantize="int4")),
+    Conflict(lambda o: o.int8_target not in INT8_TARGETS, lambda o: _one_of("int8_target", INT8_TARGETS, o.int8_target),
+             dict(int8_target="arm")),
+    Conflict(lambda o: o.int8_target != "auto" and o.quantize is None,
+             lambda o: f"--int8-target {o.int8_target} applies to int8 exports: add --quantize int8",
+             dict(int8_target="vnni")),
     Conflict(lambda o: o.quantize is not None and o.fp16,
              lambda o: "--quantize int8 and --fp16 exclude each other (int8 weights, fp32 activations)",
              dict(quantize="int8", fp16=True)),
+    Conflict(lambda o: o.pooling_spec is not None and o.config.pooling not in ("auto", o.pooling_spec.pooling),
+             lambda o: f"pooling {o.pooling_spec.style} and the calibration config's pooling {o.config.pooling} "
+                       "exclude each other; leave the config's pooling auto",
+             dict(pooling_spec=PoolingSpec("lmk"), config=CalibrationConfig(pooling="cls"))),
+    Conflict(lambda o: o.pooling_spec is None and o.config.pooling in ROW_SET_POOLINGS,
+             lambda o: f"pooling {o.config.pooling} needs its tokenization: pass pooling_spec (--pooling lmk, "
+                       "multi-cls or mean-every)", dict(config=CalibrationConfig(pooling="landmark", pool_token_id=3))),
     Conflict(lambda o: o.max_length is not None and o.max_length < 2,
              lambda o: f"max_length must be >= 2, got {o.max_length}", dict(max_length=1)),
     Conflict(lambda o: o.placement in _OPTIMIZED_ONLY and o.calibrate and not o.optimized,
@@ -107,10 +124,27 @@ class ExportPlan:
     layers: list[int]
     placement: object | None  # attncal.graphs.placements.Plan of a calibrated export
     estimate: MemoryEstimate
+    pooling_spec: PoolingSpec | None = None  # resolved against the model's tokenizer (its landmark token id)
 
     @property
     def precision(self) -> str:
         return "fp16" if self.opts.fp16 else (self.opts.quantize or "fp32")
+
+    @property
+    def pooling_head(self) -> str | tuple[str, int, int]:
+        """The export's pooling as `attncal.export.wrapper.SentenceEmbeddingModule` takes it: the name, or for
+        landmark / mean-every (name, landmark token id, k)."""
+        spec = self.pooling_spec
+        if spec is None:
+            return self.pooling
+        return (spec.pooling, spec.token_id if spec.inserts else -1, 0 if spec.inserts else int(spec.every))
+
+    def off_config(self) -> CalibrationConfig:
+        """No calibration (strength 0) with this export's pooling: what an uncalibrated native graph places."""
+        return CalibrationConfig.off(**self._pooling_fields())
+
+    def _pooling_fields(self) -> dict:
+        return self.pooling_spec.config_fields() if self.pooling_spec is not None else {"pooling": self.pooling}
 
     @property
     def max_seq_length(self) -> int | None:
@@ -134,11 +168,25 @@ class ExportPlan:
                                         check=opts.check, fp16=opts.fp16, quantize=opts.quantize)
         if opts.memory_check:
             memory_plan.check_fits(estimate, out.parent, optimized=opts.optimized, check=opts.check)
-        pooling = info.pooling if opts.config.pooling == "auto" else opts.config.pooling
-        config = opts.config.with_pooling(pooling) if opts.calibrate else None
+        spec = _resolve_spec(info, opts.pooling_spec)
+        pooling = spec.pooling if spec else info.pooling if opts.config.pooling == "auto" else opts.config.pooling
+        plan = cls(info, opts, out, pooling, None, [], None, estimate, spec)
+        config = replace(opts.config, **plan._pooling_fields()) if opts.calibrate else None
         layers = config.layer_indices(info.num_layers) if config is not None else []  # range errors first
-        plan = cls(info, opts, out, pooling, config, layers, None, estimate)
+        plan = replace(plan, config=config, layers=layers)
         return replace(plan, placement=_placement_plan(plan)) if config is not None else plan
+
+
+def _resolve_spec(info: ModelInfo, spec: PoolingSpec | None) -> PoolingSpec | None:
+    """The landmark token of `spec` (its default: the model's SEP for lmk, CLS for multi-cls) and its id, from the
+    model's tokenizer."""
+    if spec is None or not spec.inserts:
+        return spec
+    from transformers import AutoTokenizer
+
+    from ..runtime.landmarks import resolve
+
+    return resolve(spec, AutoTokenizer.from_pretrained(str(info.path)))
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:

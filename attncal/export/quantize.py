@@ -7,15 +7,20 @@ attention core (Q·Kᵀ and P·V MatMuls of the plain graph, the split placement
 calibration math is exactly the fp32 math on slightly different activations.
 
 Per-channel weights are the default: per-tensor int8 loses far more cosine to the fp32 embeddings
-(docs/quantization.md gives both on all-MiniLM-L6-v2).  So are uint8 weights (U8U8), for one graph that
-computes the same integers on every x86-64 CPU with AVX2 (attncal.cpuinfo): ONNX Runtime's int8-weight (U8S8)
-kernels add the products exactly on VNNI CPUs, but on AVX2 and AVX-512 without VNNI they add two of them in
-saturating int16, which 8-bit int8 weights overflow, so there the same graph computes other sums.  Its U8U8
-kernels widen both operands to int16 and add in int32 on all of them.  7-bit int8 weights (`reduce_range`)
-are exact everywhere too, but lose more to the fp32 embeddings (docs/quantization.md gives the three); U8U8
-gives up the VNNI instructions, so it runs slower than int8 weights there.  Each quantized graph records
-its weights, the CPU class it was made and checked on and the classes its figures cover
-(`quantization_record`, in its ONNX metadata under `attncal.cpuinfo.INT8_RECORD_KEY`).
+(docs/quantization.md gives both on all-MiniLM-L6-v2).  The weight format depends on the CPUs the export is for
+(`INT8_TARGETS`), because ONNX Runtime's integer kernels add the products differently per CPU (attncal.cpuinfo):
+
+* "vnni": int8 weights (U8S8).  VNNI CPUs add the products exactly, in int32, with their fastest instructions;
+  AVX2 CPUs and AVX-512 CPUs without VNNI add two of them in saturating int16, which 8-bit weights overflow, so
+  there the same graph computes other sums and loses cosine to the fp32 embeddings.
+* "portable": uint8 weights (U8U8).  Every kernel widens both operands to int16 and adds in int32, so every x86-64
+  CPU with AVX2 computes the same integers, but without VNNI's instructions, so it runs slower on VNNI CPUs.
+* "auto" (the default) is the exporting machine's: "vnni" on a VNNI CPU, else "portable".
+
+7-bit int8 weights (`reduce_range`) would be exact everywhere too, but lose more to the fp32 embeddings than either
+(docs/quantization.md gives the three), so no target uses them.  Each quantized graph records its weights, the CPU
+class it was made and checked on and the classes its figures cover (`quantization_record`, in its ONNX metadata
+under `attncal.cpuinfo.INT8_RECORD_KEY`), and `Encoder` warns on a CPU outside them.
 
 The graph written is the one `onnxruntime.quantization.quantize_dynamic` writes for these options
 (`weight_type` QUInt8 or QInt8, `per_channel`, `reduce_range`, MatMul / Gemm / Attention restricted to
@@ -73,12 +78,14 @@ from .. import cpuinfo
 from ..versions import warn_if_not_mirrored
 
 QUANTIZATIONS = ("int8",)
-METHOD = ("attncal's streamed dynamic quantization, equal to onnxruntime.quantization.quantize_dynamic's (QUInt8 "
-          "weights per output channel, uint8 activations quantized per batch); attention core and calibration "
-          "in fp32")
 MIRRORS_ORT = "1.32"  # the onnxruntime release whose quantize_dynamic this reproduces
 WEIGHTS = ("int8", "uint8")  # quantize_dynamic's weight_type QInt8 (symmetric) / QUInt8 (asymmetric)
-WEIGHT_TYPE = "uint8"  # the default: exact integer sums on every AVX2 / AVX-512 / VNNI kernel (module doc)
+WEIGHT_TYPE = "uint8"  # the portable format: exact integer sums on every AVX2 / AVX-512 / VNNI kernel (module doc)
+# The CPUs an int8 export is made for, and the weight format each gets (module doc).  "auto" is the target of the
+# exporting machine's class (`resolve_target`): exports are most often served on the kind of machine that made them,
+# and an export run elsewhere says so (attncal.cpuinfo.warn_if_uncovered).
+TARGET_WEIGHTS = {"vnni": "int8", "portable": "uint8"}
+INT8_TARGETS = ("auto",) + tuple(TARGET_WEIGHTS)
 REDUCE_RANGE = False
 # The integer range each weight type's scale maps onto, full or reduced (quant_utils' ONNX_INT_TYPE_SYMMETRIC_RANGE,
 # ONNX_INT_TYPE_RANGE and ONNX_INT_TYPE_REDUCED_RANGE); the quantized values are clipped to the type's full range.
@@ -105,6 +112,24 @@ def weight_nodes(model) -> list[str]:
         if len(n.input) > 1 and dims.get(n.input[1]) == 2:
             names.append(n.name)
     return names
+
+
+def resolve_target(target: str, here: str | None = None) -> str:
+    """The int8 target `target` names on a machine of class `here` (default this one's): "auto" is "vnni" on a
+    VNNI CPU, where int8 weights add exactly and run fastest, and "portable" elsewhere."""
+    if target not in INT8_TARGETS:
+        raise ValueError(f"int8 target must be one of {', '.join(INT8_TARGETS)}, got {target!r}")
+    if target != "auto":
+        return target
+    return "vnni" if (here or cpuinfo.cpu_class()) in cpuinfo.VNNI_CLASSES else "portable"
+
+
+def method(weights: str) -> str:
+    """The `method` line attncal.json records for int8 graphs with these weights."""
+    weight_type = {"int8": "QInt8", "uint8": "QUInt8"}[weights]
+    return (f"attncal's streamed dynamic quantization, equal to onnxruntime.quantization.quantize_dynamic's "
+            f"({weight_type} weights per output channel, uint8 activations quantized per batch); attention core and "
+            "calibration in fp32")
 
 
 def quantization_record(per_channel: bool = True, weights: str = WEIGHT_TYPE, reduce_range: bool = REDUCE_RANGE

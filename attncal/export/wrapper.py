@@ -10,6 +10,10 @@ raises a TypeError.  The optimizer then disables shape inference and leaves Add 
 LayerNormalization unfused (no SkipLayerNormalization).  ReduceSum, ArgMin and ArgMax it
 infers, so the head below uses those; results are the same as `attncal.calibration.encode.pool`
 and `F.normalize` (the same positions are gathered; the norm is sqrt(sum(x*x))).
+
+Landmark and Mean@k pooling (`attncal.runtime.landmarks`) are the mean over the rows the calibration
+config's `row_mask` selects from the graph's own inputs (the rows it calibrates: Equal, or CumSum / Mod, And
+with the mask), so the graph's inputs stay input_ids, attention_mask (and token_type_ids).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from ..calibration.encode import pool
 
 _NORM_EPS = 1e-12  # F.normalize's default eps
@@ -52,14 +57,18 @@ def export_normalize(emb: torch.Tensor) -> torch.Tensor:
 
 
 class SentenceEmbeddingModule(nn.Module):
-    def __init__(self, model: nn.Module, pooling: str, normalize: bool, extra: dict | None = None,
+    def __init__(self, model: nn.Module, pooling: str | tuple, normalize: bool, extra: dict | None = None,
                  head: nn.Module | None = None) -> None:
-        """`extra`: fixed forward keyword arguments (`modelinfo.forward_kwargs`: no KV cache for decoders);
-        `head`: the sentence-transformers Dense modules (`modelinfo.load_dense_head`), after pooling."""
+        """`pooling`: a name, or for landmark / mean-every (name, landmark token id, k) (`ExportPlan.pooling_head`);
+        `extra`: fixed forward keyword arguments
+        (`modelinfo.forward_kwargs`: no KV cache for decoders); `head`: the sentence-transformers Dense modules
+        (`modelinfo.load_dense_head`), after pooling."""
         super().__init__()
         self.model = model
         self.head = head
-        self.pooling = pooling
+        self.pooling = pooling if isinstance(pooling, str) else pooling[0]
+        # landmark / mean-every: the pooled rows, as the calibration selects them
+        self.rows = CalibrationConfig.off(*pooling).resolve() if self.pooling in ROW_SET_POOLINGS else None
         self.normalize = normalize
         self.extra = dict(extra or {})
 
@@ -71,7 +80,10 @@ class SentenceEmbeddingModule(nn.Module):
             kwargs["token_type_ids"] = token_type_ids
         kwargs.update(self.extra)
         hidden = self.model(**kwargs).last_hidden_state
-        emb = export_pool(hidden, attention_mask, self.pooling)
+        if self.rows is not None:
+            emb = export_pool(hidden, self.rows.row_mask(input_ids, attention_mask), "mean")
+        else:
+            emb = export_pool(hidden, attention_mask, self.pooling)
         if self.head is not None:
             emb = self.head(emb)
         if self.normalize:

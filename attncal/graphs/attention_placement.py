@@ -1,6 +1,7 @@
 """Attention placement's one rule (fused graph): each layer's fused attention becomes its Q/K/V
 projections plus one calibrated attention op (`AllRowsCalibratedAttention` for mean pooling,
-`PooledRowCalibratedAttention` for cls / last pooling), which computes softmax, calibration and the
+`PooledRowCalibratedAttention` for cls / last pooling; the all-rows op on the rows marked in its mask,
+`attncal.graphs.row_marks`, for landmark and mean-every pooling), which computes softmax, calibration and the
 product with V in one pass; a layer the config does not calibrate, and every layer of an uncalibrated
 export, gets the same op at strength 0, which is plain attention.  The projected-attention placement's
 rule is the same `find` and `rewrite` with `projected=True` (`projected_attention_placement`).
@@ -32,6 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from . import row_marks
 from .builder import Ops
 from .contract import DOMAIN, VERSION, attention_op_spec
 from .function_body import make_function
@@ -64,6 +66,7 @@ class AttentionEdits:
     parts: dict[int, tuple[ir.Value, np.ndarray, np.ndarray, int, float]]  # per layer, what `rewrite` inserts
     op_type: str
     function: ir.Function
+    ids: ir.Value | None = None  # the token ids the calibrated rows are marked from (row-set poolings)
 
 
 def find(model: ir.Model, config: CalibrationConfig, num_layers: int, *, projected: bool,
@@ -78,12 +81,13 @@ def find(model: ir.Model, config: CalibrationConfig, num_layers: int, *, project
             "none (the portable graph); it applies to the ORT-optimized graph only")
     graph = model.graph
     atts, mask = fused_layers(model, num_layers, mask_input, error, "attention placement needs")
+    ids = row_marks.find_ids(graph, rc, error)
     selected = config.layer_indices(num_layers) if rc.strength != 0.0 else []
     spec = attention_op_spec(rc, 0, num_heads=1, projected=projected)
     common = {k: v for k, v in spec.attrs.items() if k not in ("layer", "num_heads", "scale")}
     parts = {layer: _check_layer(graph, att, error) for layer, att in enumerate(atts)}
     function = ir.serde.deserialize_function(make_function(spec.op_type, model_opset(model)))
-    return AttentionEdits(rc, projected, selected, atts, mask, common, parts, spec.op_type, function)
+    return AttentionEdits(rc, projected, selected, atts, mask, common, parts, spec.op_type, function, ids)
 
 
 def rewrite(model: ir.Model, edits: AttentionEdits) -> PlacementResult:
@@ -93,6 +97,7 @@ def rewrite(model: ir.Model, edits: AttentionEdits) -> PlacementResult:
     rc, projected, selected, atts, mask = edits.rc, edits.projected, edits.selected, edits.atts, edits.mask
     graph = model.graph
     parts, op_type, function = edits.parts, edits.op_type, edits.function
+    mask = row_marks.insert(graph, rc, mask, edits.ids)
     off = dataclasses.replace(rc, strength=0.0)
     for layer, att in enumerate(atts):
         x, W, bias, heads, scale = parts[layer]

@@ -5,7 +5,8 @@ Domain `ai.attncal`, version 1: four calibration op types (`OP_TYPES`, below) an
 two calibrated attention ops (`ATTENTION_OP_TYPES`, at the end of this text).
 
 * `PooledRowCalibration`: calibrates the pooling row only (cls or last pooling).
-* `AllRowsCalibration`: calibrates every valid query row (mean pooling).
+* `AllRowsCalibration`: calibrates every valid query row (mean pooling), or with
+  `marked_rows` = 1 the marked rows (landmark and mean-every pooling; below).
 
 Inputs: `probs` T[B,H,Q,K] (post-softmax attention of one layer, Q == K; for
 `PooledRowCalibration` also Q == 1, meaning the single row *is* the pooling row,
@@ -20,6 +21,29 @@ every exported node.
   `<op>(Softmax(scores, axis=-1), attention_mask)` with `<op>`'s attributes.
   Why: a separate op costs one more read and write of the probabilities; fused,
   the calibration rides on the softmax's own pass over the row.
+
+Marked rows (landmark, multi-CLS and Mean@k pooling pool many rows, and those are the
+rows to calibrate).  The all-rows ops take four optional attributes, written only
+where they differ from their defaults (`ROW_SET_DEFAULTS`), so graphs without them
+keep their meaning and run on libraries built before them:
+
+* `marked_rows` (0): 1 = calibrate only the query rows q whose `attention_mask[b,q]`
+  is `ROW_MARK` (2): a valid token marked as pooled.  Every non-zero mask value
+  is a valid key as before; the graph derives the marks from `input_ids` and
+  `attention_mask` (`attncal.graphs.row_marks`), so the ops keep their inputs.
+  Why in the mask and not an input of its own: the calibrated attention ops'
+  `relative_bias` is already an optional input, and ONNX Runtime's custom-op API
+  and TensorRT's plugins take no absent input before a present one; the mask is
+  read by every kernel anyway, so the rows cost no extra pass.
+* `isolate_self` (0), `self_mode` (0 = equal, 1 = original, 2 = fixed),
+  `self_weight` (0.0): 1 = each calibrated row's own key (key q of query row q:
+  its pooling token) is isolated with that share.  Where the own key is the
+  isolated first or last key, it takes the self share in that key's place;
+  otherwise it leaves its basket (the basket's mass A_k is summed without it)
+  and t counts it as one more isolated key.  Step 8 (the budget) applies where
+  one of the row's isolated keys takes a share that is not `equal`.  The baskets
+  themselves stay the item's, the same for every row.  Needs `marked_rows` = 1.
+* The pooled-row ops take the four at their defaults only.
 
 Rows that are fully masked or not finite.  The ops follow the graph they
 replace.  The function body, the native CPU kernels (in place and out of
@@ -185,6 +209,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     "last_weight": ("float", "used by fixed"),
     "skip_short": ("int", "0 or 1"),
     "layer": ("int", "informational"),
+    "marked_rows": ("int", "0 or 1: calibrate only the rows whose attention_mask value is ROW_MARK; all-rows ops"),
+    "isolate_self": ("int", "0 or 1: isolate each calibrated row's own key; with marked_rows"),
+    "self_mode": ("int", "0 = equal, 1 = original, 2 = fixed: the own key's share"),
+    "self_weight": ("float", "the own key's share under fixed"),
     "num_heads": ("int", ">= 1; calibrated attention ops only"),
     "scale": ("float", "score scale; 0 = 1/sqrt(head_size); calibrated attention ops only"),
     "num_kv_heads": ("int", "key/value heads (GQA / MQA), divides num_heads; 0 = num_heads; attention ops only"),
@@ -200,6 +228,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 GEOMETRY_DEFAULTS: dict[str, int] = {"num_kv_heads": 0, "window_left": -1, "window_right": -1,
                                      "relative_max_distance": 0}
 _ATTENTION_ONLY = ("num_heads", "scale", *GEOMETRY_DEFAULTS)
+# The marked rows and the own key's isolation: optional on every op (the pooled-row ops take them at these
+# defaults only), with these defaults, written only where a node differs from them.
+ROW_SET_DEFAULTS: dict[str, int | float] = {"marked_rows": 0, "isolate_self": 0, "self_mode": 0, "self_weight": 0.0}
+OPTIONAL_DEFAULTS: dict[str, int | float] = {**ROW_SET_DEFAULTS, **GEOMETRY_DEFAULTS}
 
 
 def _check(op_type: str) -> str:
@@ -297,7 +329,11 @@ def op_spec(rc: ResolvedCalibration, layer: int, *, fused_softmax: bool = False)
         "skip_short": int(rc.skip_short),
         "layer": int(layer),
     }
-    if rc.all_rows:
+    if rc.row_set:
+        rows = {"marked_rows": 1, "isolate_self": int(rc.isolate_self), "self_mode": int(rc.self_mode),
+                "self_weight": float(rc.self_weight)}
+        spec = OpSpec(ALL_ROWS_OP, {**attrs, **{k: v for k, v in rows.items() if v != ROW_SET_DEFAULTS[k]}})
+    elif rc.all_rows:
         spec = OpSpec(ALL_ROWS_OP, attrs)
     else:
         spec = OpSpec(POOLED_OP, {"pool_last": int(rc.pool_last), **attrs})
@@ -368,10 +404,13 @@ def geometry_from_attrs(attrs: dict[str, int | float]) -> AttentionGeometry:
 
 def resolved_from_attrs(op_type: str, attrs: dict[str, int | float]) -> ResolvedCalibration:
     """Inverse of `op_spec`: what a node with these attributes computes."""
-    if is_all_rows(op_type):
-        pooling = "mean"
-    else:
+    rows = {k: attrs.get(k, v) for k, v in ROW_SET_DEFAULTS.items()}
+    if not is_all_rows(op_type):
         pooling = "last" if int(attrs["pool_last"]) else "cls"
+    elif int(rows["marked_rows"]):
+        pooling = "landmark" if int(rows["isolate_self"]) else "mean-every"
+    else:
+        pooling = "mean"
     return ResolvedCalibration(
         pooling=pooling,  # type: ignore[arg-type]
         strength=float(attrs["strength"]),
@@ -383,4 +422,7 @@ def resolved_from_attrs(op_type: str, attrs: dict[str, int | float]) -> Resolved
         last_mode=int(attrs["last_mode"]),
         last_weight=float(attrs["last_weight"]),
         skip_short=bool(attrs["skip_short"]),
+        isolate_self=bool(rows["isolate_self"]),
+        self_mode=int(rows["self_mode"]),
+        self_weight=float(rows["self_weight"]),
     )

@@ -35,7 +35,8 @@ import itertools
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from .contract import (ALL_OP_TYPES, DOMAIN, GEOMETRY_DEFAULTS, attribute_names, input_names, is_all_rows,
+from ..calibration.config import ROW_MARK
+from .contract import (ALL_OP_TYPES, DOMAIN, OPTIONAL_DEFAULTS, attribute_names, input_names, is_all_rows,
                        is_attention, is_projected, takes_scores)
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
@@ -144,8 +145,12 @@ def _body(b: _Builder, all_rows: bool) -> str:
         x_native = "probs"
         pos_b = b.op("Unsqueeze", pos, ax0)  # [1,Q] (Q == K)
         in_span = b.op("And", b.op("GreaterOrEqual", pos_b, start), b.op("LessOrEqual", pos_b, end))  # [B,Q]
+        # marked_rows: the rows whose mask value is ROW_MARK, else every row of the valid span.
+        marked = b.op("Equal", "attention_mask", b.const_i(ROW_MARK))
+        by_mark = b.op("Equal", b.attr("marked_rows", "int"), one_i)
+        rows = b.op("Or", b.op("And", by_mark, marked), b.op("And", b.op("Not", by_mark), in_span))  # [B,Q]
         row_active = b.op("And", b.op("Unsqueeze", active, ax_12),
-                          b.op("Unsqueeze", in_span, b.axes(1, 3)))  # [B,1,Q,1]: the rows of the valid span
+                          b.op("Unsqueeze", rows, b.axes(1, 3)))  # [B,1,Q,1]
     else:
         pool_last = b.attr("pool_last", "int")
         row = b.op("Where", b.op("Equal", pool_last, one_i), end_c, start_c)  # [B,1]
@@ -159,9 +164,10 @@ def _body(b: _Builder, all_rows: bool) -> str:
         x_native = b.op("GatherElements", "probs", row_idx, axis=2)
         row_active = b.op("Unsqueeze", active, ax_12)  # [B,1,1,1]
     x = b.op("Cast", x_native, to=f32)
+    own = _OwnKey(b, all_rows, x, pos, start, end, iso_f, iso_l, row_active)
 
     # --- basket masses, the isolated tokens' probabilities and the row sum in one MatMul (steps 4, 6)
-    read = b.op("MatMul", x, P_read)  # [B,H,R,n+3]; pads enter the row sum only
+    read = b.op("MatMul", own.x_mass, P_read)  # [B,H,R,n+3]; pads enter the row sum only
     n_1d = b.op("Unsqueeze", n_max, ax0)
     mass = b.op("Slice", read, b.axes(0), n_1d, ax_last)
     z_first = b.op("Slice", read, n_1d, b.op("Add", n_1d, b.axes(1)), ax_last)
@@ -169,8 +175,8 @@ def _body(b: _Builder, all_rows: bool) -> str:
     row_sum = b.op("Slice", read, b.op("Add", n_1d, b.axes(2)), b.op("Add", n_1d, b.axes(3)), ax_last)
     # NaN in, NaN out (contract.py): 0 for a row of finite probabilities, NaN for a row holding a NaN
     # or an infinity at any key (pads included); added to the calibrated rows' multipliers below.
-    poison = b.op("Mul", row_sum, zero_f)  # [B,H,R,1]
-    t4 = b.op("Unsqueeze", t, ax_12)  # [B,1,1,1]
+    poison = b.op("Add", b.op("Mul", row_sum, zero_f), b.op("Mul", own.z, zero_f))  # [B,H,R,1]
+    t4 = b.op("Add", b.op("Unsqueeze", t, ax_12), own.extra_t)  # [B,1,R|1,1]
     nz = b.op("Not", b.op("Equal", mass, zero_f))
     # Multipliers are kept scaled by 2^-32 and x by 2^32 (powers of two: exact), so a basket whose
     # mass is subnormal (1/mass beyond the float range) still gets a finite multiplier, and the
@@ -188,17 +194,22 @@ def _body(b: _Builder, all_rows: bool) -> str:
                        b.op("Where", b.op("Equal", mode, one_i), z_pos, w))
         return b.op("Mul", by_mode, b.op("Cast", iso, to=f32))
 
-    s_f = share(iso_f, mode_f, w_f, z_first)
-    s_l = share(iso_l, mode_l, w_l, z_last)
-    # --- budget rescale (step 8), only when an isolated token is not 'equal'
-    non_eq_f = b.op("And", b.op("Equal", iso_f, one_i), b.op("Not", b.op("Equal", mode_f, zero_i)))
-    non_eq_l = b.op("And", b.op("Equal", iso_l, one_i), b.op("Not", b.op("Equal", mode_l, zero_i)))
-    budget = b.op("Max", b.op("Sub", b.op("Sub", one_f, s_f), s_l), zero_f)
+    # The first and last keys' shares, 0 in rows whose own key takes their place (isolate_self).
+    s_f = b.op("Mul", share(iso_f, mode_f, w_f, z_first), own.keep_first)
+    s_l = b.op("Mul", share(iso_l, mode_l, w_l, z_last), own.keep_last)
+    s_o = share(own.on_i, own.mode, own.weight, own.z)
+    # --- budget rescale (step 8), only where one of the row's isolated keys is not 'equal'
+    non_eq_f = b.op("And", b.op("And", b.op("Equal", iso_f, one_i), b.op("Not", b.op("Equal", mode_f, zero_i))),
+                    b.op("Cast", own.keep_first, to=TensorProto.BOOL))
+    non_eq_l = b.op("And", b.op("And", b.op("Equal", iso_l, one_i), b.op("Not", b.op("Equal", mode_l, zero_i))),
+                    b.op("Cast", own.keep_last, to=TensorProto.BOOL))
+    non_eq_o = b.op("And", b.op("Equal", own.on_i, one_i), b.op("Not", b.op("Equal", own.mode, zero_i)))
+    budget = b.op("Max", b.op("Sub", b.op("Sub", b.op("Sub", one_f, s_f), s_l), s_o), zero_f)
     cs_nz = b.op("Not", b.op("Equal", content_sum, zero_f))
-    scale = b.op("Where", b.op("And", b.op("Or", non_eq_f, non_eq_l), cs_nz),
+    scale = b.op("Where", b.op("And", b.op("Or", b.op("Or", non_eq_f, non_eq_l), non_eq_o), cs_nz),
                  b.op("Div", budget, b.op("Where", cs_nz, content_sum, one_f)), one_f)
     # --- normalisation (step 9) and blend (step 10) as one multiplier per basket
-    total = b.op("Add", b.op("Add", b.op("Mul", content_sum, scale), s_f), s_l)
+    total = b.op("Add", b.op("Add", b.op("Add", b.op("Mul", content_sum, scale), s_f), s_l), s_o)
     tot_nz = b.op("Not", b.op("Equal", total, zero_f))
     # Divide (rather than multiply by 1/total): a tiny fixed weight can make total subnormal.
     total = b.op("Where", tot_nz, total, one_f)  # a zero total skips normalisation
@@ -228,10 +239,89 @@ def _body(b: _Builder, all_rows: bool) -> str:
                      poison)
         use = b.op("And", row_active, b.op("Equal", iso, one_i))
         out = b.op("ScatterElements", out, idx, b.op("Where", use, value, current), axis=3)
+    out = own.write(out, coef, P_ext, up, b.op("Add", b.op("Add", b.op("Mul", lam, b.op("Div", s_o, total)),
+                                                           b.op("Mul", one_minus, own.z)), poison))
     out_native = b.op("CastLike", out, "probs")
     if all_rows:
         return out_native
     return b.op("ScatterElements", "probs", row_idx, out_native, axis=2)
+
+
+class _OwnKey:
+    """The own key of each calibrated row (`isolate_self`, all-rows ops; contract.py, "Marked rows"): key q of
+    query row q.  Its pieces are computed for every node and switched by the attribute, so one function serves
+    every node; the two that touch the whole [B,H,Q,K] tensor run in an `If` on it, so a node without the
+    attribute pays nothing for them.  A pooled-row op takes the attribute at its default only: there the pieces
+    are constants that change nothing.
+
+    * `x_mass`: the rows the basket masses are read from, the own key zeroed in calibrated rows (its basket's
+      mass without it); `z`: the own key's probability [B,H,R,1] (0 without the attribute);
+    * `extra_t`: 1 in rows whose own key is content, so t counts it as one more isolated key;
+    * `keep_first`, `keep_last`: 0 in rows whose own key is the isolated first / last key (it takes the self
+      share in that key's place), else 1;
+    * `on_i`, `mode`, `weight`: the attribute and the own key's share;
+    * `write(out, coef, P_ext, up, value)`: `out` with the own key's output written in calibrated rows."""
+
+    def __init__(self, b: _Builder, all_rows: bool, x: str, pos: str, start: str, end: str, iso_f: str, iso_l: str,
+                 row_active: str) -> None:
+        f32 = TensorProto.FLOAT
+        self.b = b
+        zero_i, one_i = b.const_i(0), b.const_i(1)
+        self.zero_f, one_f = b.const_f(0.0), b.const_f(1.0)
+        self.all_rows = all_rows
+        if not all_rows:
+            self.x_mass, self.z, self.extra_t = x, self.zero_f, self.zero_f
+            self.keep_first = self.keep_last = one_f
+            self.on_i, self.mode, self.weight = zero_i, zero_i, self.zero_f
+            return
+        self.on_i = b.attr("isolate_self", "int")
+        self.mode, self.weight = b.attr("self_mode", "int"), b.attr("self_weight", "float")
+        self.on = b.op("Equal", self.on_i, one_i)
+        self.row_active = row_active
+        q = b.op("Unsqueeze", pos, b.axes(0, 1, 3))  # [1,1,Q,1]: row q's own key is key q (Q == K)
+        self.idx = b.op("Expand", q, b.op("Concat", b.op("Shape", x, end=3), b.axes(1), axis=0))  # [B,H,Q,1]
+        self.z = b.op("Mul", b.op("GatherElements", x, self.idx, axis=3), b.op("Cast", self.on, to=f32))
+        row_b = b.op("Unsqueeze", pos, b.axes(0))  # [1,Q]
+
+        def at(iso: str, key: str) -> str:  # [B,1,Q,1]: the own key is this isolated key (with isolate_self)
+            hit = b.op("And", b.op("Equal", iso, one_i), b.op("Equal", row_b, key))
+            return b.op("Unsqueeze", b.op("And", hit, self.on), b.axes(1, 3))
+
+        own_first, own_last = at(iso_f, start), at(iso_l, end)
+        self.keep_first = b.op("Sub", one_f, b.op("Cast", own_first, to=f32))
+        self.keep_last = b.op("Sub", one_f, b.op("Cast", own_last, to=f32))
+        content = b.op("And", self.on, b.op("Not", b.op("Or", own_first, own_last)))
+        self.extra_t = b.op("Cast", content, to=f32)
+        # The own key zeroed in calibrated rows: [Q,K] diagonal and the calibrated rows.
+        then = _Builder()
+        then._ids = b._ids
+        diag = then.op("Equal", then.op("Unsqueeze", pos, b.axes(-1)), then.op("Unsqueeze", pos, b.axes(0)))
+        zeroed = then.op("Where", then.op("And", then.op("Unsqueeze", diag, b.axes(0, 1)), row_active), self.zero_f, x)
+        self.x_mass = self._if(then, zeroed, x)
+
+    def _if(self, then: _Builder, then_out: str, else_out: str) -> str:
+        """`then_out` (made by the nodes of `then`) where the attribute is set, else `else_out`."""
+        b = self.b
+        out_then, out_else = f"t{next(b._ids)}_then", f"t{next(b._ids)}_else"
+        info = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+        then.nodes.append(helper.make_node("Identity", [then_out], [out_then]))
+        then_graph = helper.make_graph(then.nodes, "own_key", [], [info(out_then)])
+        else_graph = helper.make_graph([helper.make_node("Identity", [else_out], [out_else])], "no_own_key", [],
+                                       [info(out_else)])
+        return b.op("If", self.on, then_branch=then_graph, else_branch=else_graph)
+
+    def write(self, out: str, coef: str, P_ext: str, up: str, value: str) -> str:
+        if not self.all_rows:
+            return out
+        b = self.b
+        then = _Builder()
+        then._ids = b._ids
+        # The value other rows keep at their own key: x·M there, M = coef·P_ext[q] (as `out` computed it).
+        m_at = then.op("ReduceSum", then.op("Mul", coef, then.op("Unsqueeze", P_ext, b.axes(1))), b.axes(-1),
+                       keepdims=1)
+        current = then.op("Mul", then.op("Mul", self.z, up), m_at)
+        written = then.op("ScatterElements", out, self.idx, then.op("Where", self.row_active, value, current), axis=3)
+        return self._if(then, written, out)
 
 
 def _softmax_body(b: _Builder, scores: str, all_rows: bool) -> str:
@@ -357,9 +447,9 @@ def make_function(op_type: str, opset: int, relative_bias: bool = False) -> onnx
         out = _body(b, all_rows=is_all_rows(op_type))
     output = "context" if is_attention(op_type) else "calibrated"
     b.nodes.append(helper.make_node("Identity", [out], [output]))
-    # The optional geometry attributes carry their defaults in the function (a node may lack them).
+    # The optional attributes (marked rows, geometry) carry their defaults in the function (a node may lack them).
     names = attribute_names(op_type)
-    defaults = [helper.make_attribute(n, v) for n, v in GEOMETRY_DEFAULTS.items() if n in names]
+    defaults = [helper.make_attribute(n, v) for n, v in OPTIONAL_DEFAULTS.items() if n in names]
     return helper.make_function(
         DOMAIN,
         op_type,
@@ -367,7 +457,7 @@ def make_function(op_type: str, opset: int, relative_bias: bool = False) -> onnx
         outputs=[output],
         nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)],
-        attributes=[n for n in names if n not in GEOMETRY_DEFAULTS],
+        attributes=[n for n in names if n not in OPTIONAL_DEFAULTS],
         attribute_protos=defaults,
         doc_string=f"attncal calibration op {op_type} (contract v1); see attncal.graphs.contract",
     )

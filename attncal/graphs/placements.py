@@ -21,6 +21,10 @@ docs/performance.md and docs/performance-log.md):
   memory than the softmax placements (`ort-split` vs `ort-cal`); `--placement split` writes it for
   runtimes that fuse attention themselves (TensorRT).  A mean-pooling config with an `original`
   isolated token cannot be split on fused attention and uses the softmax placements in both graphs.
+* landmark / mean-every pooling -> `fused-softmax` on the portable graph and `softmax` on the optimized
+  one: the calibrated rows are marked from the token ids (`row_marks`), neither the one row that row
+  placement recomputes nor the every row that split placement computes over baskets; the native graph's
+  attention op calibrates them in its one pass.
 * Beside the optimized graph, every export where that graph applies, calibrated or not, also gets the
   native graph (`onnx/model_optimized_native.onnx`): each layer's fused attention becomes one
   calibrated attention op (strength 0 where the layer is not calibrated), softmax, calibration and
@@ -105,7 +109,7 @@ def plan(requested: str, rc: ResolvedCalibration, precision: str = "fp32") -> Pl
         if refusal is not None:
             raise refusal.exception()
         if PORTABLE not in placement.graphs:  # no fused attention on the portable graph
-            portable = FUSED_SOFTMAX if rc.all_rows else ROW
+            portable = FUSED_SOFTMAX if rc.all_rows or rc.row_set else ROW
             return Plan(portable, requested, f"requested: --placement {requested} (the ORT-optimized graph; "
                                              f"{portable} on the portable graph)")
         return Plan(requested, requested, f"requested: --placement {requested}")
@@ -113,6 +117,12 @@ def plan(requested: str, rc: ResolvedCalibration, precision: str = "fp32") -> Pl
               + ("Q/K/V projection, " if native_placement == PROJECTED_ATTENTION else "")
               + "softmax, calibration (where calibrated) and product with V in one pass "
               "(onnx/model_optimized_native.onnx)")
+    if rc.row_set:
+        return Plan(FUSED_SOFTMAX, SOFTMAX, f"auto: {rc.pooling} pooling calibrates the rows marked from the token ids "
+                                            "(neither one row, which row placement recomputes, nor every row, which "
+                                            "split placement computes over baskets); the calibration is fused with "
+                                            "each calibrated layer's Softmax on the portable graph" + native,
+                    native_placement)
     if not rc.all_rows:
         return Plan(ROW, ROW, f"auto: {rc.pooling} pooling calibrates one row; row placement recomputes it "
                               "beside the attention and keeps every fused attention node" + native, native_placement)

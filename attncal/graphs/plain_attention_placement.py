@@ -40,6 +40,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from . import row_marks
 from .attention_chain import PlainAttention, walk_layer
 from .builder import Ops, const_array, graph_input, scalar_value
 from .contract import DOMAIN, VERSION, AttentionGeometry, attention_op_spec
@@ -87,6 +88,7 @@ class PlainAttentionEdits:
     layers: list[LayerEdit]
     mask: ir.Value
     shape: ModelShape
+    ids: ir.Value | None = None  # the token ids the calibrated rows are marked from (row-set poolings)
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ def find(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_la
     rc = (config or CalibrationConfig.off(pooling)).resolve()
     selected = config.layer_indices(num_layers) if config is not None and rc.strength != 0.0 else []
     mask_input = graph_input(graph, "attention_mask", PlainAttentionError)
+    ids = row_marks.find_ids(graph, rc, PlainAttentionError)
     geometries: dict[int, AttentionGeometry] = {}
     distances: dict[int, int] = {}
     layers = []
@@ -205,7 +208,7 @@ def find(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_la
     if len({e.table is None for e in layers}) > 1:
         raise PlainAttentionError("some layers add a relative position bias and others do not; the op's function "
                                   "takes it in every layer or in none")
-    return PlainAttentionEdits(rc, selected, layers, mask_input, shape)
+    return PlainAttentionEdits(rc, selected, layers, mask_input, shape, ids)
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,7 @@ def rewrite(model: ir.Model, edits: PlainAttentionEdits) -> PlainAttentionResult
 
     graph, rc, N = model.graph, edits.rc, edits.shape.num_heads
     off = dataclasses.replace(rc, strength=0.0)
+    mask = row_marks.insert(graph, rc, edits.mask, edits.ids)
     op_type = None
     for e in edits.layers:
         layer = e.walk.layer
@@ -233,7 +237,7 @@ def rewrite(model: ir.Model, edits: PlainAttentionEdits) -> PlainAttentionResult
         spec = attention_op_spec(rc if layer in edits.selected else off, layer, num_heads=N, scale=e.scale,
                                  geometry=e.geometry)
         op_type = spec.op_type
-        inputs = (q, k, v, edits.mask) + ((e.table,) if e.table is not None else ())
+        inputs = (q, k, v, mask) + ((e.table,) if e.table is not None else ())
         context = ops(spec.op_type, *inputs, domain=DOMAIN, **spec.attrs)
         context.name = f"{ops.prefix}/context"
         heads = ops("Transpose", ops("Reshape", context, split), perm=[0, 2, 1, 3])  # [B,N,S,D_v]

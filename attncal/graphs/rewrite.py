@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from . import row_marks
 from .builder import graph_input
 from .contract import DOMAIN, VERSION, is_attention, op_spec, takes_scores
 from .function_body import MIN_OPSET, make_function
@@ -86,6 +87,7 @@ class CalibrationPlan:
     softmaxes: list[AttentionSoftmax]
     remove_first: bool  # the model carries calibration nodes and `replace` was asked for
     function: ir.Function  # the op's model-local body
+    ids: ir.Value | None = None  # the token ids the calibrated rows are marked from (row-set poolings)
 
 
 def _selected(softmaxes: list[AttentionSoftmax], selected: list[int]) -> list[AttentionSoftmax]:
@@ -117,6 +119,7 @@ def plan_calibration(
             "fresh export) to recalibrate"
         )
     mask = graph_input(graph, mask_input, SoftmaxPatternError)
+    ids = row_marks.find_ids(graph, rc, SoftmaxPatternError)
     selected = config.layer_indices(num_layers)
     if calibrated:
         probe = model.clone()
@@ -127,7 +130,7 @@ def plan_calibration(
         softmaxes = _selected(find_attention_softmaxes(graph, num_layers), selected)
     # layer_indices() is never empty; the op type does not depend on the layer.
     function = ir.serde.deserialize_function(make_function(op_spec(rc, selected[0]).op_type, opset))
-    return CalibrationPlan(rc, num_layers, selected, mask, softmaxes, calibrated, function)
+    return CalibrationPlan(rc, num_layers, selected, mask, softmaxes, calibrated, function, ids)
 
 
 def apply_calibration(model: ir.Model, plan: CalibrationPlan) -> RewriteResult:
@@ -138,6 +141,7 @@ def apply_calibration(model: ir.Model, plan: CalibrationPlan) -> RewriteResult:
         remove_calibration(model)
         # The same search succeeded on a copy of the model in plan_calibration.
         softmaxes = _selected(find_attention_softmaxes(graph, plan.num_layers), plan.selected)
+    mask = row_marks.insert(graph, plan.rc, plan.mask, plan.ids)
     spec = None
     for att in softmaxes:
         spec = op_spec(plan.rc, att.layer)
@@ -146,7 +150,7 @@ def apply_calibration(model: ir.Model, plan: CalibrationPlan) -> RewriteResult:
         node = ir.Node(
             DOMAIN,
             spec.op_type,
-            [probs, plan.mask],
+            [probs, mask],
             attributes=[ir.AttrInt64(k, v) if isinstance(v, int) else ir.AttrFloat32(k, v) for k, v in spec.attrs.items()],
             name=f"attncal_{spec.op_type}_layer{att.layer}",
             num_outputs=1,
@@ -173,7 +177,7 @@ def insert_calibration(
     replace: bool = False,
     mask_input: str = "attention_mask",
 ) -> RewriteResult:
-    """Calibrate `model` in place. `config.pooling` must be concrete (cls, last or mean).
+    """Calibrate `model` in place. `config.pooling` must be concrete (cls, last, mean, landmark or mean-every).
 
     Every refusal (`SoftmaxPatternError`, `AlreadyCalibratedError`) comes before the first edit."""
     return apply_calibration(model, plan_calibration(model, config, num_layers, replace=replace,

@@ -70,7 +70,14 @@ def check_request(rc: ResolvedCalibration, precision: str) -> Refusal | None:
     if rc.all_rows:
         return Refusal(RowPlacementError, "row placement needs a single pooling row; mean pooling calibrates every "
                                           "row: use --placement split (or auto)")
+    if rc.row_set:
+        return Refusal(RowPlacementError, _MANY_ROWS.format(rc.pooling))
     return None
+
+
+# The refusal of a row-set pooling, by every rule of the placement.
+_MANY_ROWS = ("row placement needs a single pooling row; {} pooling calibrates every row marked from the token ids: "
+              "use --placement fused-softmax, softmax or attention (or auto)")
 
 
 def pooled_function(model: ir.Model) -> ir.Function:
@@ -104,6 +111,8 @@ def _find_fused(model: ir.Model, config: CalibrationConfig, num_layers: int,
             "row placement needs a single pooling row; mean pooling calibrates every row "
             "(AllRowsCalibration) and keeps the softmax placement"
         )
+    if rc.row_set:
+        raise RowPlacementError(_MANY_ROWS.format(rc.pooling))
     atts, mask = fused_layers(model, num_layers, mask_input, RowPlacementError, "row placement needs",
                               ". Run onnxruntime.transformers.optimizer on a TorchScript export first, or use the "
                               "softmax placement")

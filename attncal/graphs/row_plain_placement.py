@@ -27,7 +27,7 @@ from .builder import Ops as _Ops
 from .builder import graph_input
 from .contract import DOMAIN, VERSION, op_spec
 from .placement_base import PLAIN, PlacementResult, Rule, checked_on_inferred_shapes, keep_inferred_shapes
-from .row_placement import NODE_PREFIX, REFUSES, RowPlacementError, pooled_function, row_result
+from .row_placement import NODE_PREFIX, REFUSES, RowPlacementError, check_request, pooled_function, row_result
 from .softmax_pattern import AttentionSoftmax, find_attention_softmaxes
 
 
@@ -68,6 +68,9 @@ def find(model: ir.Model, config: CalibrationConfig, num_layers: int,
     rc = config.resolve()
     if rc.all_rows:
         raise RowPlacementError("row placement needs a single pooling row; mean pooling keeps the softmax placement")
+    refusal = check_request(rc, "fp32")
+    if refusal is not None:
+        raise refusal.exception()
     graph = model.graph
     mask = graph_input(graph, mask_input, RowPlacementError)
     selected = config.layer_indices(num_layers)

@@ -61,6 +61,10 @@ class SplitPlacementError(ValueError):
 
 def unsupported_config(rc: ResolvedCalibration) -> Refusal | None:
     """The refusal of a config the split graph cannot express, or None."""
+    if rc.row_set:
+        return Refusal(SplitPlacementError,
+                       f"split placement calibrates one row or every row; {rc.pooling} pooling calibrates the rows "
+                       "marked from the token ids: use --placement fused-softmax, softmax or attention (or auto)")
     if rc.all_rows and any(e and m == MODE_ORIGINAL for e, m in ((rc.isolate_first, rc.first_mode),
                                                                     (rc.isolate_last, rc.last_mode))):
         return Refusal(SplitPlacementError,

@@ -27,7 +27,7 @@ from .builder import Ops, graph_input
 from .placement_base import PLAIN, PlacementResult, Rule, checked_on_inferred_shapes, keep_inferred_shapes
 from .softmax_pattern import AttentionSoftmax, SoftmaxPatternError, find_attention_softmaxes
 from .split_placement import (NODE_PREFIX, Geometry, SplitPlacementError, coefficients, equal_or_fixed_share, f32,
-                              i64, item, split_result)
+                              i64, item, split_result, unsupported_config)
 
 
 def _basket_side(val: ir.Value, node: ir.Node) -> str:
@@ -76,6 +76,8 @@ def find(model: ir.Model, config: CalibrationConfig, num_layers: int,
     if any(n.domain == "ai.attncal" for n in graph):
         raise SplitPlacementError("the graph already contains attncal calibration nodes")
     mask = graph_input(graph, mask_input, SplitPlacementError)
+    if rc.row_set:
+        raise unsupported_config(rc).exception()
     selected = config.layer_indices(num_layers)
     if rc.strength == 0.0:
         return _PlainEdits(rc, selected, mask, None)

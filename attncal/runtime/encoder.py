@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import cpuinfo
 from ..artifact import (
+    METADATA_FILE,
     NATIVE_GRAPH,
     ONNX_FILE,
     ONNX_SUBDIR,
@@ -120,6 +121,25 @@ def planned_graph(out_dir: str | os.PathLike, providers: Sequence[str] | None = 
     return select_graph(out, meta, graph, providers, lib)
 
 
+def pooling_spec_of(meta: dict, out_dir: Path):
+    """The export's landmark / Mean@k pooling (attncal.json's `pooling_spec`, an
+    `attncal.runtime.landmarks.PoolingSpec`), None for the other poolings; ArtifactError when it is damaged."""
+    from ..calibration.config import ROW_SET_POOLINGS
+    from .landmarks import PoolingSpec
+
+    data = meta.get("pooling_spec")
+    if data is None and meta.get("pooling") not in ROW_SET_POOLINGS:
+        return None
+    try:
+        spec = PoolingSpec.from_dict(data)
+    except ValueError as exc:
+        raise ArtifactError(out_dir / METADATA_FILE, f"key 'pooling_spec': {exc}") from None
+    if spec.pooling != meta.get("pooling") or not spec.resolved:
+        raise ArtifactError(out_dir / METADATA_FILE, f"key 'pooling_spec' ({spec.describe()}, token id "
+                                                     f"{spec.token_id}) does not fit pooling {meta.get('pooling')!r}")
+    return spec
+
+
 def needs_right_padding(meta: dict, graph_file: str) -> bool:
     """Whether a graph keeps ONNX Runtime's fused attention, which takes key lengths (so a token after
     padding would be dropped): the optimized graph, and the native graph made from it.  The native graph
@@ -149,6 +169,7 @@ class Encoder:
     (`native=None`, the default; `$ATTNCAL_NATIVE=0` or `native=False` turns it off,
     `native=True` requires it); `custom_op_library` names a library explicitly.
     An int8 graph on a CPU class its parity figures do not cover gets an `attncal.cpuinfo.Int8CpuWarning`.
+    An export with landmark pooling places its landmarks as it tokenizes (`attncal.runtime.landmarks`).
     """
 
     def __init__(
@@ -197,9 +218,10 @@ class Encoder:
         ExportDir(self.path, self.meta).check_graph(self.graph_file)  # damaged graph -> ArtifactError
         self._max_length = self.meta.get("max_seq_length")
         self._hf_tokenizer = None
+        self.pooling_spec = pooling_spec_of(self.meta, self.path)
         try:
             self._tokenizer = load_tokenizer(self.path, self.meta.get("tokenizer"), self._max_length,
-                                             self.meta.get("padding_side", "right"))
+                                             self.meta.get("padding_side", "right"), self.pooling_spec)
         except Exception as exc:  # a damaged tokenizer file fails deep inside tokenizers/transformers
             raise ArtifactError(self.path / "tokenizer.json", "the tokenizer cannot be loaded "
                                 f"({type(exc).__name__}: {_first_line(exc)})") from None
@@ -256,11 +278,12 @@ class Encoder:
     def tokenizer(self):
         """transformers' tokenizer of the export, loaded on first use, for its API (chunkers and evaluations
         need it; `tokenize` and `encode` do not, see attncal.runtime.tokenizer).  Set `max_length` and
-        `padding_side` on the Encoder: they are what `tokenize` and `encode` use."""
+        `padding_side` on the Encoder: they are what `tokenize` and `encode` use.  It places no landmarks
+        (`tokenize` does)."""
         if self._hf_tokenizer is None:
             from .tokenizer import TransformersTokenizer
 
-            tok = self._tokenizer
+            tok = getattr(self._tokenizer, "base", self._tokenizer)
             self._hf_tokenizer = (tok if isinstance(tok, TransformersTokenizer) else TransformersTokenizer(
                 self.path, self._max_length, self.padding_side)).hf
         return self._hf_tokenizer

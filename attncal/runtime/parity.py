@@ -12,10 +12,18 @@ attention would not fit is checked at the longest length that does (`length_cap`
 in the report).  Both sides encode the same batches, the PyTorch reference first (SDPA
 with split calibration where the model has it, so it does not materialise [B,H,S,S]);
 the reference model is freed before any ONNX Runtime session is created.
+
+Landmark (LMK, multi-CLS) and Mean@k exports are checked against `PaperReference`, which tokenizes and pools
+as the papers describe, written apart from `attncal.runtime.landmarks` (the export's tokenization) and from
+the graph's pooling: each text's sequence is built from transformers' own template call, its landmark
+positions are recorded as they are placed, and the embedding is the mean of the final states gathered at
+those positions, text by text.  So the check covers the tokenization of the export, not only its graph.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +34,8 @@ import numpy as np
 from .. import library_output
 from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
 from ..calibration.config import CalibrationConfig
-from .encoder import Encoder
+from .encoder import Encoder, pooling_spec_of
+from .landmarks import SENTENCE, PoolingSpec, sentence_ends
 
 FP32_MAX_ABS = 1e-5
 FP16_MAX_ABS = 2e-3
@@ -122,6 +131,107 @@ class ParityReport:
             lines.append(f"{b.name:<24} {b.count:>5} {b.max_abs:>10.3g} {b.min_cos:>12.8f} {p1} {p50}")
         lines.append(f"{'all':<24} {self.n_texts:>5} {self.max_abs:>10.3g} {self.min_cos:>12.8f}")
         return "\n".join(lines)
+
+
+
+class PaperReference:
+    """Landmark and Mean@k embeddings of a `TorchEncoder`'s model, from the papers' description (module
+    docstring): LMK puts the landmark token after every chunk of `every` tokens (or sentence), multi-CLS before
+    every chunk, where the model's template does not already have it there; the landmarks count against
+    `max_length`; Mean@k pools the k-th, 2k-th, ... token.  The embedding is the mean of the final hidden states
+    at those positions, then the model's Dense modules and normalisation."""
+
+    def __init__(self, encoder, spec: PoolingSpec, max_length: int | None) -> None:
+        self.enc, self.spec, self.max_length = encoder, spec, max_length
+        self.tok = encoder.tokenizer
+        # The model's template: what its tokenizer puts before and after a one-word text.
+        full, plain = self.tok("a")["input_ids"], self.tok("a", add_special_tokens=False)["input_ids"]
+        start = next(i for i in range(len(full)) if full[i:i + len(plain)] == plain)
+        self.prefix, self.suffix = full[:start], full[start + len(plain):]
+
+    def _chunks(self, content: list[int], sentence: list[int] | None) -> list[list[int]]:
+        """The content cut into chunks: of `every` tokens, or where the sentence number changes."""
+        if sentence is not None:
+            chunks: list[list[int]] = [[]]
+            for j, tid in enumerate(content):
+                if j and sentence[j] != sentence[j - 1]:
+                    chunks.append([])
+                chunks[-1].append(tid)
+            return chunks
+        g = int(self.spec.every)
+        return [content[i:i + g] for i in range(0, len(content), g)] or [[]]
+
+    def _wrap(self, chunks: list[list[int]]) -> list[int]:
+        lmk, body = self.spec.token_id, []
+        for chunk in chunks:
+            body += [lmk] + chunk if self.spec.style == "multi-cls" else chunk + [lmk]
+        # Where the template has the landmark at the chunk's edge already, that one is the chunk's landmark.
+        if self.spec.style == "multi-cls" and self.prefix[-1:] == [lmk]:
+            body = body[1:]
+        if self.spec.style == "lmk" and self.suffix[:1] == [lmk]:
+            body = body[:-1]
+        return self.prefix + body + self.suffix
+
+    def sequence(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, pooled positions) of one text."""
+        if not self.spec.inserts:
+            ids = self.tok(text, truncation=self.max_length is not None, max_length=self.max_length)["input_ids"]
+            every = int(self.spec.every)  # the k-th, 2k-th, ... token; a text shorter than k: its last
+            return ids, [i for i in range(len(ids)) if (i + 1) % every == 0] or [len(ids) - 1]
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=self.spec.every == SENTENCE)
+        keep = [j for j, t in enumerate(enc["input_ids"]) if t != self.spec.token_id]
+        content = [enc["input_ids"][j] for j in keep]
+        sentence = None
+        if self.spec.every == SENTENCE:  # each token's sentence: the sentence ends at or before its start
+            ends = sentence_ends(text)
+            sentence = [bisect.bisect_right(ends, enc["offset_mapping"][j][0]) for j in keep]
+        left = self.tok.truncation_side == "left"
+        n = len(content) if self.max_length is None else min(len(content), self.max_length)
+        while True:  # the longest content whose sequence, landmarks and template included, fits
+            part = slice(len(content) - n, len(content)) if left else slice(0, n)
+            ids = self._wrap(self._chunks(content[part], sentence[part] if sentence is not None else None))
+            if self.max_length is None or len(ids) <= self.max_length or n == 0:
+                break
+            n -= 1
+        return ids, [i for i, t in enumerate(ids) if t == self.spec.token_id]
+
+    def encode(self, texts: Sequence[str], config: CalibrationConfig | None) -> np.ndarray:
+        """Embeddings of `texts` (prompts applied as the Encoder applies them), as one padded batch."""
+        import torch
+
+        from ..calibration.patching import calibrate
+        from ..modelinfo import choose_prompt, forward_kwargs
+
+        info = self.enc.info
+        prompt = choose_prompt(info.prompts, info.default_prompt_name)
+        seqs = [self.sequence(prompt + t) for t in texts]
+        width = max(len(ids) for ids, _ in seqs)
+        pad = self.tok.pad_token_id
+        left = info.padding_side == "left"
+        rows, masks, shifts = [], [], []
+        for ids, _ in seqs:
+            fill = width - len(ids)
+            rows.append([pad] * fill + ids if left else ids + [pad] * fill)
+            masks.append([0] * fill + [1] * len(ids) if left else [1] * len(ids) + [0] * fill)
+            shifts.append(fill if left else 0)
+        batch = {"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(masks)}
+        if "token_type_ids" in self.tok.model_input_names:
+            batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+        model = self.enc.model
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if config is not None:  # the pooled rows are the calibrated rows: the patch marks them from input_ids
+                stack.enter_context(calibrate(model, config))
+            hidden = model(**batch, **forward_kwargs(model)).last_hidden_state
+            out = []
+            for row, (_, positions), shift in zip(hidden, seqs, shifts):
+                picked = row[[p + shift for p in positions]]
+                out.append(picked.mean(0) if len(positions) else torch.zeros_like(row[0]))
+            emb = torch.stack(out)
+            if self.enc.head is not None:
+                emb = self.enc.head(emb)
+            if info.normalize:
+                emb = torch.nn.functional.normalize(emb, p=2, dim=-1)
+        return emb.float().numpy()
 
 
 def _bucket_names(lengths: Sequence[int], basket: int, max_len: int | None) -> list[str]:
@@ -220,6 +330,7 @@ def check_parity(
     graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized", NATIVE_GRAPH: "native"}.get(graph, graph)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     max_len = meta.get("max_seq_length")
+    spec = pooling_spec_of(meta, out)
     lengths = [len(x) for x in tokenizer(texts, truncation=True, max_length=max_len)["input_ids"]]
     try:
         heads = config_int(out, "num_attention_heads")
@@ -231,7 +342,7 @@ def check_parity(
     budget = memory_budget if memory_budget is not None else activation_budget(weights, available_bytes())
     batches, cap = plan_batches(lengths, heads, budget, batch_size)
     check_len = min(max_len, cap) if max_len is not None and cap is not None else (cap or max_len)
-    key = (str(source), check_len, repr(config), tuple(texts), tuple(map(tuple, batches)))
+    key = (str(source), check_len, repr(config), repr(spec), tuple(texts), tuple(map(tuple, batches)))
     if reference_cache is not None and key in reference_cache:
         expected, ref_pooling = reference_cache[key]
     else:
@@ -239,10 +350,14 @@ def check_parity(
             ref_enc = TorchEncoder(source, max_length=check_len, attn_implementation="sdpa")
         ref_pooling = ref_enc.info.pooling
         ref_config = config
-        if config is None and ref_pooling != meta["pooling"]:
-            ref_config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
-        expected = _by_batches(lambda part: ref_enc.encode(part, ref_config, batch_size=len(part)), texts, batches,
-                               "encode (torch)", quiet)
+        if spec is not None:
+            paper = PaperReference(ref_enc, spec, check_len)
+            encode = lambda part: paper.encode(part, config)  # noqa: E731
+        else:
+            if config is None and ref_pooling != meta["pooling"]:
+                ref_config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
+            encode = lambda part: ref_enc.encode(part, ref_config, batch_size=len(part))  # noqa: E731
+        expected = _by_batches(encode, texts, batches, "encode (torch)", quiet)
         del ref_enc
         release_freed_memory(weights)
         if reference_cache is not None:

@@ -13,7 +13,11 @@ exporter, which has transformers, decides: `verify_fast_tokenizer` compares the 
 with the file, and the ids, type ids and masks of both on `probe_texts` (hard cases, the model's prompts and
 every added token's text), batched and one by one, and the export records `"tokenizer": "tokenizers"` in
 `attncal.json` only when everything is equal.  An export without that record (older ones, and those whose
-check failed) keeps transformers."""
+check failed) keeps transformers.
+
+An export with landmark pooling (attncal.json's `pooling_spec`) tokenizes through `LandmarkTokenizer`: either
+backend's plain encodings, with the landmarks placed by `attncal.runtime.landmarks` (the one definition, which
+the Triton tokenizer model runs too)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from ..artifact import TOKENIZERS
+from .landmarks import Landmarks, PoolingSpec, tokenizers_encode, transformers_encode
 
 FAST, TRANSFORMERS = TOKENIZERS  # attncal.json's "tokenizer" values
 
@@ -33,7 +38,8 @@ FAST, TRANSFORMERS = TOKENIZERS  # attncal.json's "tokenizer" values
 PROBE_TEXTS = ("Café naïve coöperate — “quotes” and ½", "e\u0301 vs é, ﬁ ligature", "東京で日本語のテキスト",
                "emoji 👩‍💻🚀 and flags 🇫🇷", "مرحبا بالعالم", "tab\tnew\nline\r\x0b", " ".join(["long"] * 6000),
                "   \n\t  ", "a", "query: what is calibration? passage: one vector per passage",
-               "[CLS] <s> </s> [SEP] <pad> <|endoftext|> <eos> <bos> mid[MASK]word  double  space ")
+               "[CLS] <s> </s> [SEP] <pad> <|endoftext|> <eos> <bos> mid[MASK]word  double  space ",
+               "One sentence. Another one! A third?\n\nA paragraph... e.g. 3.5 \u201cquoted.\u201d \u3002\u6587\u3002")
 
 
 def _token_text(value) -> str | None:
@@ -48,6 +54,15 @@ def _read_json(path: Path) -> dict:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
+
+
+def truncation_limit(max_length: int | None, model_max_length) -> int | None:
+    """The length a call truncates to: `max_length`, else the tokenizer's model_max_length (as transformers does),
+    None where that is transformers' "very large" value (no limit)."""
+    limit = max_length if max_length is not None else model_max_length
+    if isinstance(limit, (int, float)) and not isinstance(limit, bool) and 0 < limit < 1 << 40:
+        return int(limit)
+    return None
 
 
 class FastTokenizer:
@@ -86,12 +101,22 @@ class FastTokenizer:
 
     def set_max_length(self, max_length: int | None) -> None:
         """Truncate to `max_length` tokens (None: the tokenizer's model_max_length, as transformers does)."""
-        limit = max_length if max_length is not None else self._model_max_length
+        limit = truncation_limit(max_length, self._model_max_length)
         for tok in (self._tok, self._padded):
-            if isinstance(limit, (int, float)) and not isinstance(limit, bool) and 0 < limit < 1 << 40:
-                tok.enable_truncation(int(limit), stride=0, strategy="longest_first", direction=self._truncation_side)
+            if limit is not None:
+                tok.enable_truncation(limit, stride=0, strategy="longest_first", direction=self._truncation_side)
             else:  # transformers' "very large" model_max_length: no limit
                 tok.no_truncation()
+
+    def plain(self) -> tuple:
+        """The parts landmark tokenization needs: untruncated encodings without padding, the model_max_length
+        and the truncation side (a third copy of the backend, which never truncates)."""
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(self._tok.to_str())
+        tok.no_truncation()
+        tok.no_padding()
+        return tokenizers_encode(tok), self._model_max_length, self._truncation_side
 
     def token_lengths(self, texts: Sequence[str]) -> list[int]:
         """Each text's number of tokens, special tokens and truncation included."""
@@ -129,6 +154,13 @@ class TransformersTokenizer:
     def set_max_length(self, max_length: int | None) -> None:
         self.max_length = max_length
 
+    def plain(self):
+        return transformers_encode(self.hf), self.hf.model_max_length, self.hf.truncation_side
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.hf.pad_token_id
+
     def token_lengths(self, texts: Sequence[str]) -> list[int]:
         return [len(x) for x in self.hf(list(texts), truncation=True, max_length=self.max_length)["input_ids"]]
 
@@ -137,12 +169,42 @@ class TransformersTokenizer:
         return {k: np.asarray(v, dtype=np.int64) for k, v in batch.items()}
 
 
-def load_tokenizer(path: str | Path, kind: str | None, max_length: int | None,
-                   padding_side: str) -> FastTokenizer | TransformersTokenizer:
-    """The tokenizer an export records (`kind`, attncal.json's "tokenizer"; None: transformers)."""
-    if kind == FAST:
-        return FastTokenizer(path, max_length, padding_side)
-    return TransformersTokenizer(path, max_length, padding_side)
+class LandmarkTokenizer:
+    """FastTokenizer or TransformersTokenizer (`base`) with landmark pooling's tokenization (`spec`, resolved):
+    the same two calls and settings, the landmarks placed by `attncal.runtime.landmarks.Landmarks`."""
+
+    def __init__(self, base: FastTokenizer | TransformersTokenizer, spec: PoolingSpec,
+                 max_length: int | None) -> None:
+        encode, self._model_max_length, truncation_side = base.plain()
+        self.base = base
+        self.landmarks = Landmarks(spec, encode, max_length=truncation_limit(max_length, self._model_max_length),
+                                   pad_id=base.pad_id, padding_side=base.padding_side, truncation_side=truncation_side)
+
+    @property
+    def padding_side(self) -> str:
+        return self.landmarks.padding_side
+
+    @padding_side.setter
+    def padding_side(self, side: str) -> None:
+        self.base.padding_side = self.landmarks.padding_side = side
+
+    def set_max_length(self, max_length: int | None) -> None:
+        self.base.set_max_length(max_length)
+        self.landmarks.max_length = truncation_limit(max_length, self._model_max_length)
+
+    def token_lengths(self, texts: Sequence[str]) -> list[int]:
+        return self.landmarks.token_lengths(texts)
+
+    def __call__(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.landmarks(texts)
+
+
+def load_tokenizer(path: str | Path, kind: str | None, max_length: int | None, padding_side: str,
+                   spec: PoolingSpec | None = None) -> FastTokenizer | TransformersTokenizer | LandmarkTokenizer:
+    """The tokenizer an export records (`kind`, attncal.json's "tokenizer"; None: transformers), with the
+    landmark tokenization of its `pooling_spec` where it has one."""
+    base = (FastTokenizer if kind == FAST else TransformersTokenizer)(path, max_length, padding_side)
+    return base if spec is None else LandmarkTokenizer(base, spec, max_length)
 
 
 def probe_texts(hf_tokenizer, prompts: Sequence[str] = ()) -> list[str]:
@@ -161,9 +223,9 @@ def _backend_state(tokenizer_json: str) -> dict:
 
 
 def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side: str,
-                          prompts: Sequence[str] = ()) -> str | None:
-    """None when FastTokenizer on `path` gives what AutoTokenizer gives, else why not (one line).  Needs
-    transformers (the exporter's environment)."""
+                          prompts: Sequence[str] = (), spec: PoolingSpec | None = None) -> str | None:
+    """None when FastTokenizer on `path` gives what AutoTokenizer gives (with the landmarks of `spec`, where
+    given, placed on both), else why not (one line).  Needs transformers (the exporter's environment)."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         return "the export has no tokenizer.json"
@@ -179,6 +241,8 @@ def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side
     if _backend_state(backend.to_str()) != _backend_state((path / "tokenizer.json").read_text(encoding="utf-8")):
         return "transformers changes the tokenizer.json backend when it loads it"
     texts = probe_texts(hf, prompts)
+    if spec is not None:
+        reference, fast = LandmarkTokenizer(reference, spec, max_length), LandmarkTokenizer(fast, spec, max_length)
     want, got = reference(texts), fast(texts)
     for name in want:
         if not np.array_equal(want[name], got[name]):

@@ -20,6 +20,10 @@ ATTNCAL_NATIVE=0 or `RepoOptions(native=False)`; `custom_op_library` names
 another path).  The Python model falls back to the function body if the
 library is missing on the serving machine; Triton's ORT backend cannot.
 
+An export with landmark pooling (attncal.json's `pooling_spec`) gets a copy of
+`attncal/runtime/landmarks.py` beside its tokenizer model, which places the
+landmarks exactly as `Encoder` does (the model stays free of attncal imports).
+
 Several exports (calibrated and not) share one repository under different
 names.  The three models are built in a temporary directory beside REPO and
 renamed in, so a failure never leaves a half-written model, and models already
@@ -61,6 +65,9 @@ TEXT_INPUT = "text"
 EMBEDDING_OUTPUT = "sentence_embedding"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TEMPLATES = Path(__file__).parent / "models"
+# The landmark tokenization, copied beside the tokenizer model of an export with landmark pooling.
+LANDMARKS_SOURCE = Path(__file__).parents[1] / "runtime" / "landmarks.py"
+LANDMARKS_FILE = "attncal_landmarks.py"
 OPTIMIZED_ONNX_FILE = OPTIMIZED_FILE  # written by `attncal export` beside model.onnx when it optimizes
 
 
@@ -129,8 +136,10 @@ def _read_export(out_dir: Path) -> dict:
         prompt = choose_prompt(*read_prompts(out_dir))
     except UnsupportedModelError as exc:
         raise ArtifactError(out_dir / "config_sentence_transformers.json", str(exc)) from None
+    from ..runtime.encoder import pooling_spec_of
+
     return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype,
-            "prompt": prompt}
+            "prompt": prompt, "pooling_spec": pooling_spec_of(meta, out_dir)}
 
 
 def _native_library(opts: RepoOptions) -> tuple[str | None, bool]:
@@ -228,8 +237,12 @@ def tokenizer_config(name: str, exp: dict, opts: RepoOptions) -> dict:
         "dynamic_batching": _batching(opts),
         "instance_group": [{"count": opts.instances, "kind": Enum("KIND_CPU")}],
         "parameters": _params(max_length=max_len, padding_side=meta.get("padding_side", "right"), padding=padding,
-                              prompt=exp.get("prompt") or None),
+                              prompt=exp.get("prompt") or None, pooling_spec=_spec_json(exp.get("pooling_spec"))),
     }
+
+
+def _spec_json(spec) -> str | None:
+    return json.dumps(spec.to_dict(), sort_keys=True) if spec is not None else None
 
 
 def ensemble_config(names: dict[str, str], exp: dict, opts: RepoOptions, etype: str) -> dict:
@@ -364,6 +377,8 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
         if opts.with_tokenizer:
             tok_dir = _write_model(tmp, tokenizer_config(names["tokenizer"], exp, opts))
             shutil.copy2(_TEMPLATES / "tokenizer_model.py", tok_dir / "1" / "model.py")
+            if exp["pooling_spec"] is not None:
+                shutil.copy2(LANDMARKS_SOURCE, tok_dir / "1" / LANDMARKS_FILE)
             _copy_tokenizer(out_dir, tok_dir / "1" / "tokenizer")
             _write_model(tmp, ensemble_config(names, exp, opts, enc_cfg["output"][0]["data_type"]))
         moved: list[tuple[Path, Path | None]] = []
@@ -428,6 +443,9 @@ def validate_repository(repo: str | os.PathLike) -> list[str]:
             load_onnx_checked(onnx_file, require_digest=int(meta["format"]) >= 2,
                               expected_inputs=meta.get("inputs"))
         if role == "tokenizer_model.py":
+            if "pooling_spec" in text and not (model_dir / "1" / LANDMARKS_FILE).is_file():
+                raise MissingArtifactError(model_dir / "1" / LANDMARKS_FILE, "missing (the tokenizer model places "
+                                                                           "the export's landmarks with it)")
             tok = check_dir(model_dir / "1" / "tokenizer", "tokenizer directory")
             tok_cfg = read_json(tok / CONFIG_FILE, "model config")
             if not isinstance(tok_cfg, dict):

@@ -71,7 +71,7 @@ void test_creators() {
       PluginFieldCollection const* names = c->getFieldNames();
       const bool all_rows = all_rows_op(op);
       // with the optional num_kv_heads, window_left, window_right and relative_max_distance
-      CHECK(names->nbFields == (all_rows ? 16 : 17));
+      CHECK(names->nbFields == (all_rows ? 20 : 21));  // with the four optional marked-row fields
       CHECK((find_field(names, "pool_last") != nullptr) == !all_rows);
       PluginField const* heads = find_field(names, "num_heads");
       PluginField const* scale = find_field(names, "scale");

@@ -53,10 +53,13 @@ void test_creators() {
       ++found;
       PluginFieldCollection const* names = c->getFieldNames();
       const bool all_rows = all_rows_op(op);
-      CHECK(names->nbFields == (all_rows ? 10 : 11));
-      bool has_pool_last = false;
-      for (int32_t i = 0; i < names->nbFields; ++i) has_pool_last |= !std::strcmp(names->fields[i].name, "pool_last");
-      CHECK(has_pool_last == !all_rows);
+      CHECK(names->nbFields == (all_rows ? 14 : 15));  // with the four optional marked-row fields
+      bool has_pool_last = false, has_marked_rows = false;
+      for (int32_t i = 0; i < names->nbFields; ++i) {
+        has_pool_last |= !std::strcmp(names->fields[i].name, "pool_last");
+        has_marked_rows |= !std::strcmp(names->fields[i].name, "marked_rows");
+      }
+      CHECK(has_pool_last == !all_rows && has_marked_rows);
     }
   }
   CHECK(found == n);  // every creator is one of the 4 ops x 2 namespaces, no duplicates
@@ -197,6 +200,36 @@ void test_serialisation_and_clone() {
   std::printf("serialisation round trip (build -> fields -> runtime plugin) and clone ok (4 ops)\n");
 }
 
+// Marked rows (landmark pooling): the all-rows ops keep the four optional fields that differ from their defaults
+// through the round trip; a pooled op refuses them, naming the field.
+void test_marked_rows() {
+  std::vector<Attr> marked = kContract;
+  marked.insert(marked.end(), {{"marked_rows", false, 1}, {"isolate_self", false, 1}, {"self_mode", false, 2},
+                               {"self_weight", true, 0.2}});
+  CaptureFinder finder;
+  setLoggerFinder(&finder);
+  for (char const* op : kOps) {
+    const bool all_rows = all_rows_op(op);
+    Fields f = make_fields(marked, all_rows, false, nullptr, nullptr, 0);
+    if (!all_rows) {
+      check_refused(creator(op, "ai.attncal"), f, {}, finder);
+      CHECK(std::string(attncal_trt_last_error()).find("marked_rows and isolate_self are the all-rows ops'") !=
+            std::string::npos);
+      continue;
+    }
+    check_round_trip_and_clone(
+        creator(op, "ai.attncal"), op, f, 9 + 4,
+        [&](PluginFieldCollection const* ser) {
+          CHECK(lookup(ser, "marked_rows") == 1 && lookup(ser, "isolate_self") == 1 && lookup(ser, "self_mode") == 2);
+          CHECK(std::abs(lookup(ser, "self_weight") - 0.2) < 1e-7);
+        },
+        [&](PluginFieldCollection const* ser_c) { CHECK(lookup(ser_c, "marked_rows") == 1); });
+  }
+  setLoggerFinder(nullptr);
+  std::printf("marked rows: the all-rows ops keep marked_rows, isolate_self, self_mode, self_weight; the pooled "
+              "ops refuse them\n");
+}
+
 int32_t enqueue(IPluginV3* p, std::vector<float>& probs, std::vector<float>& result, bool in_place) {
   IPluginV3OneRuntime* rt = runtime_of(p);
   PluginTensorDesc in[2] = {desc(DataType::kFLOAT, {1, 1, 4, 4}), desc(DataType::kINT64, {1, 4})};
@@ -249,6 +282,7 @@ int main(int argc, char** argv) {
     test_aliasing(op);
   }
   test_serialisation_and_clone();
+  test_marked_rows();
   test_enqueue_without_gpu(expect_gpu_error);
   std::printf("OK: %d checks\n", g_checks);
   return 0;

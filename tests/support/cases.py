@@ -13,6 +13,7 @@ import random
 import torch
 
 from attncal.calibration import CalibrationConfig
+from attncal.calibration.config import ROW_MARK
 
 
 def random_config(rng: random.Random, S: int, *, weights_first: bool = False, weight_p: float = 0.25,
@@ -47,6 +48,36 @@ def random_config(rng: random.Random, S: int, *, weights_first: bool = False, we
     )
 
 
+def row_set_config(rng: random.Random, cfg: CalibrationConfig) -> CalibrationConfig:
+    """`cfg` with a row-set pooling: landmark (each row's own key isolated) three times in four, else
+    mean-every; the token id and k matter only to `marked_mask`, the tests mark rows with `mark_rows`."""
+    extra = {"pool_token_id": 5} if rng.random() < 0.75 else {"pooling": "mean-every", "pool_every": 3}
+    data = {**cfg.to_dict(), "pooling": "landmark", **extra}
+    try:
+        return CalibrationConfig(**data)
+    except ValueError:  # the self share and the isolated fixed shares sum to 1 or more: fixed overrides dropped
+        return CalibrationConfig(**{**data, "first_weight": None, "last_weight": None})
+
+
+def mark_rows(rng: random.Random, mask: torch.Tensor, p: float | None = None) -> torch.Tensor:
+    """`mask` with some valid tokens marked `ROW_MARK` (calibrated rows of a row-set pooling): each with
+    probability `p` (drawn per item from 0.05, 0.2, 0.5 and 1 when None), the first and last valid ones
+    now and then for sure, since a landmark often ends the text and multi-CLS starts it."""
+    out = mask.clone()
+    for b in range(mask.shape[0]):
+        idx = mask[b].nonzero().flatten().tolist()
+        if not idx:
+            continue
+        pb = rng.choice([0.05, 0.2, 0.5, 1.0]) if p is None else p
+        for q in idx:
+            if rng.random() < pb:
+                out[b, q] = ROW_MARK
+        for q in (idx[0], idx[-1]):
+            if rng.random() < 0.3:
+                out[b, q] = ROW_MARK
+    return out
+
+
 def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
     """[B,Q=K] bool: which query rows the spec calibrates (derived from the spec, not from an
     implementation; the valid span counts holes, as the oracle does)."""
@@ -64,6 +95,8 @@ def calibrated_rows(mask: torch.Tensor, rc) -> torch.Tensor:
             continue
         if rc.all_rows:
             out[b, start : end + 1] = True
+        elif rc.row_set:
+            out[b] = mask[b] == ROW_MARK
         else:
             out[b, end if rc.pool_last else start] = True
     return out

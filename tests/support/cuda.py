@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from attncal.graphs.contract import FULL_ATTENTION, AttentionGeometry, op_spec
+from attncal.graphs.contract import FULL_ATTENTION, AttentionGeometry, is_all_rows, op_spec
 from attncal.runtime import attributes_def, oplib
 
 CUDA_SOURCES = ("calibration_cuda.cu", "calibrated_attention_cuda.cu")
@@ -35,7 +35,8 @@ def params_of(rc) -> ctypes.Structure:
     of `Params` itself, the class the launchers' argtypes name: make_params' class is built from the same table
     but may be another class object (params_structure is cached on its arguments as passed), which ctypes
     refuses for a POINTER(Params) argument; the bytes are the same."""
-    return Params.from_buffer_copy(attributes_def.make_params(rc.all_rows, op_spec(rc, 0).attrs))
+    spec = op_spec(rc, 0)  # the op decides all_rows: mean, landmark and mean-every pooling take the all-rows op
+    return Params.from_buffer_copy(attributes_def.make_params(is_all_rows(spec.op_type), spec.attrs))
 
 
 def dtype_name(dtype) -> str:

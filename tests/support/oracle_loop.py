@@ -121,7 +121,7 @@ def random_attention_batch(rng, gen: torch.Generator, rc, S: int, N: int, D: int
     others' (`dead`: empty baskets); Q, K, V from `random_qkv`, K and V with the geometry's key/value heads
     (`kv_heads`)."""
     mask = mixed_mask(rng, B, K, holes=holes)
-    q1 = not rc.all_rows and not geometry.windowed and not geometry.relative and rng.random() < 0.3
+    q1 = not rc.all_rows and not rc.row_set and not geometry.windowed and not geometry.relative and rng.random() < 0.3
     lo = rng.randrange(K)
     dead = (lo, lo + 2 * S) if rng.random() < 0.25 and D >= 2 else None
     q, k, v = random_qkv(gen, B, 1 if q1 else K, K, N, D, D_v, dtype, temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,

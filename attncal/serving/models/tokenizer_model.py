@@ -8,16 +8,21 @@ Parameters (config.pbtxt): `max_length` (truncation length), `padding_side`
 (left | right), `padding` ("longest": pad each request to its longest text,
 for the Python encoder which re-pads across requests; "max_length": pad to
 `max_length` so same-shape requests batch in the onnxruntime/TensorRT backends)
-and `prompt` (the model's default sentence-transformers prompt, put before every
-text; absent when it has none).
+`prompt` (the model's default sentence-transformers prompt, put before every
+text; absent when it has none) and `pooling_spec` (landmark pooling: JSON of
+the export's `pooling_spec`; the landmarks are placed by `attncal_landmarks.py`
+beside this file, a copy of attncal/runtime/landmarks.py, as attncal's Encoder
+places them).
 
 A request fails alone, with a message, when a text is not valid UTF-8, is
 empty, or the request holds no text; texts longer than `max_length` tokens are
 truncated like the source model truncates them.
 """
 
+import importlib.util
 import json
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -43,6 +48,16 @@ class TritonPythonModel:
             raise ValueError(f"padding must be longest or max_length, not {self.padding!r}")
         self.input_name = config["input"][0]["name"]
         self.output_names = [o["name"] for o in config["output"]]
+        self.landmarks = None
+        if params.get("pooling_spec"):
+            path = os.path.join(args["model_repository"], args["model_version"], "attncal_landmarks.py")
+            spec = importlib.util.spec_from_file_location("attncal_landmarks", path)
+            lm = sys.modules["attncal_landmarks"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+            spec.loader.exec_module(lm)
+            self.landmarks = lm.Landmarks(lm.PoolingSpec.from_dict(json.loads(params["pooling_spec"])),
+                                          lm.transformers_encode(self.tokenizer), max_length=self.max_length,
+                                          pad_id=self.tokenizer.pad_token_id, padding_side=self.tokenizer.padding_side,
+                                          truncation_side=self.tokenizer.truncation_side)
 
     def _texts(self, request):
         raw = pb_utils.get_input_tensor_by_name(request, self.input_name).as_numpy().reshape(-1)
@@ -63,8 +78,11 @@ class TritonPythonModel:
         return texts
 
     def _encode(self, texts):
-        batch = self.tokenizer(texts, padding=self.padding, truncation=self.max_length is not None,
-                               max_length=self.max_length, return_tensors="np")
+        if self.landmarks is not None:
+            batch = self.landmarks(texts, pad_to=self.max_length if self.padding == "max_length" else None)
+        else:
+            batch = self.tokenizer(texts, padding=self.padding, truncation=self.max_length is not None,
+                                   max_length=self.max_length, return_tensors="np")
         outputs = []
         for name in self.output_names:
             if name in batch:

@@ -23,6 +23,12 @@ extern "C" {
 #endif
 
 enum { ATTNCAL_MODE_EQUAL = 0, ATTNCAL_MODE_ORIGINAL = 1, ATTNCAL_MODE_FIXED = 2 };
+/* The attention_mask value of a valid token whose query row is calibrated, read with marked_rows = 1 (landmark,
+ * multi-CLS and Mean@k pooling; attncal.calibration.config.ROW_MARK). */
+enum { ATTNCAL_ROW_MARK = 2 };
+/* Where a calibrated row's own key sits (isolate_self; common/span_geometry.h: own_key): not isolated, the
+ * isolated first key, the isolated last key, or a content key taken out of its basket. */
+enum { ATTNCAL_OWN_NONE = 0, ATTNCAL_OWN_FIRST = 1, ATTNCAL_OWN_LAST = 2, ATTNCAL_OWN_CONTENT = 3 };
 enum { ATTNCAL_DTYPE_FLOAT32 = 0, ATTNCAL_DTYPE_FLOAT16 = 1, ATTNCAL_DTYPE_BFLOAT16 = 2 };
 
 /* Status codes of the C ABI (0 = success). */
@@ -89,6 +95,18 @@ static inline int attncal_validate_params(const AttncalParams* p, char* msg, siz
   } else if ((p->pool_last | p->isolate_first | p->isolate_last | p->skip_short | p->all_rows) & ~1) {
     snprintf(buf, sizeof buf, "%s, %s, %s and %s must be 0 or 1", n[ATTNCAL_ATTR_ID_pool_last],
              n[ATTNCAL_ATTR_ID_isolate_first], n[ATTNCAL_ATTR_ID_isolate_last], n[ATTNCAL_ATTR_ID_skip_short]);
+  } else if ((p->marked_rows | p->isolate_self) & ~1) {
+    snprintf(buf, sizeof buf, "%s and %s must be 0 or 1", n[ATTNCAL_ATTR_ID_marked_rows],
+             n[ATTNCAL_ATTR_ID_isolate_self]);
+  } else if (p->self_mode < 0 || p->self_mode > 2) {
+    snprintf(buf, sizeof buf, "%s must be 0 (equal), 1 (original) or 2 (fixed), got %d", n[ATTNCAL_ATTR_ID_self_mode],
+             (int)p->self_mode);
+  } else if (!p->all_rows && (p->marked_rows | p->isolate_self)) {
+    snprintf(buf, sizeof buf, "%s and %s are the all-rows ops' (a pooled-row op calibrates its one row)",
+             n[ATTNCAL_ATTR_ID_marked_rows], n[ATTNCAL_ATTR_ID_isolate_self]);
+  } else if (p->isolate_self && !p->marked_rows) {
+    snprintf(buf, sizeof buf, "%s needs %s = 1 (the own key of a marked row)", n[ATTNCAL_ATTR_ID_isolate_self],
+             n[ATTNCAL_ATTR_ID_marked_rows]);
   }
   if (buf[0] == '\0') return ATTNCAL_OK;
   if (msg != NULL && msg_len > 0) snprintf(msg, msg_len, "%s", buf);

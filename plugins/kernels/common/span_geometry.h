@@ -7,7 +7,8 @@
 //             lie inside it
 //   RowPlan   what every calibrated row of the item shares: the content [c0, c0 + C) (the span
 //             minus the isolated first/last keys), its n baskets, and t = n + the isolated keys
-//   ItemPlan  the span, the row plan and which query rows the op calibrates: [q_lo, q_hi]
+//   ItemPlan  the span, the row plan and which query rows the op calibrates: [q_lo, q_hi] (with marked_rows,
+//             those of them marked in the mask: row_calibrated), and where each row's own key sits (own_key)
 //
 // The CPU kernels compute a Span on the host (span_of); the CUDA launchers compute it on the device
 // into the span workspace (cuda/cuda_common.cuh: span_kernel), one record of kSpanInts ints per
@@ -93,6 +94,22 @@ ATTNCAL_HD inline ItemPlan plan_item(const Span& s, const AttncalParams& p, int6
   }
   it.active = it.q_lo <= it.q_hi;
   return it;
+}
+
+// Whether query row q of item `it` is calibrated: one of the rows plan_item gives and, with marked_rows, marked
+// ATTNCAL_ROW_MARK in the item's row of attention_mask (`mask_row`; the contract's "Marked rows").
+ATTNCAL_HD inline bool row_calibrated(const ItemPlan& it, const AttncalParams& p, const int64_t* mask_row, int64_t q) {
+  return it.active && q >= it.q_lo && q <= it.q_hi && (!p.marked_rows || mask_row[q] == ATTNCAL_ROW_MARK);
+}
+
+// Where the own key of calibrated row q (key q: its pooling token) sits, ATTNCAL_OWN_*: NONE without isolate_self;
+// FIRST / LAST where it is the isolated first / last key (it takes the self share in that key's place); else
+// CONTENT (it leaves its basket, and t counts it as one more isolated key).
+ATTNCAL_HD inline int own_key(const Span& s, const AttncalParams& p, int64_t q) {
+  if (!p.isolate_self) return ATTNCAL_OWN_NONE;
+  if (p.isolate_first && q == s.start) return ATTNCAL_OWN_FIRST;
+  if (p.isolate_last && q == s.end) return ATTNCAL_OWN_LAST;
+  return ATTNCAL_OWN_CONTENT;
 }
 
 // ------------------------------------------------------------------ the CUDA span workspace

@@ -62,7 +62,7 @@ class Plan {
   // every_row: units cover every row (out of place: untouched rows are copied; fused with the
   // softmax: every row gets its softmax); otherwise only the calibrated rows.
   Plan(const int64_t* mask, int64_t B, int64_t H, int64_t Q, int64_t K, const AttncalParams& p, bool every_row)
-      : B_(B), H_(H), Q_(Q), K_(K), items_(static_cast<size_t>(B)) {
+      : B_(B), H_(H), Q_(Q), K_(K), mask_(mask), items_(static_cast<size_t>(B)) {
     if (B * H * Q * K == 0) return;
     plan_items(mask, B, Q, K, p, &items_, &keep_, &keep_of_);
     for (int64_t b = 0; b < B; ++b) {
@@ -89,11 +89,13 @@ class Plan {
 
   // Runs unit i: calibrates its calibrated rows, copies the others when out != in.  With
   // Softmax, `in` holds scores: every row of the unit gets its softmax, calibrated rows as well.
+  // With marked_rows, the rows of [c0, c1) that the mask does not mark are left alone (copied out of place).
   template <bool Softmax, typename T>
   void run(size_t i, const T* in, T* out, const AttncalParams& p) const {
     const Unit& u = units_[i];
     const ItemPlan& it = items_[u.b];
     const float* keep = keep_of_[u.b];
+    const int64_t* mask_row = mask_ + u.b * K_;
     const int64_t c0 = it.active ? std::max(u.q0, it.q_lo) : u.q1;
     const int64_t c1 = it.active ? std::min(u.q1, it.q_hi + 1) : u.q1;
     const size_t row_bytes = sizeof(T) * static_cast<size_t>(K_);
@@ -103,8 +105,8 @@ class Plan {
       if (Softmax) {
         for (int64_t q = u.q0; q < u.q1; ++q) {
           const int64_t off = (base + q) * K_;
-          if (q >= c0 && q < c1) {
-            softmax_calibrate_row(in + off, out + off, K_, it, keep, p, sc);
+          if (q >= c0 && q < c1 && row_calibrated(it, p, mask_row, q)) {
+            softmax_calibrate_row(in + off, out + off, K_, q, it, keep, p, sc);
           } else {
             softmax_row(in + off, out + off, K_, sc);
           }
@@ -121,13 +123,18 @@ class Plan {
       }
       for (int64_t q = c0; q < c1; ++q) {
         const int64_t off = (base + q) * K_;
-        calibrate_row(in + off, out + off, K_, it, keep, p, sc);
+        if (row_calibrated(it, p, mask_row, q)) {
+          calibrate_row(in + off, out + off, K_, q, it, keep, p, sc);
+        } else if (out != in) {
+          std::memcpy(out + off, in + off, row_bytes);
+        }
       }
     }
   }
 
  private:
   int64_t B_, H_, Q_, K_;
+  const int64_t* mask_;  // the call's attention_mask [B,K]: the marked rows (row_calibrated)
   std::vector<ItemPlan> items_;
   std::vector<float> keep_;
   std::vector<const float*> keep_of_;

@@ -59,6 +59,7 @@ struct AttentionScratch {
   std::vector<uint32_t> q_bits;  // per query row of a unit over key tiles, its largest |q| (scale_rows)
   PackedWeight k_panels, v_panels;  // a key tile's keys and values (pack_tile)
   std::vector<int64_t> bands;      // a tile's bands of rows: begin, end, first key, end key
+  std::vector<int64_t> rows;       // a unit's marked rows (marked_rows, long rows)
 };
 
 inline AttentionScratch& thread_attention_scratch() {
@@ -146,6 +147,11 @@ class AttentionPlan {
     if (B * Q * K * sh_.N == 0) return;
     if (rel.enabled()) plan_relative(rel);
     plan_items(mask, B, Q, K, p, &items_, &keep_, &keep_of_);
+    if (p.marked_rows) {  // the marked rows that are calibrated, per item (Q == K: the all-rows op)
+      marked_.assign(static_cast<size_t>(B * Q), 0);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t q = 0; q < Q; ++q) marked_[b * Q + q] = row_calibrated(items_[b], p, mask + b * K, q);
+    }
     // The additive mask bias, one row per item: 0 at valid keys, float32's lowest at masked ones.
     bias_.assign(static_cast<size_t>(B * K), 0.f);
     masked_.assign(static_cast<size_t>(B), 0);
@@ -225,6 +231,23 @@ class AttentionPlan {
       return;
     }
     if constexpr (std::is_same<T, float>::value) {
+      if (!marked_.empty()) {
+        // Marked rows (landmarks: a few per item, spread over it): the unit's rows over key tiles, which leave the
+        // marked rows' context unwritten (running the tiles in runs between them would stream every key tile
+        // again per run); the item's first unit of each head then gathers every marked row of the item into
+        // whole-row blocks, so that K and V are read once for them, as for the one pooling row of cls pooling.
+        tiles(u, u.q0, u.q1, query, key, value, context);
+        if (u.q0 != 0 || !it.active) return;
+        std::vector<int64_t>& rows = thread_attention_scratch().rows;
+        rows.clear();
+        for (int64_t q = it.q_lo; q <= it.q_hi; ++q)
+          if (marked_[u.b * sh_.S_q + q]) rows.push_back(q);
+        for (size_t r = 0; r < rows.size(); r += static_cast<size_t>(rows_)) {
+          const int64_t n = std::min<int64_t>(rows_, static_cast<int64_t>(rows.size() - r));
+          block(u, rows[r], rows[r] + n, query, key, value, context, p, rows.data() + r);
+        }
+        return;
+      }
       if (u.q0 < c0) tiles(u, u.q0, c0, query, key, value, context);
       for (int64_t r = c0; r < c1; r += rows_) block(u, r, std::min(r + rows_, c1), query, key, value, context, p);
       if (c1 < u.q1) tiles(u, c1, u.q1, query, key, value, context);
@@ -232,14 +255,24 @@ class AttentionPlan {
   }
 
  private:
+  // Whether query row q of item b is calibrated (common/span_geometry.h: row_calibrated).
+  bool calibrated(int64_t b, int64_t q) const {
+    const ItemPlan& it = items_[b];
+    return it.active && q >= it.q_lo && q <= it.q_hi && (marked_.empty() || marked_[b * sh_.S_q + q]);
+  }
+
   // Rows [r0, r1) of unit u against all keys in one block of scores: softmax, the calibration of the rows it
-  // selects, then one GEMM with V.
+  // selects, then one GEMM with V.  With `gathered`, the block's R = r1 - r0 rows are gathered[0 .. R) instead
+  // (ascending, r0 = gathered[0]): their queries are copied into one dense block, and their context is written
+  // row by row.
   template <typename T>
   void block(const AttentionUnit& u, int64_t r0, int64_t r1, const T* query, const T* key, const T* value,
-             T* context, const AttncalParams& p) const {
+             T* context, const AttncalParams& p, const int64_t* gathered = nullptr) const {
     const ItemPlan& it = items_[u.b];
     const float* keep = keep_of_[u.b];
     const int64_t K = sh_.S_k, D = sh_.D, Dv = sh_.D_v, R = r1 - r0;
+    if (gathered != nullptr) r1 = gathered[R - 1] + 1;  // the window's keys: from the first row to the last
+    const auto row_of = [&](int64_t r) { return gathered != nullptr ? gathered[r] : r0 + r; };
     const int64_t ldq = sh_.ld_q ? sh_.ld_q : sh_.N * D, ldk = sh_.ld_k ? sh_.ld_k : sh_.kv_heads() * D;
     const int64_t ldv = sh_.ld_v ? sh_.ld_v : sh_.kv_heads() * Dv, ldo = sh_.N * Dv;
     AttentionScratch& as = thread_attention_scratch();
@@ -255,17 +288,30 @@ class AttentionPlan {
       qf = q_src;
       kf = k_src;
       vf = v_src;
+      if (gathered != nullptr) {
+        ensure(as.q, R * D);
+        for (int64_t r = 0; r < R; ++r)
+          std::memcpy(as.q.data() + r * D, query + (u.b * sh_.S_q + gathered[r]) * ldq + u.h * D, sizeof(float) * D);
+        qf = as.q.data();
+        lq = D;
+      }
     } else {
       ensure(as.q, R * D);
       ensure(as.k, K * D);
       ensure(as.v, K * Dv);
-      widen_block(q_src, R, D, ldq, as.q.data());
+      if (gathered != nullptr) {
+        for (int64_t r = 0; r < R; ++r)
+          widen_row(query + (u.b * sh_.S_q + gathered[r]) * ldq + u.h * D, as.q.data() + r * D, D);
+      } else {
+        widen_block(q_src, R, D, ldq, as.q.data());
+      }
       widen_block(k_src, K, D, ldk, as.k.data());
       widen_block(v_src, K, Dv, ldv, as.v.data());
       qf = as.q.data();
       kf = as.k.data();
       vf = as.v.data();
-      lq = lk = D;
+      lk = D;
+      lq = D;
       lv = Dv;
     }
     // Under a window, the keys no row of the block sees: [0, k_lo) and [k_hi, K).  Where they are provably
@@ -278,23 +324,20 @@ class AttentionPlan {
     }
     const float lowest = std::numeric_limits<float>::lowest();
     gemm_nt(R, k_hi - k_lo, D, sh_.scale, qf, lq, kf + k_lo * lk, lk, s + k_lo, K);
-    const float* rel = relative_row(u.h, r0);  // at key k_lo of row r0; row r0 + r starts r entries earlier
     const float* bias = bias_.data() + u.b * K;
-    const int64_t c0 = it.active ? std::max(r0, it.q_lo) : r1;
-    const int64_t c1 = it.active ? std::min(r1, it.q_hi + 1) : r1;
     // An item without masked keys has a zero bias row: skipping the pass is exact (s + 0 == s).
     const bool add_bias = masked_[u.b] != 0;
     bool narrow = k_lo > 0 || k_hi < K;  // P*V over [k_lo, k_hi) only: every row is 0 outside it
     for (int64_t r = 0; r < R; ++r) {
       float* row = s + r * K;
+      const int64_t q = row_of(r);
       std::fill(row, row + k_lo, lowest);
       std::fill(row + k_hi, row + K, lowest);
-      if (rel != nullptr) add_row(row + k_lo, rel + k_lo - r, k_hi - k_lo);
+      if (const float* rel = relative_row(u.h, q)) add_row(row + k_lo, rel + k_lo, k_hi - k_lo);
       if (add_bias) add_row(row + k_lo, bias + k_lo, k_hi - k_lo);
-      const int64_t q = r0 + r;
       if (sh_.windowed()) mask_window(row + k_lo, q, k_lo, k_hi - k_lo, bias + k_lo);
-      if (q >= c0 && q < c1) {
-        softmax_calibrate_row(row, row, K, it, keep, p, sc);
+      if (calibrated(u.b, q)) {
+        softmax_calibrate_row(row, row, K, q, it, keep, p, sc);
       } else {
         softmax_row(row, row, K, sc);
       }
@@ -304,7 +347,18 @@ class AttentionPlan {
     }
     const int64_t n0 = narrow ? k_lo : 0, n = narrow ? k_hi - k_lo : K;
     T* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
-    if constexpr (std::is_same<T, float>::value) {
+    if (gathered != nullptr) {
+      ensure(as.ctx, R * Dv);
+      gemm_nn(R, Dv, n, s + n0, K, vf + n0 * lv, lv, as.ctx.data(), Dv);
+      for (int64_t r = 0; r < R; ++r) {
+        T* dst = context + (u.b * sh_.S_q + gathered[r]) * ldo + u.h * Dv;
+        if constexpr (std::is_same<T, float>::value) {
+          std::memcpy(dst, as.ctx.data() + r * Dv, sizeof(float) * Dv);
+        } else {
+          narrow_row(as.ctx.data() + r * Dv, dst, Dv);
+        }
+      }
+    } else if constexpr (std::is_same<T, float>::value) {
       gemm_nn(R, Dv, n, s + n0, K, vf + n0 * lv, lv, out, ldo);
     } else {
       ensure(as.ctx, R * Dv);
@@ -464,6 +518,7 @@ class AttentionPlan {
     float* out = context + (u.b * sh_.S_q + r0) * ldo + u.h * Dv;
     std::vector<int64_t> again;
     for (int64_t r = 0; r < R; ++r) {
+      if (!marked_.empty() && marked_[u.b * sh_.S_q + r0 + r]) continue;  // a gathered block writes it (run)
       if (skipped_k >= 0.f) {
         const bool finite_q = q_bits[r] < kInfBits;
         float qmax;
@@ -663,6 +718,7 @@ class AttentionPlan {
   std::vector<float> rel_;  // the relative position bias per head and offset (plan_relative), or empty
   double rel_max_ = 0.0;
   std::vector<char> masked_;  // per item: 1 when some key is masked
+  std::vector<char> marked_;  // with marked_rows, per item and query row: 1 where the row is calibrated
   std::vector<int64_t> valid_;  // per item: [first valid key, last valid key + 1)
   std::vector<AttentionUnit> units_;
   // Long rows: per item, KV head and key tile, probe_tile's answer once a unit has asked (kNotProbed before).

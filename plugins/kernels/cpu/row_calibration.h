@@ -14,7 +14,9 @@
 //   g_k = (f_k * scale) / total * lambda + 1 - lambda per basket,
 //   lambda * (share / total) + (1 - lambda) * z on isolated keys, and 0 on
 //   masked keys.  Rows the spec leaves alone are not touched.  The row scalars
-//   are common/row_scalars.h's, shared with the CUDA kernels.
+//   are common/row_scalars.h's, shared with the CUDA kernels.  With isolate_self
+//   (landmark rows) the row's own key is summed out of its basket and written
+//   last with its own share: O(1) more per row, no third pass.
 //
 // Why it is shaped like this:
 // * Each row is two streaming passes over its keys, both per basket: one sum
@@ -105,15 +107,28 @@ ATTNCAL_ISA_BODY void scale_basket_isa(const float* x, float* y, int64_t n, floa
 ATTNCAL_ISA_DISPATCH(void, scale_basket, (const float* x, float* y, int64_t n, float g, const float* m),
                      (x, y, n, g, m))
 
-// Calibrates one float row x into y (y may alias x); keep: the item's 0/1 key mask when its span has
-// holes, else null (cpu/batch_plan.h: plan_items).  A row holding a NaN or an infinity at any of its K
-// keys comes back NaN at every key (the contract's "NaN in, NaN out"; see the file comment).
-ATTNCAL_ISA_BODY void calibrate_row_f32_isa(const float* x, float* y, int64_t K, const ItemPlan& it,
+// The mass of keys [lo, lo + len) of x (times the 0/1 mask m where the row has holes), without key `own` where
+// it lies among them (the own key of an isolate_self row leaves its basket): the sums on either side of it.
+// Inlined into each path's row routines, as the lane sums are (cpu/lanes.h).
+inline float basket_mass(const float* x, const float* m, int64_t lo, int64_t len, int64_t own) {
+  if (own < lo || own >= lo + len) return m ? sum_masked_lanes(x + lo, m + lo, len) : sum_lanes(x + lo, len);
+  const int64_t a = own - lo, b = lo + len - own - 1;
+  return m ? sum_masked_lanes(x + lo, m + lo, a) + sum_masked_lanes(x + own + 1, m + own + 1, b)
+           : sum_lanes(x + lo, a) + sum_lanes(x + own + 1, b);
+}
+
+// Calibrates one float row x, query row q of its item, into y (y may alias x); keep: the item's 0/1 key mask
+// when its span has holes, else null (cpu/batch_plan.h: plan_items).  With isolate_self, key q is the row's own
+// key (common/span_geometry.h: own_key).  A row holding a NaN or an infinity at any of its K keys comes back
+// NaN at every key (the contract's "NaN in, NaN out"; see the file comment).
+ATTNCAL_ISA_BODY void calibrate_row_f32_isa(const float* x, float* y, int64_t K, int64_t q, const ItemPlan& it,
                                             const float* keep, const AttncalParams& p, Scratch& sc) {
   const Span& s = it.s;
   const RowPlan& rp = it.rp;
   const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
   const float* m = keep;
+  const int own = own_key(s, p, q);
+  const int64_t out_of_basket = own == ATTNCAL_OWN_CONTENT ? q : -1;
   ensure_baskets(sc, n);
   float* A = sc.baskets.data();
   float* g = sc.coef.data();
@@ -121,21 +136,23 @@ ATTNCAL_ISA_BODY void calibrate_row_f32_isa(const float* x, float* y, int64_t K,
   int64_t nonempty = 0;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
-    const float a = m ? sum_masked_lanes(x + lo, m + lo, len) : sum_lanes(x + lo, len);
+    const float a = basket_mass(x, m, lo, len, out_of_basket);
     A[b] = a;
     nonempty += a != 0.f;
   }
   // NaN in, NaN out: pass 1 summed the content keys (a NaN or an infinity there, holes included,
-  // makes its basket's mass NaN or infinite); the keys outside the content are probed here, all
-  // before the first write (y may alias x).
+  // makes its basket's mass NaN or infinite); the keys outside the content, and an own key taken out of its
+  // basket, are probed here, all before the first write (y may alias x).
   float probe = nonfinite_probe(x, rp.c0) + nonfinite_probe(x + c_end, K - c_end);
+  if (out_of_basket >= 0) probe += x[q] * 0.f;
   for (int64_t b = 0; b < n; ++b) probe += A[b] * 0.f;
   if (probe != probe) {
     std::fill(y, y + K, std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  const double t = rp.t;
-  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, x[s.start], x[s.end]);
+  const double z_own = own != ATTNCAL_OWN_NONE ? x[q] : 0.0;
+  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, rp.t, x[s.start], x[s.end], own, z_own);
+  const double t = rs.t;
   for (int64_t b = 0; b < n; ++b) {
     const double gb = A[b] != 0.f ? rs.coef / (static_cast<double>(A[b]) * t) + rs.keep : rs.keep;
     g[b] = encode_multiplier(gb, A[b] != 0.f && A[b] < 0x1p-64f);
@@ -149,10 +166,11 @@ ATTNCAL_ISA_BODY void calibrate_row_f32_isa(const float* x, float* y, int64_t K,
   }
   if (p.isolate_first) y[s.start] = static_cast<float>(rs.first_out);
   if (p.isolate_last) y[s.end] = static_cast<float>(rs.last_out);
+  if (own != ATTNCAL_OWN_NONE) y[q] = static_cast<float>(rs.own_out);
 }
-ATTNCAL_ISA_DISPATCH(void, calibrate_row_f32, (const float* x, float* y, int64_t K, const ItemPlan& it,
+ATTNCAL_ISA_DISPATCH(void, calibrate_row_f32, (const float* x, float* y, int64_t K, int64_t q, const ItemPlan& it,
                      const float* keep, const AttncalParams& p, Scratch& sc),
-                     (x, y, K, it, keep, p, sc))
+                     (x, y, K, q, it, keep, p, sc))
 
 // ---------------------------------------------------------------- softmax
 
@@ -213,24 +231,28 @@ inline void softmax_row(const float* x, float* y, int64_t n, Scratch&) { softmax
 // scalars of common/row_scalars.h, g_b in double; a basket of mass below 2^-64 is scaled as (e * 2^64) * h'
 // (exact powers of two).  A row whose softmax is NaN (all -inf, a NaN or +inf score) has a NaN sum
 // and comes back NaN at every key, as softmax followed by the separate op gives.
-ATTNCAL_ISA_BODY void softmax_calibrate_row_f32_isa(const float* x, float* y, int64_t K, const ItemPlan& it,
-                                                    const float* keep, const AttncalParams& p,
+ATTNCAL_ISA_BODY void softmax_calibrate_row_f32_isa(const float* x, float* y, int64_t K, int64_t q,
+                                                    const ItemPlan& it, const float* keep, const AttncalParams& p,
                                                     Scratch& sc) {
   const Span& s = it.s;
   const RowPlan& rp = it.rp;
   const int64_t S = p.basket_size, c_end = rp.c0 + rp.C, n = rp.n;
   const float* m = keep;
+  const int own = own_key(s, p, q);
+  const int64_t out_of_basket = own == ATTNCAL_OWN_CONTENT ? q : -1;
   exp_shifted_row(x, y, K, row_max(x, K));  // NaN scores: caught by the sum below
   ensure_baskets(sc, n);
   float* A = sc.baskets.data();
   float* h = sc.coef.data();
-  // Masked keys count in the softmax's sum (the scores decide them), not in the basket masses.
+  // Masked keys count in the softmax's sum (the scores decide them), not in the basket masses; an own key
+  // taken out of its basket counts in the sum.
   float total = sum_lanes(y, rp.c0) + sum_lanes(y + c_end, K - c_end);
   for (int64_t b = 0; b < n; ++b) {
     const int64_t lo = rp.c0 + b * S, len = std::min(S, c_end - lo);
-    A[b] = m ? sum_masked_lanes(y + lo, m + lo, len) : sum_lanes(y + lo, len);
+    A[b] = basket_mass(y, m, lo, len, out_of_basket);
     total += m ? sum_lanes(y + lo, len) : A[b];
   }
+  if (out_of_basket >= 0 && !m) total += y[q];
   if (total != total) {  // NaN softmax: NaN at every key
     std::fill(y, y + K, std::numeric_limits<float>::quiet_NaN());
     return;
@@ -238,8 +260,9 @@ ATTNCAL_ISA_BODY void softmax_calibrate_row_f32_isa(const float* x, float* y, in
   const float inv = 1.0f / total;  // total >= 1 (the max term is exp(0))
   int64_t nonempty = 0;
   for (int64_t b = 0; b < n; ++b) nonempty += A[b] * inv != 0.f;
-  const double t = rp.t;
-  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, y[s.start] * inv, y[s.end] * inv);
+  const double z_own = own != ATTNCAL_OWN_NONE ? y[q] * inv : 0.0;
+  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, rp.t, y[s.start] * inv, y[s.end] * inv, own, z_own);
+  const double t = rs.t;
   for (int64_t b = 0; b < n; ++b) {
     const double a = static_cast<double>(A[b] * inv);  // the basket's probability mass, as the unfused form
     const double gb = a != 0.0 ? rs.coef / (a * t) + rs.keep : rs.keep;
@@ -254,37 +277,38 @@ ATTNCAL_ISA_BODY void softmax_calibrate_row_f32_isa(const float* x, float* y, in
   std::fill(y + s.end + 1, y + K, 0.f);
   if (p.isolate_first) y[s.start] = static_cast<float>(rs.first_out);
   if (p.isolate_last) y[s.end] = static_cast<float>(rs.last_out);
+  if (own != ATTNCAL_OWN_NONE) y[q] = static_cast<float>(rs.own_out);
 }
-ATTNCAL_ISA_DISPATCH(void, softmax_calibrate_row_f32, (const float* x, float* y, int64_t K, const ItemPlan& it,
-                     const float* keep, const AttncalParams& p, Scratch& sc),
-                     (x, y, K, it, keep, p, sc))
+ATTNCAL_ISA_DISPATCH(void, softmax_calibrate_row_f32, (const float* x, float* y, int64_t K, int64_t q,
+                     const ItemPlan& it, const float* keep, const AttncalParams& p, Scratch& sc),
+                     (x, y, K, q, it, keep, p, sc))
 
-// Softmax, then calibration of the row while it is in the cache.
-inline void softmax_calibrate_row(const float* x, float* y, int64_t K, const ItemPlan& it, const float* keep,
-                                  const AttncalParams& p, Scratch& sc) {
-  softmax_calibrate_row_f32(x, y, K, it, keep, p, sc);
+// Softmax, then calibration of row q while it is in the cache.
+inline void softmax_calibrate_row(const float* x, float* y, int64_t K, int64_t q, const ItemPlan& it,
+                                  const float* keep, const AttncalParams& p, Scratch& sc) {
+  softmax_calibrate_row_f32(x, y, K, q, it, keep, p, sc);
 }
-inline void softmax_calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, const ItemPlan& it,
+inline void softmax_calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, int64_t q, const ItemPlan& it,
                                   const float* keep, const AttncalParams& p, Scratch& sc) {
   if (static_cast<int64_t>(sc.row.size()) < K) sc.row.resize(static_cast<size_t>(K));
   float* r = sc.row.data();
   widen_row(x, r, K);
-  softmax_calibrate_row_f32(r, r, K, it, keep, p, sc);
+  softmax_calibrate_row_f32(r, r, K, q, it, keep, p, sc);
   narrow_row(r, y, K);
 }
 
-inline void calibrate_row(const float* x, float* y, int64_t K, const ItemPlan& it, const float* keep,
+inline void calibrate_row(const float* x, float* y, int64_t K, int64_t q, const ItemPlan& it, const float* keep,
                           const AttncalParams& p, Scratch& sc) {
-  calibrate_row_f32(x, y, K, it, keep, p, sc);
+  calibrate_row_f32(x, y, K, q, it, keep, p, sc);
 }
 
 // float16 (as raw uint16 bits): widen the row, calibrate in float, narrow.
-inline void calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, const ItemPlan& it, const float* keep,
-                          const AttncalParams& p, Scratch& sc) {
+inline void calibrate_row(const uint16_t* x, uint16_t* y, int64_t K, int64_t q, const ItemPlan& it,
+                          const float* keep, const AttncalParams& p, Scratch& sc) {
   if (static_cast<int64_t>(sc.row.size()) < K) sc.row.resize(static_cast<size_t>(K));
   float* r = sc.row.data();
   widen_row(x, r, K);
-  calibrate_row_f32(r, r, K, it, keep, p, sc);
+  calibrate_row_f32(r, r, K, q, it, keep, p, sc);
   narrow_row(r, y, K);
 }
 

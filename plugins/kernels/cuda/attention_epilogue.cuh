@@ -51,7 +51,10 @@ __device__ __forceinline__ void write_context(const TiledBlock<T>& blk, const Ar
     } else {
       o_scale = 1.f / st.l_r[i];
       queue = !(st.m_r[i] > kLowest);  // no valid score above the lowest value: let the per-row kernel decide
-      calibrated = r >= it.q_lo && r <= it.q_hi;
+      calibrated = r < a.S_q && row_calibrated(it, p, blk.mg, r);
+      // A row whose own key is isolated (isolate_self: landmark rows, a few per item) needs its own key out of
+      // its basket, which the block's shared basket terms do not give: the per-row kernel computes it.
+      if (calibrated && own_key(it.s, p, r) != ATTNCAL_OWN_NONE) queue = true;
       if (calibrated) {
         const float lse = st.m_r[i] + logf(st.l_r[i]);
         if (st.n_ne[i] > 0 && expf(st.min_mb[i] - lse) == 0.f) queue = true;  // a counted basket lost its mass
@@ -70,7 +73,7 @@ __device__ __forceinline__ void write_context(const TiledBlock<T>& blk, const Ar
           (w == 0 ? z_first : z_last) = z;
         }
         const double t = it.rp.t;
-        const AttncalRowScalars rs = attncal_row_scalars(&p, st.n_ne[i], t, z_first, z_last);
+        const AttncalRowScalars rs = attncal_row_scalars(&p, st.n_ne[i], t, z_first, z_last, ATTNCAL_OWN_NONE, 0.0);
         o_scale = static_cast<float>(rs.keep) / st.l_r[i];
         c_scale = static_cast<float>(rs.coef / t);
         // first_out/last_out are the isolated keys' calibrated probabilities; the (1 - lambda) part

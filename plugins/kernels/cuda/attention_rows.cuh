@@ -57,11 +57,14 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
     const int64_t id = l.queue ? static_cast<int64_t>(l.queue[item]) : item;
     const int64_t r = id % S_q, bh = id / S_q, h = bh % N, b = bh / N;
     const ItemPlan it = item_plan(a, b);
-    const bool cal = it.active && r >= it.q_lo && r <= it.q_hi;
+    const int64_t* mg = a.mask + b * S_k;
+    const bool cal = row_calibrated(it, p, mg, r);
     if (l.calibrated_only && !cal) continue;  // uniform across the block
+    // The row's own key (isolate_self): left out of its basket where it is a content key, written own_out.
+    const int own = cal ? own_key(it.s, p, r) : ATTNCAL_OWN_NONE;
+    const int64_t own_skip = own == ATTNCAL_OWN_CONTENT ? r : -1;
     const T* kg = static_cast<const T*>(a.k) + (b * S_k * N_kv + kv_head(a, h)) * D;
     const T* vg = static_cast<const T*>(a.v) + (b * S_k * N_kv + kv_head(a, h)) * Dv;
-    const int64_t* mg = a.mask + b * S_k;
     const T* qg = static_cast<const T*>(a.q) + ((b * S_q + r) * N + h) * D;
     const float* rel = relative_row(a, h, r);
     __syncthreads();  // the previous row's readers of shared memory are done
@@ -94,11 +97,11 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
     auto basket_sum = [&](int64_t k) {
       const int64_t lo = c0 + k * S, hi = imin(lo + S, c_end);
       float e = 0.f;
-      for (int64_t j = lo + lane; j < hi; j += 32) e += mg[j] != 0 ? expf(score(j) - m) : 0.f;
+      for (int64_t j = lo + lane; j < hi; j += 32) e += mg[j] != 0 && j != own_skip ? expf(score(j) - m) : 0.f;
       for (int o = 16; o > 0; o >>= 1) e += __shfl_xor_sync(0xffffffffu, e, o);
       return e;
     };
-    float coef_t = 0.f, keep = 1.f, first_out = 0.f, last_out = 0.f;
+    float coef_t = 0.f, keep = 1.f, first_out = 0.f, last_out = 0.f, own_out = 0.f;
     if (cal && L == L) {
       // Basket sums over valid keys, a warp per basket (fixed order: deterministic).
       int cnt = 0;
@@ -111,12 +114,13 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
       }
       const int nonempty = static_cast<int>(block_sum(static_cast<float>(cnt)));  // also publishes E
       const float z_first = expf(score(it.s.start) - m) / L, z_last = expf(score(it.s.end) - m) / L;
-      const double t = it.rp.t;
-      const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, t, z_first, z_last);
-      coef_t = static_cast<float>(rs.coef / t);
+      const float z_own = own != ATTNCAL_OWN_NONE ? expf(score(r) - m) / L : 0.f;
+      const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, it.rp.t, z_first, z_last, own, z_own);
+      coef_t = static_cast<float>(rs.coef / rs.t);
       keep = static_cast<float>(rs.keep);
       first_out = static_cast<float>(rs.first_out);
       last_out = static_cast<float>(rs.last_out);
+      own_out = static_cast<float>(rs.own_out);
     }
     T* orow = static_cast<T*>(a.out) + ((b * S_q + r) * N + h) * Dv;
     if (L != L) {  // no softmax for this row: NaN at every column (the Softmax-fused op's NaN row, times V)
@@ -149,6 +153,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch
             w = pj;
           } else if (mg[j] == 0) {
             w = 0.f;  // the calibrated row is 0 at masked keys
+          } else if (own != ATTNCAL_OWN_NONE && j == r) {
+            w = own_out;  // the own key, in the place of the first or last key where it is one
           } else if (p.isolate_first && j == it.s.start) {
             w = first_out;
           } else if (p.isolate_last && j == it.s.end) {

@@ -64,13 +64,13 @@ constexpr int kMaxWarps = kMaxThreads / 32;
 // Threads per row block: a multiple of 32 (full warps for the shuffles), fewer for short rows.
 inline int threads_for(int64_t K) { return K > 1024 ? 256 : (K > 256 ? 128 : 64); }
 
-// Whether the spec calibrates row q of batch item b, and the item's plan.  spans == nullptr (the
-// launchers pass it when strength == 0) means no row is calibrated.
-__device__ __forceinline__ bool calibrated_row(const int* __restrict__ spans, int64_t b, int64_t q, int64_t Q,
-                                               const AttncalParams& p, ItemPlan* it) {
+// Whether the spec calibrates row q of batch item b (with marked_rows, a row its mask row `mrow` marks), and the
+// item's plan.  spans == nullptr (the launchers pass it when strength == 0) means no row is calibrated.
+__device__ __forceinline__ bool calibrated_row(const int* __restrict__ spans, const int64_t* __restrict__ mrow,
+                                               int64_t b, int64_t q, int64_t Q, const AttncalParams& p, ItemPlan* it) {
   if (spans == nullptr) return false;
   *it = plan_item(span_at(spans, b), p, Q);
-  return it->active && q >= it->q_lo && q <= it->q_hi;
+  return row_calibrated(*it, p, mrow, q);
 }
 
 // One basket as for_each_basket hands it over: basket k = keys [lo, hi), its sum, and the keys this
@@ -111,15 +111,18 @@ __device__ __forceinline__ void for_each_basket(const ItemPlan& it, int64_t S, T
 }
 
 // Row scalars (common/row_scalars.h, shared with the CPU kernel), in double, from the nonempty basket
-// count and the (masked) probabilities of the first/last valid keys: the content coefficient
-// (g_k = coef / (A_k * t) + 1 - lambda) and the isolated outputs.
+// count and the (masked) probabilities of the first/last valid keys and of the row's own key (`own`: where it
+// sits, ATTNCAL_OWN_*): the content coefficient (g_k = coef / (A_k * t) + 1 - lambda), the isolated outputs
+// and the row's t, into sc[0..5): coef, first_out, last_out, own_out, t.
 __device__ void row_scalars(const AttncalParams& p, const ItemPlan& it, int nonempty, float z_first, float z_last,
-                            float* coef, float* first_out, float* last_out) {
-  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, it.rp.t, z_first, z_last);
+                            int own, float z_own, float* sc) {
+  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, it.rp.t, z_first, z_last, own, z_own);
   // Used only when some basket is nonempty; then total >= the content mass and coef <= t * lambda.
-  *coef = static_cast<float>(rs.coef);
-  *first_out = static_cast<float>(rs.first_out);
-  *last_out = static_cast<float>(rs.last_out);
+  sc[0] = static_cast<float>(rs.coef);
+  sc[1] = static_cast<float>(rs.first_out);
+  sc[2] = static_cast<float>(rs.last_out);
+  sc[3] = static_cast<float>(rs.own_out);
+  sc[4] = static_cast<float>(rs.t);
 }
 
 // The multiplier g_k of a basket of mass a; t = baskets + isolated keys.  A basket whose mass is below
@@ -167,16 +170,26 @@ __device__ __forceinline__ void copy_row(const T* src, T* dst, int64_t K) {
   for (int64_t k = head + nvec * per_vec + threadIdx.x; k < K; k += blockDim.x) dst[k] = src[k];
 }
 
-// Writes the keys of a calibrated row outside its content: zeros, but the isolated first/last keys get
-// their blended share.
+// The outputs of a calibrated row's isolated keys: the first and last keys', and the own key's (at `own_at`,
+// -1 without isolate_self), which takes the place of either where it is that key.
+struct IsolatedOut {
+  float first, last, own;
+  int64_t own_at;
+};
+
+// Writes the keys of a calibrated row outside its content: zeros, but the isolated first/last keys (and an own
+// key among them) get their blended share.
 template <typename T>
 __device__ __forceinline__ void write_outside(T* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
-                                              float first_out, float last_out) {
+                                              const IsolatedOut& io) {
+  const float first_out = io.first, last_out = io.last;
   const int64_t outside = K - it.rp.C;
   for (int64_t i = threadIdx.x; i < outside; i += blockDim.x) {
     const int64_t k = i < it.rp.c0 ? i : i + it.rp.C;
     float v = 0.f;
-    if (p.isolate_first && k == it.s.start) {
+    if (k == io.own_at) {
+      v = io.own;
+    } else if (p.isolate_first && k == it.s.start) {
       v = first_out;
     } else if (p.isolate_last && k == it.s.end) {
       v = last_out;
@@ -191,14 +204,14 @@ __device__ __forceinline__ void write_outside(T* y, int64_t K, const ItemPlan& i
 template <typename T, typename ZFun>
 __device__ __forceinline__ void write_calibrated(T* y, int64_t K, const ItemPlan& it, const AttncalParams& p,
                                                  const int64_t* __restrict__ mrow, const float* s_g,
-                                                 float first_out, float last_out, ZFun zfun) {
-  write_outside(y, K, it, p, first_out, last_out);
+                                                 const IsolatedOut& io, ZFun zfun) {
+  write_outside(y, K, it, p, io);
   const int64_t S = p.basket_size, step = blockDim.x;
   const int64_t dq = step / S, dr = step % S;
   int64_t bi = static_cast<int64_t>(threadIdx.x) / S, o = static_cast<int64_t>(threadIdx.x) % S;
   for (int64_t i = threadIdx.x; i < it.rp.C; i += step) {
     const int64_t k = it.rp.c0 + i;
-    const float v = (it.s.holes && mrow[k] == 0) ? 0.f : apply_multiplier(zfun(k), s_g[bi]);
+    const float v = k == io.own_at ? io.own : (it.s.holes && mrow[k] == 0) ? 0.f : apply_multiplier(zfun(k), s_g[bi]);
     y[k] = from_f<T>(v);
     bi += dq;
     o += dr;
@@ -215,13 +228,13 @@ __device__ __forceinline__ void write_calibrated(T* y, int64_t K, const ItemPlan
 template <typename T, typename Term, typename ToMass, typename ZFun>
 __device__ __forceinline__ void write_calibrated_recomputed(T* y, int64_t K, const ItemPlan& it,
                                                             const AttncalParams& p, const int64_t* __restrict__ mrow,
-                                                            float coef, float t, float keep, float first_out,
-                                                            float last_out, Term term, ToMass to_mass, ZFun zfun) {
-  write_outside(y, K, it, p, first_out, last_out);
+                                                            float coef, float t, float keep, const IsolatedOut& io,
+                                                            Term term, ToMass to_mass, ZFun zfun) {
+  write_outside(y, K, it, p, io);
   for_each_basket(it, p.basket_size, term, [&](const BasketVisit& bv) {
     const float g = multiplier_of(to_mass(bv.sum), coef, t, keep);
     for (int64_t k = bv.first; k < bv.hi; k += bv.step) {
-      const float v = (it.s.holes && mrow[k] == 0) ? 0.f : apply_multiplier(zfun(k), g);
+      const float v = k == io.own_at ? io.own : (it.s.holes && mrow[k] == 0) ? 0.f : apply_multiplier(zfun(k), g);
       y[k] = from_f<T>(v);
     }
   });
@@ -235,7 +248,7 @@ __global__ void __launch_bounds__(kMaxThreads) calibrate_kernel(const T* in, T* 
   extern __shared__ float s_g[];  // n basket masses, then multipliers
   __shared__ int s_redi[kMaxWarps];
   __shared__ float s_redf[kMaxWarps];
-  __shared__ float s_sc[3];
+  __shared__ float s_sc[5];
 
   const int64_t b = blockIdx.z, h = blockIdx.y;
   int64_t q = blockIdx.x;
@@ -246,7 +259,8 @@ __global__ void __launch_bounds__(kMaxThreads) calibrate_kernel(const T* in, T* 
     q = p.all_rows ? s.start + static_cast<int64_t>(blockIdx.x) : ((Q == 1) ? 0 : (p.pool_last ? s.end : s.start));
   }
   ItemPlan it;
-  const bool calibrated = calibrated_row(spans, b, q, Q, p, &it);  // uniform across the block
+  const int64_t* mrow = mask + b * K;
+  const bool calibrated = calibrated_row(spans, mrow, b, q, Q, p, &it);  // uniform across the block
   if (!calibrated && !every_row) return;
   const int64_t off = ((b * H + h) * Q + q) * K;
   const T* x = in + off;
@@ -256,13 +270,16 @@ __global__ void __launch_bounds__(kMaxThreads) calibrate_kernel(const T* in, T* 
     return;
   }
 
-  const int64_t* mrow = mask + b * K;
   const int64_t S = p.basket_size;
   const bool holes = it.s.holes;
-  // A content key's term of its basket's mass: a hole adds x * 0 (0, or NaN when it is not finite).
+  // The row's own key (isolate_self): out of its basket where it is a content key.
+  const int own = own_key(it.s, p, q);
+  const int64_t own_skip = own == ATTNCAL_OWN_CONTENT ? q : -1;
+  // A content key's term of its basket's mass: a hole, or the own key out of its basket, adds x * 0 (0, or NaN
+  // when it is not finite, which the probe then sees).
   auto mass = [&](int64_t j) {
     const float v = to_f(x[j]);
-    return (holes && mrow[j] == 0) ? v * 0.f : v;
+    return ((holes && mrow[j] == 0) || j == own_skip) ? v * 0.f : v;
   };
   // Pass 1: contiguous segmented reduction of the content keys into baskets, and `probe`, the sum of
   // x * 0 over the keys outside the content and the masses: NaN when the row holds a NaN or an
@@ -285,21 +302,22 @@ __global__ void __launch_bounds__(kMaxThreads) calibrate_kernel(const T* in, T* 
   }
 
   if (threadIdx.x == 0) {
-    // start and end are valid keys by definition of the span.
-    row_scalars(p, it, nonempty, to_f(x[it.s.start]), to_f(x[it.s.end]), &s_sc[0], &s_sc[1], &s_sc[2]);
+    // start and end are valid keys by definition of the span, and the own key a valid row's.
+    row_scalars(p, it, nonempty, to_f(x[it.s.start]), to_f(x[it.s.end]), own,
+                own != ATTNCAL_OWN_NONE ? to_f(x[q]) : 0.f, s_sc);
   }
   __syncthreads();
-  const float t = static_cast<float>(it.rp.t), keep = 1.f - p.strength;
+  const float t = s_sc[4], keep = 1.f - p.strength;
+  const IsolatedOut io{s_sc[1], s_sc[2], s_sc[3], own != ATTNCAL_OWN_NONE ? q : -1};
   auto z = [&](int64_t k) { return to_f(x[k]); };
   if (!kept) {  // Pass 2, recomputing each basket's mass.
-    write_calibrated_recomputed(y, K, it, p, mrow, s_sc[0], t, keep, s_sc[1], s_sc[2], mass,
-                                [](float a) { return a; }, z);
+    write_calibrated_recomputed(y, K, it, p, mrow, s_sc[0], t, keep, io, mass, [](float a) { return a; }, z);
     return;
   }
   masses_to_multipliers(s_g, it.rp.n, s_sc[0], t, keep);
   __syncthreads();
   // Pass 2: write the calibrated row (every key, masked ones as 0).
-  write_calibrated(y, K, it, p, mrow, s_g, s_sc[1], s_sc[2], z);
+  write_calibrated(y, K, it, p, mrow, s_g, io, z);
 }
 
 // kept: as calibrate_kernel's.
@@ -310,11 +328,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   extern __shared__ float s_g[];  // calibrated rows: n basket sums of exp, then masses, then multipliers
   __shared__ float s_redf[kMaxWarps];
   __shared__ int s_redi[kMaxWarps];
-  __shared__ float s_sc[3];
+  __shared__ float s_sc[5];
 
   const int64_t b = blockIdx.z, h = blockIdx.y, q = blockIdx.x;
   ItemPlan it;
-  const bool calibrated = calibrated_row(spans, b, q, Q, p, &it);  // uniform across the block
+  const int64_t* mrow = mask + b * K;
+  const bool calibrated = calibrated_row(spans, mrow, b, q, Q, p, &it);  // uniform across the block
   const int64_t off = ((b * H + h) * Q + q) * K;
   const T* x = in + off;
   T* y = out + off;
@@ -333,10 +352,12 @@ __global__ void __launch_bounds__(kMaxThreads)
     return;
   }
 
-  // Pass 2: softmax sum over every key and, per basket, the sum over its valid keys.
-  const int64_t* mrow = mask + b * K;
+  // Pass 2: softmax sum over every key and, per basket, the sum over its valid keys (the own key of an
+  // isolate_self row left out of its basket, and kept in the softmax sum).
   const int64_t S = p.basket_size;
   const bool holes = it.s.holes;
+  const int own = own_key(it.s, p, q);
+  const int64_t own_skip = own == ATTNCAL_OWN_CONTENT ? q : -1;
   float acc = 0.f;
   const int64_t outside = K - it.rp.C;  // keys before and after the content
   for (int64_t i = threadIdx.x; i < outside; i += blockDim.x) {
@@ -346,14 +367,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   // A content key's term of its basket's exp sum (0 at a hole).
   auto basket_exp = [&](int64_t j) {
     const float e = expf(to_f(x[j]) - m);
-    return (holes && mrow[j] == 0) ? 0.f : e;
+    return ((holes && mrow[j] == 0) || j == own_skip) ? 0.f : e;
   };
   for_each_basket(
       it, S,
       [&](int64_t j) {  // basket_exp, and every key's exp into the softmax sum
         const float e = expf(to_f(x[j]) - m);
         acc += e;
-        return (holes && mrow[j] == 0) ? 0.f : e;
+        return ((holes && mrow[j] == 0) || j == own_skip) ? 0.f : e;
       },
       [&](const BasketVisit& bv) {
         if (kept && bv.owner()) s_g[bv.k] = bv.sum;
@@ -381,20 +402,22 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   if (threadIdx.x == 0) {
     const float z_first = expf(to_f(x[it.s.start]) - m) / sum, z_last = expf(to_f(x[it.s.end]) - m) / sum;
-    row_scalars(p, it, nonempty, z_first, z_last, &s_sc[0], &s_sc[1], &s_sc[2]);
+    const float z_own = own != ATTNCAL_OWN_NONE ? expf(to_f(x[q]) - m) / sum : 0.f;
+    row_scalars(p, it, nonempty, z_first, z_last, own, z_own, s_sc);
   }
   __syncthreads();
-  const float t = static_cast<float>(it.rp.t), keep = 1.f - p.strength;
+  const float t = s_sc[4], keep = 1.f - p.strength;
+  const IsolatedOut io{s_sc[1], s_sc[2], s_sc[3], own != ATTNCAL_OWN_NONE ? q : -1};
   auto z = [&](int64_t k) { return expf(to_f(x[k]) - m) / sum; };
   if (!kept) {  // Pass 3, recomputing each basket's mass A_k = E_k / sum.
-    write_calibrated_recomputed(y, K, it, p, mrow, s_sc[0], t, keep, s_sc[1], s_sc[2], basket_exp,
+    write_calibrated_recomputed(y, K, it, p, mrow, s_sc[0], t, keep, io, basket_exp,
                                 [&](float e) { return e / sum; }, z);
     return;
   }
   masses_to_multipliers(s_g, it.rp.n, s_sc[0], t, keep);
   __syncthreads();
   // Pass 3: write the calibrated softmax row.
-  write_calibrated(y, K, it, p, mrow, s_g, s_sc[1], s_sc[2], z);
+  write_calibrated(y, K, it, p, mrow, s_g, io, z);
 }
 
 }  // namespace

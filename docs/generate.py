@@ -1,0 +1,332 @@
+"""Write the generated parts of the documentation from the code and the committed results.
+
+    python docs/generate.py           # rewrite every generated block in place
+    python docs/generate.py --check   # exit 1 and name the stale blocks; change nothing
+
+A generated block sits between two HTML comments in a Markdown page,
+
+    <!-- generated: NAME by docs/generate.py -->
+    ...
+    <!-- end generated: NAME -->
+
+and everything between them is what `BLOCKS[NAME]` renders. The rest of the page is written by hand.
+tests/test_generated_docs.py fails when a committed block differs from what this script writes, so a new
+option, a changed help text or a rerun evaluation shows up as a stale page, not as a wrong one.
+
+The blocks:
+
+* `docs/cli.md`: the subcommands (`cli-commands`), every option of every subcommand (`cli-options`), read
+  from `attncal.cli.build_parser()`, and the option combinations `attncal export` refuses (`export-conflicts`),
+  read from `attncal.export.plan.CONFLICTS`.
+* `README.md`: the "which file to load" table (`readme-which-file`), copied from docs/which-file.md.
+* `docs/evaluation.md`: the two example result tables (`eval-pyref`, `eval-synthetic`), rendered from the
+  committed `docs/eval/*/results.json` by the function that writes `attncal eval`'s own results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import itertools
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+from attncal.cli import build_parser
+from attncal.eval.report import markdown_table
+from attncal.export.plan import CONFLICTS, ExportOptions
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+CALIBRATION_GROUP = "calibration"
+# The subcommand whose calibration options are the shared table; the others list only where theirs differ.
+CALIBRATION_REFERENCE = "export"
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: Path
+    render: Callable[[], str]
+
+
+def _begin(name: str) -> str:
+    return f"<!-- generated: {name} by docs/generate.py -->"
+
+
+def _end(name: str) -> str:
+    return f"<!-- end generated: {name} -->"
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: pipes escaped, one line, this machine's home directory as `~` (a default
+    such as `attncal eval --cache` expands it)."""
+    return " ".join(text.replace(str(Path.home()), "~").split()).replace("|", "\\|")
+
+
+def _subcommands() -> tuple[argparse._SubParsersAction, dict[str, argparse.ArgumentParser]]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub, dict(sub.choices)
+
+
+def _long(action: argparse.Action) -> str:
+    """An option's long name (`--out` of `-o`, `--out`)."""
+    return next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+
+
+def _names(action: argparse.Action) -> str:
+    if action.option_strings:
+        return ", ".join(f"`{o}`" for o in action.option_strings)
+    name = action.metavar or action.dest.upper()
+    return f"`{name}`" + (" (optional)" if action.nargs == "?" else "")
+
+
+def _meaning(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The option's help as `--help` prints it, plus its choices and default where the help does not say them."""
+    if isinstance(action, argparse.BooleanOptionalAction) and action.help:
+        # Python 3.10 appends this to every such option's help; 3.11 and later do not.
+        action = copy.copy(action)
+        action.help = action.help.removesuffix(" (default: %(default)s)")
+    text = parser._get_formatter()._expand_help(action) if action.help else ""
+    extra = []
+    if action.choices is not None and "one of" not in text:
+        extra.append("one of " + ", ".join(f"`{c}`" for c in action.choices))
+    takes_value = action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction)
+    if takes_value and action.default not in (None, "", argparse.SUPPRESS) and "default" not in text:
+        extra.append(f"default `{action.default}`")
+    return _cell("; ".join([t for t in (text, *extra) if t]))
+
+
+def _rows(parser: argparse.ArgumentParser, actions: list[argparse.Action]) -> list[str]:
+    return [f"| {_names(a)} | {_meaning(parser, a)} |" for a in actions if not isinstance(a, argparse._HelpAction)]
+
+
+def _table(rows: list[str]) -> str:
+    return "\n".join(["| option | meaning |", "|---|---|", *rows]) + "\n"
+
+
+def _groups(parser: argparse.ArgumentParser) -> list[tuple[str, list[argparse.Action]]]:
+    return [(g.title, [a for a in g._group_actions if not isinstance(a, argparse._HelpAction)])
+            for g in parser._action_groups]
+
+
+def _synopsis(name: str, parser: argparse.ArgumentParser) -> str:
+    """`attncal NAME` with its positionals and required options, then `[options]`."""
+    parts = [f"attncal {name}"]
+    for a in parser._actions:
+        if isinstance(a, argparse._HelpAction):
+            continue
+        metavar = a.metavar or a.dest.upper()
+        if not a.option_strings:
+            parts.append(f"[{metavar}]" if a.nargs == "?" else metavar)
+        elif a.required:
+            parts.append(f"{_long(a)} {metavar}")
+    return " ".join(parts + ["[options]"])
+
+
+def render_cli_commands() -> str:
+    sub, _ = _subcommands()
+    lines = ["| command | what it does |", "|---|---|"]
+    for choice in sub._choices_actions:
+        lines.append(f"| [`attncal {choice.dest}`](#attncal-{choice.dest}) | {_cell(choice.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _tables(parser: argparse.ArgumentParser) -> list[tuple[str, list[argparse.Action]]]:
+    """The parser's arguments as tables: positionals and plain options together, then each named group."""
+    plain = ("positional arguments", "options")
+    groups = _groups(parser)
+    return [("", [a for title, actions in groups if title in plain for a in actions])] + \
+        [(title, actions) for title, actions in groups if title not in plain and actions]
+
+
+def render_cli_options() -> str:
+    _, parsers = _subcommands()
+    shared = {a.dest: row for title, actions in _groups(parsers[CALIBRATION_REFERENCE]) if title == CALIBRATION_GROUP
+              for a, row in zip(actions, _rows(parsers[CALIBRATION_REFERENCE], actions))}
+    calibrating = []
+    out = []
+    for name, parser in parsers.items():
+        out.append(f"### `attncal {name}`\n\n{_cell(parser.description or '')}\n\n"
+                   f"```text\n{_synopsis(name, parser)}\n```\n")
+        for title, actions in _tables(parser):
+            rows = _rows(parser, actions)
+            if title == CALIBRATION_GROUP:
+                calibrating.append(name)
+                own = [row for a, row in zip(actions, rows) if shared.get(a.dest) != row]
+                out.append("The [calibration options](#calibration-options)"
+                           + (" but these:\n\n" + _table(own) if own else ".\n"))
+            elif rows:
+                out.append((f"{title[0].upper()}{title[1:]}:\n\n" if title else "") + _table(rows))
+        if parser.epilog:
+            out.append(_epilog(parser.epilog))
+    out.append("### Calibration options\n\n"
+               + ", ".join(f"`attncal {n}`" for n in calibrating) + " take them; they mirror "
+               "[`CalibrationConfig`](calibration.md#parameters), whose defaults they show.\n\n"
+               + _table(list(shared.values())))
+    return "\n".join(out)
+
+
+def _epilog(text: str) -> str:
+    """A subcommand's epilog: a paragraph, or, where it is laid out in lines (examples), a text block."""
+    if "\n" not in text.strip():
+        return _cell(text) + "\n"
+    return "```text\n" + textwrap.dedent(text).strip("\n") + "\n```\n"
+
+
+def _short(value: object) -> str:
+    """A value as Python source, a dataclass with only the fields that differ from their defaults."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        parts = []
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            default = (f.default if f.default is not dataclasses.MISSING
+                       else f.default_factory() if f.default_factory is not dataclasses.MISSING else object())
+            if v != default:
+                parts.append(f"{f.name}={_short(v)}")
+        return f"{type(value).__name__}({', '.join(parts)})"
+    return repr(value)
+
+
+def _flags(example: dict, parser: argparse.ArgumentParser) -> str | None:
+    """An `ExportOptions` example as the `attncal export` options that give it; None where a field has no
+    option of its own (then only the Python API can ask for it)."""
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings}
+    settings = []
+    for field, value in example.items():
+        if dataclasses.is_dataclass(value) and field == "config":  # the calibration options
+            default = type(value)()
+            settings += [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)
+                         if getattr(value, f.name) != getattr(default, f.name)]
+        else:
+            settings.append((field, value))
+    out = []
+    for dest, value in settings:
+        action = by_dest.get(dest)
+        if action is None or dataclasses.is_dataclass(value):
+            return None
+        flag = _long(action)
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if value == action.default:
+                return None
+            out.append(flag)
+        else:
+            out.append(f"{flag} {value}")
+    return " ".join(out)
+
+
+def render_export_conflicts() -> str:
+    _, parsers = _subcommands()
+    lines = ["| options | error |", "|---|---|"]
+    for conflict in CONFLICTS:
+        opts = ExportOptions(**conflict.example)
+        flags = _flags(conflict.example, parsers["export"])
+        given = (f"`attncal export {flags}`" if flags is not None else
+                 "`ExportOptions(" + ", ".join(f"{k}={_short(v)}" for k, v in conflict.example.items()) + ")`")
+        lines.append(f"| {given} | {_cell(conflict.message(opts))} |")
+    return "\n".join(lines) + "\n"
+
+
+# -- the README's copy of a docs table ---------------------------------------------------------------------
+
+def _docs_table(page: str, heading: str) -> Callable[[], str]:
+    """The first table under `heading` of docs/`page`, its links made relative to the repository root (the
+    README's folder), so that the README and the docs page cannot disagree."""
+    def render() -> str:
+        text = (DOCS / page).read_text(encoding="utf-8")
+        marker = f"\n{heading}\n"
+        if marker not in text:
+            raise ValueError(f"docs/{page}: no heading '{heading}'")
+        lines = text.split(marker, 1)[1].splitlines()
+        first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+        table = [line for line in itertools.takewhile(lambda line: line.startswith("|"), lines[first:])]
+        table = [re.sub(r"\]\(#", f"](docs/{page}#", line) for line in table]
+        return "\n".join(re.sub(r"\]\((?!https?:|docs/|#)([^)]+)\)", r"](docs/\1)", line) for line in table) + "\n"
+    return render
+
+
+# -- evaluation results ------------------------------------------------------------------------------------
+
+def _eval_table(folder: str) -> Callable[[], str]:
+    def render() -> str:
+        results = json.loads((DOCS / "eval" / folder / "results.json").read_text(encoding="utf-8"))
+        return markdown_table(results["rows"], tuple(results["groups"]))
+    return render
+
+
+BLOCKS: dict[str, Block] = {
+    "cli-commands": Block(DOCS / "cli.md", render_cli_commands),
+    "export-conflicts": Block(DOCS / "cli.md", render_export_conflicts),
+    "cli-options": Block(DOCS / "cli.md", render_cli_options),
+    "readme-which-file": Block(REPO / "README.md", _docs_table("which-file.md", "## By runtime")),
+    "eval-pyref": Block(DOCS / "evaluation.md", _eval_table("pyref-minilm")),
+    "eval-synthetic": Block(DOCS / "evaluation.md", _eval_table("synthetic-minilm")),
+}
+
+
+# -- reading and writing blocks ----------------------------------------------------------------------------
+
+def _span(text: str, name: str, page: Path) -> tuple[int, int]:
+    """Where block `name`'s body starts and ends in `text` (ValueError when its markers are missing)."""
+    begin, end = _begin(name), _end(name)
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"{page.relative_to(REPO)}: needs exactly one '{begin}' and one '{end}'")
+    start = text.index(begin) + len(begin) + 1
+    stop = text.index(end)
+    if stop < start:
+        raise ValueError(f"{page.relative_to(REPO)}: '{end}' comes before '{begin}'")
+    return start, stop
+
+
+def committed(name: str) -> str:
+    """Block `name` as the page holds it."""
+    block = BLOCKS[name]
+    text = block.page.read_text(encoding="utf-8")
+    start, stop = _span(text, name, block.page)
+    return text[start:stop]
+
+
+def rendered(name: str) -> str:
+    """Block `name` as this script writes it (blank lines around it are the page's)."""
+    return "\n" + BLOCKS[name].render().strip("\n") + "\n\n"
+
+
+def stale() -> list[str]:
+    """The blocks whose committed text differs from what this script writes."""
+    return [name for name in BLOCKS if committed(name) != rendered(name)]
+
+
+def write() -> list[str]:
+    """Rewrite every stale block in place; the names of those rewritten."""
+    names = stale()
+    for name in names:
+        page = BLOCKS[name].page
+        text = page.read_text(encoding="utf-8")
+        start, stop = _span(text, name, page)
+        page.write_text(text[:start] + rendered(name) + text[stop:], encoding="utf-8")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Write the generated parts of the documentation.")
+    ap.add_argument("--check", action="store_true", help="only report stale blocks (exit 1 if any)")
+    args = ap.parse_args(argv)
+    try:
+        names = stale() if args.check else write()
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"docs/generate.py: error: {exc}", file=sys.stderr)
+        return 2
+    verb = "stale" if args.check else "rewritten"
+    for name in names:
+        print(f"{BLOCKS[name].page.relative_to(REPO)}: {name} {verb}")
+    return 1 if args.check and names else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
