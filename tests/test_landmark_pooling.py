@@ -358,3 +358,13 @@ def test_calibrated_pooled_export_matches_pytorch_on_every_graph(spec, tiny_mode
     # A tiny random model's attention is nearly flat, so calibration moves it little; but by far more than the
     # graphs and PyTorch differ, so both calibrate the pooled rows.
     assert np.abs(cal - off).max() > 10 * worst["cal"], (np.abs(cal - off).max(), worst)
+
+
+def test_a_comparison_labels_a_calibrated_landmark_export_by_its_calibration():
+    from attncal.eval.compare_report import calibration_of
+
+    config = {"variant": "cls-soft", "strength": 0.5, "basket_size": 128, "layers": "last-half", "pooling": "landmark",
+              "pool_token_id": 102, "pool_every": 0}
+    assert calibration_of({"calibrated": True, "config": config}) == "calibrated λ=0.5"
+    assert calibration_of({"calibrated": True, "config": dict(config, pooling="mean-every", pool_token_id=-1,
+                                                              pool_every=4, basket_size=64)}) == "calibrated λ=0.5 basket=64"

@@ -7,6 +7,7 @@ has no λ axis, and its second table is made of deltas with intervals.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,11 @@ def precision_of(meta: dict) -> str:
 def calibration_of(meta: dict) -> str:
     """`uncalibrated`, or `calibrated` with λ and every non-default field of the stored config.
 
-    The pooling is left out: it belongs to the model and applies to the
-    uncalibrated export too, so it says nothing about the calibration."""
+    The pooling (and a landmark pooling's token or every-k) is left out: it belongs to the export and applies
+    to the uncalibrated export too, so it says nothing about the calibration."""
     if not meta.get("calibrated"):
         return "uncalibrated"
-    cfg = CalibrationConfig.from_dict(meta["config"]).with_pooling("auto")
+    cfg = replace(CalibrationConfig.from_dict(meta["config"]), pooling="auto", pool_token_id=-1, pool_every=0)
     return f"calibrated {config_label(cfg)}"
 
 

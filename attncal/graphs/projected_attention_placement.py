@@ -1,5 +1,6 @@
-"""Projected attention placement's one rule (fused graph): as the attention placement, each calibrated
-layer's fused `com.microsoft::Attention` becomes one calibrated attention op, but the op also computes
+"""Projected attention placement's one rule (fused graph): as the attention placement, each layer's fused
+`com.microsoft::Attention` becomes one calibrated attention op (strength 0 where the layer is not calibrated), but
+the op also computes
 the Q, K and V projection, from the fused node's own packed weight and bias
 (`AllRowsCalibratedProjectedAttention` / `PooledRowCalibratedProjectedAttention`): one node per layer,
 as the fused node it replaces.  The rule is the attention placement's `find` and `rewrite` with

@@ -68,7 +68,8 @@ def memory_pattern(max_seq_length: int | None) -> bool:
 def native_graph_runs(library: Path | None, providers: Sequence[str]) -> bool:
     """Whether the native graph (calibrated attention op) runs at its speed here: the attncal library is
     loaded and the first provider is ONNX Runtime's CPU one, where the op has its kernel.  (The CUDA
-    kernel of the op has never run on a GPU; until it has, CUDA sessions keep the split graph.)"""
+    kernel of the op has never run on a GPU; until it has, CUDA sessions run the ORT-optimized graph, split or
+    row placement.)"""
     return library is not None and bool(providers) and providers[0] == "CPUExecutionProvider"
 
 
@@ -90,9 +91,10 @@ def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]
     has_opt, has_native = (out_dir / OPTIMIZED_GRAPH).exists(), (out_dir / NATIVE_GRAPH).exists()
     if graph == "native":
         if not has_native:
-            raise MissingArtifactError(out_dir / NATIVE_GRAPH, "missing (an export without --no-optimized writes "
-                                                               "it: for the BERT family when calibrated, for other "
-                                                               "models where the attention op replaces theirs)")
+            raise MissingArtifactError(out_dir / NATIVE_GRAPH, "missing (an export with --placement auto writes it, "
+                                                               "calibrated or not: for the BERT family beside the "
+                                                               "ORT-optimized graph, without --no-optimized; for "
+                                                               "other models where the attention op replaces theirs)")
         return NATIVE_GRAPH
     if graph == "optimized":
         if not has_opt:
