@@ -74,11 +74,11 @@ def test_row_routines_have_an_avx2_version(tmp_path, function):
     calibrated attention op spent 1.8 ns a key on a row instead of 1.0-1.4 (Zen 3, K = 512).  Each must have
     an AVX2 version (the AVX2 path's) that works in 256-bit registers."""
     obj = _compile(tmp_path, "#include \"cpu/row_calibration.h\"\n"
-                             "void use(const float* x, float* y, int64_t K, const attncal::ItemPlan& it,\n"
+                             "void use(const float* x, float* y, int64_t K, int64_t q, const attncal::ItemPlan& it,\n"
                              "         const float* keep, const AttncalParams& p, attncal::Scratch& sc) {\n"
-                             "  attncal::softmax_calibrate_row(x, y, K, it, keep, p, sc);\n"
-                             "  attncal::calibrate_row(x, y, K, it, keep, p, sc);\n"
+                             "  attncal::softmax_calibrate_row(x, y, K, q, it, keep, p, sc);\n"
+                             "  attncal::calibrate_row(x, y, K, q, it, keep, p, sc);\n"
                              "}\n")
-    name = f"{function}_avx2"
-    asm = _disassemble(obj, f"_ZN7attncalL{len(name)}{name}EPKfPflRKNS_8ItemPlanES1_RK13AttncalParamsRNS_7ScratchE")
+    name = f"{function}_avx2"  # (x, y, K, q, item plan, keep, params, scratch): q is the row, for marked rows
+    asm = _disassemble(obj, f"_ZN7attncalL{len(name)}{name}EPKfPfllRKNS_8ItemPlanES1_RK13AttncalParamsRNS_7ScratchE")
     assert asm.count("%ymm") >= 8, asm

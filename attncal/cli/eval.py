@@ -59,14 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(with --make-posq: the directory the set is written to)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--cache", default=str(Path.home() / ".cache" / "attncal" / "eval"),
-                   help="embedding cache directory (default %(default)s)")
+                   help="embedding cache directory (default ~/.cache/attncal/eval)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the embedding cache")
     p.add_argument("--split", default="test", help="qrels split for the BEIR layout (default %(default)s)")
     p.add_argument("--position-groups", type=int, default=3, help="equal-width position groups (default thirds)")
     p.add_argument("--length-buckets", type=_ints, default=None,
                    help="also report by relevant-document length, e.g. 128,256 (token edges)")
     p.add_argument("--top-k", type=int, default=100, help="exact search depth (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="texts per model call (default %(default)s)")
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--sea-chunk-tokens", type=int, default=128, help="SEA chunk size in tokens (default %(default)s)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

@@ -18,6 +18,7 @@ hash and what was encoded, so a changed config (or model, or corpus) is a miss.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -128,7 +129,9 @@ class TorchBackend:
         import torch
 
         from ..calibration.encode import pool
+        from ..calibration.patching import calibrate
         from ..modelinfo import forward_kwargs
+
         config = self.bind(config)
         rc = config.resolve()
         landmarks = self.landmarks(config)
@@ -138,7 +141,8 @@ class TorchBackend:
         @torch.no_grad()
         def run(texts: Sequence[str]) -> torch.Tensor:
             batch = {k: torch.from_numpy(v).to(enc.device) for k, v in landmarks(texts).items() if k in names}
-            hidden = enc.model(**batch, **forward_kwargs(enc.model)).last_hidden_state  # strength 0 (checked)
+            with calibrate(enc.model, config) if config.strength > 0 else contextlib.nullcontext():
+                hidden = enc.model(**batch, **forward_kwargs(enc.model)).last_hidden_state
             emb = pool(hidden, rc.row_mask(batch["input_ids"], batch["attention_mask"]), "mean")
             if enc.head is not None:
                 emb = enc.head(emb)
