@@ -48,6 +48,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
+from .memory import release_freed_memory
+
 ONNX_SUBDIR = "onnx"
 ONNX_FILE = "model.onnx"
 OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized graph
@@ -895,6 +897,52 @@ def _write_inline_initializer(t, base_dir: Path, f, d: _Digest) -> None:
     _copy_range(base_dir / loc, off, length, sink)
     f.write(tb)
     d.h.update(tb)
+
+
+def weights_on_disk(path: Path) -> Path:
+    """The graph at `path` with its weights in a data file beside it (TorchScript writes them inline below
+    2 GiB): every later pass loads it lazily (memory-mapped) instead of parsing the weights."""
+    import onnx
+    import onnx_ir as ir
+
+    if any(t.data_location == onnx.TensorProto.EXTERNAL
+           for t in onnx.load(str(path), load_external_data=False).graph.initializer):
+        return path  # already (the dynamo exporter's external_data=True)
+    model = ir.load(path)
+    staged = stage_onnx(model, path.parent / "weights-on-disk" / path.name)
+    del model
+    path.unlink()
+    return staged
+
+
+def write_graph(model, path: Path, work: Path, weight_bytes: int, *, full_check: bool = False,
+                passes: tuple = ()) -> dict[str, dict[str, int]]:
+    """Write a graph of the export once: `model` (an onnx_ir model) staged under `work` with its weights on
+    disk, `passes` run in order on its structure (`attncal.graphs.passes.STAGED`: each an `Ordered` whose
+    `graph_pass` takes a ModelProto), checked, then streamed into `path` with its digest (`write_graph_file`);
+    returns each pass's report by its name.
+
+    Every pass here reads the staged graph's structure only (`load_external_data=False`), so no step holds a
+    second copy of the weights.  The optimized graphs carry contrib ops: checked without full shape inference.
+    `weight_bytes`: the model's float32 weights, for `release_freed_memory` after the write."""
+    import onnx
+
+    staged = stage_onnx(model, work / path.name)
+    proto = onnx.load(str(staged), load_external_data=False)
+    reports = {p.graph_pass.name: p.graph_pass.run(proto) for p in passes}
+    if any(n for report in reports.values() for n in report.values()):
+        save_structure(proto, staged)
+    onnx.checker.check_model(str(staged), full_check=full_check)  # a path: external files found beside it
+    # A graph that a `keeps_data_file` pass rewrote keeps its weights in a data file (the feed-forward chunks:
+    # ONNX Runtime holds a self-contained graph's weights that a Scan body reads from the outer graph a second
+    # time, beside the MatMuls' packed copies).
+    keep = any(p.graph_pass.keeps_data_file and any(reports[p.graph_pass.name].values()) for p in passes)
+    write_graph_file(proto, staged.parent, path, external=True if keep else None)
+    for f in (staged, staged.with_name(staged.name + "_data")):
+        f.unlink(missing_ok=True)
+    del model, proto
+    release_freed_memory(weight_bytes)
+    return reports
 
 
 def save_onnx(model, path: str | os.PathLike) -> None:

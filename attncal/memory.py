@@ -223,3 +223,43 @@ def float32_weight_bytes(model_dir: Path) -> int:
     except (OSError, ValueError):
         pass
     return scale * sum(f.stat().st_size for f in model_dir.glob("*.bin"))
+
+
+class StepMeter:
+    """Wall time and peak resident memory (this process and its children: the optimizer's) of each export step,
+    recorded in `attncal.json` under `export_steps`, so a user sees what an export of this size takes.
+
+    `watch`, where given (the CLI's `attncal.export.watch.Watch`), is told each step and the working directory,
+    so an export killed by the kernel is reported with its step and leaves nothing behind."""
+
+    def __init__(self, watch=None) -> None:
+        self.sampler = TreeSampler(interval=0.05)
+        self.watch = watch
+        self.rows: list[dict] = []
+        self._start = time.perf_counter()
+        self._name: str | None = None
+
+    def step(self, name: str) -> None:
+        self._close()
+        self._name, self._start = name, time.perf_counter()
+        self.sampler.mark(name)
+        if self.watch is not None:
+            self.watch.step(name)
+
+    def _close(self) -> None:
+        if self._name is not None:
+            peak = max(self.sampler.peaks.get(self._name, 0), tree_rss(self.sampler.pid))  # a step shorter than a sample
+            self.rows.append({"step": self._name, "seconds": round(time.perf_counter() - self._start, 2),
+                              "peak_rss_mib": round(peak / 1024**2, 1)})
+            self._name = None
+
+    def __enter__(self) -> "StepMeter":
+        self.sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sampler.__exit__(*exc)
+
+    def report(self) -> list[dict]:
+        self._close()
+        return list(self.rows)

@@ -11,8 +11,10 @@ in one line, since the copied behaviour may have changed.
 from __future__ import annotations
 
 import importlib.metadata as md
+import platform
 import re
 import warnings
+from typing import Iterable
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
@@ -71,3 +73,15 @@ def warn_if_not_mirrored(package: str, mirrored: str, what: str) -> None:
     if version is not None and release(version) != release(mirrored):
         warnings.warn(f"{what} of {package} {mirrored}; {package} {version} is installed, whose internals may "
                       "differ (results unverified with it)", MirroredVersionWarning, stacklevel=3)
+
+
+def library_versions(packages: Iterable[str], *, python: bool = False,
+                     omit_missing: bool = False) -> dict[str, str | None]:
+    """The installed version of each of `packages` (None where it is not installed, or left out with
+    `omit_missing`), after Python's own with `python`: what a result or an export records to be reproduced."""
+    out: dict[str, str | None] = {"python": platform.python_version()} if python else {}
+    for pkg in packages:
+        version = installed(pkg)
+        if version is not None or not omit_missing:
+            out[pkg] = version
+    return out

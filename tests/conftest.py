@@ -112,12 +112,12 @@ def shared_raw_exports(tmp_path_factory):
     copies of `tiny_models` share).  The first request of a key runs the real torch.onnx export; later ones
     copy its files.  Everything after that step (placement, ORT's optimizer, parity, the artifact) runs as
     usual.  The cache lives in this run's own temporary root (shared by its xdist workers): no other run sees it."""
-    import attncal.export.exporter as exporter
+    import attncal.export.from_torch as from_torch
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "raw-exports"
     root.mkdir(parents=True, exist_ok=True)
-    real = exporter.torch_export
+    real = from_torch.torch_export
 
     def torch_export(info, pooling, onnx_path, opset, exporter_name, fp16=False, model=None):
         fields = {k: str(v).replace(str(info.root), "<root>").replace(str(info.path), "<path>")
@@ -141,7 +141,7 @@ def shared_raw_exports(tmp_path_factory):
         return json.loads((entry / "names.json").read_text())
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(exporter, "torch_export", torch_export)
+        mp.setattr(from_torch, "torch_export", torch_export)
         yield root
 
 

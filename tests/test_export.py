@@ -16,7 +16,8 @@ import pytest
 from attncal import CalibrationConfig
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
-from attncal.export.exporter import ExportOptions, export, save_onnx
+from attncal.artifact import save_onnx
+from attncal.export.exporter import ExportOptions, export
 from attncal.graphs import AlreadyCalibratedError, SoftmaxPatternError, insert_calibration
 from attncal.graphs.contract import DOMAIN
 from attncal.graphs.feed_forward_chunks import CHUNK_ROWS
@@ -282,7 +283,7 @@ def test_cli_export_check_inspect_and_errors(tiny_models, tmp_path, capsys, monk
     assert "model_optimized_native.onnx" in err(["check", str(out), "--graph", "native"])[1]
 
     # A graph without the softmax pattern: a clear error, and nothing left behind.
-    import attncal.export.exporter as exporter
+    import attncal.export.from_torch as from_torch
 
     def no_softmax(info, pooling, onnx_path, opset, exporter_name, fp16=False, model=None):
         onnx_path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,7 +294,7 @@ def test_cli_export_check_inspect_and_errors(tiny_models, tmp_path, capsys, monk
         onnx.save(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 18)]), str(onnx_path))
         return ["input_ids", "attention_mask"]
 
-    monkeypatch.setattr(exporter, "torch_export", no_softmax)
+    monkeypatch.setattr(from_torch, "torch_export", no_softmax)
     code, msg = err(["export", src, "-o", str(tmp_path / "broken")])
     assert code == 2 and "expected one attention Softmax -> MatMul per layer" in msg
     assert not (tmp_path / "broken").exists()

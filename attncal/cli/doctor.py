@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import cpuinfo
 from ..export.quantize import graph_record
-from ..versions import declared_ranges, in_range, installed
+from ..versions import declared_ranges, in_range, installed, library_versions
 
 _PACKAGES = ("attncal", "torch", "transformers", "onnx", "onnx-ir", "onnxruntime", "onnxruntime-gpu", "numpy",
              "sentence-transformers", "optimum", "optimum-onnx", "scipy-openblas32", "ray", "tritonclient")
@@ -32,9 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
-    out.update((pkg, installed(pkg)) for pkg in _PACKAGES)
-    return out
+    return {"python": platform.python_version(), "platform": platform.platform(), **library_versions(_PACKAGES)}
 
 
 def _tested() -> dict[str, dict[str, Any]]:

@@ -91,7 +91,7 @@ class ScanResult:
 
 def _export(model: str | os.PathLike, endpoint: str | None) -> tuple[Location, dict]:
     """Where the export is and its attncal.json (the only file the driver reads of a remote export)."""
-    from ..export.exporter import METADATA_FILE
+    from ..artifact import METADATA_FILE
 
     if is_uri(model):
         loc = Location.parse(model, endpoint)

@@ -57,7 +57,7 @@ def piece_shard_name(piece: int, j: int) -> str:
 
 def config_hash(export: Location) -> str:
     """sha256 of the export's attncal.json bytes: changes whenever the calibration or the export does."""
-    from ..export.exporter import METADATA_FILE
+    from ..artifact import METADATA_FILE
 
     return "sha256:" + hashlib.sha256(export.child(METADATA_FILE).read_bytes()).hexdigest()
 

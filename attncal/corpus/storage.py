@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from ..messages import first_line
+
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
@@ -74,7 +76,7 @@ def _cached_filesystem(root: str, query: str, endpoint: str | None, identity: tu
     try:
         return pafs.FileSystem.from_uri(uri)[0]
     except (OSError, ValueError) as exc:
-        raise StorageError(f"cannot open {root}: {_first_line(exc)}") from None
+        raise StorageError(f"cannot open {root}: {first_line(exc)}") from None
 
 
 @dataclass(frozen=True)
@@ -271,14 +273,9 @@ def check_bucket(loc: Location, what: str) -> None:
         raise StorageError(f"{what} {loc}: bucket {loc.bucket!r} does not exist (or these credentials cannot see it)")
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def explain(exc: BaseException, what: str, loc: Location | str) -> StorageError:
     """One line for a storage error: what was being done, where, and what the store said."""
-    text = _first_line(exc)
+    text = first_line(exc)
     m = re.search(r"AWS Error (\w+) during (\w+) operation(?:: (.*))?", text)
     if m:
         code, op, detail = m.group(1), m.group(2), re.sub(r"\s*\(Request ID: [^)]*\)", "", m.group(3) or "")

@@ -18,6 +18,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..versions import library_versions as installed_versions
+
 
 def check_out_dir(out: str | Path | None, overwrite: bool) -> Path | None:
     """`out` as a Path, refused up front when it is a file or a non-empty directory without `overwrite`.
@@ -81,15 +83,7 @@ def cache_record(cache) -> dict:
 
 def library_versions() -> dict:
     """Versions of the libraries a result depends on, recorded in results.json for reproducing it."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("attncal", "ir-measures", "torch", "transformers", "onnxruntime", "chonkie"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return installed_versions(("attncal", "ir-measures", "torch", "transformers", "onnxruntime", "chonkie"))
 
 
 def json_default(o):

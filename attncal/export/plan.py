@@ -22,6 +22,8 @@ from .memory_plan import MemoryEstimate
 from .quantize import INT8_TARGETS, QUANTIZATIONS
 
 EXPORTERS = ("dynamo", "torchscript")
+# The stages an export's progress lines number ("[2/4] ..."), in the order its steps run them.
+STAGES = (TORCH_EXPORT, GRAPHS, PARITY, WRITE) = ("torch export", "graphs", "parity", "write")
 DEFAULT_OPSET = 18
 MIN_OPSET = 18
 # Placements that take a calibrated graph's precision as it is: an fp16 export converts the optimized graphs
@@ -208,3 +210,8 @@ def _placement_plan(plan: ExportPlan):
         chosen = replace(chosen, portable="softmax", reason=chosen.reason + "; --fp16: the portable graph takes "
                          "softmax placement (its op computes in float32)")
     return chosen
+
+
+def stage_label(stage: str) -> str:
+    """"[i/n]": where `stage` comes among the export's `STAGES`."""
+    return f"[{STAGES.index(stage) + 1}/{len(STAGES)}]"

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .pass_base import IR, PROTO, GraphPass
+
 CHUNK_ROWS = 1024
 
 # Element-wise ops whose output row r depends only on row r of their inputs (with constants that broadcast
@@ -232,3 +234,12 @@ def chunk_feed_forwards(model, rows: int = CHUNK_ROWS) -> int:
     del graph.value_info[:]
     graph.value_info.extend(kept)
     return len(blocks)
+
+
+SPLIT_AXIS = GraphPass(
+    "split_last_axis", IR, matches="Splits of their input's last axis written as a non-negative axis",
+    checks="the input's shape is recorded", rewrite=last_axis_as_negative)
+PASS = GraphPass(
+    "feed_forward_chunks", PROTO, matches="the nodes between a block's input and a MatMul by a weight (`_cone`)",
+    checks="every node row-wise, one input that an input projection reads, two MatMuls or more, no value read "
+           "outside the block", rewrite=chunk_feed_forwards, keeps_data_file=True)

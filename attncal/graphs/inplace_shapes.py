@@ -6,6 +6,8 @@ graph's value_info benefits.
 
 from __future__ import annotations
 
+from .pass_base import PROTO, GraphPass
+
 
 def annotate_inplace_shapes(model) -> int:
     """Give each calibration op's `probs` input symbolic dims [B, H, S, S] of its own, in place
@@ -51,3 +53,8 @@ def annotate_inplace_shapes(model) -> int:
             graph.value_info.append(vi)
         count += 1
     return count
+
+
+PASS = GraphPass(
+    "inplace_shapes", PROTO, matches="the [B,H,S,S] input of each calibration op after a Softmax or on the scores",
+    checks="its element type is inferred and its recorded shape says nothing yet", rewrite=annotate_inplace_shapes)

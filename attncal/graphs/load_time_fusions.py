@@ -1,9 +1,12 @@
 """Rewrites of the portable graph that let ONNX Runtime apply, at load time, the fusions it applies to
 optimum's and TorchScript exports of the same model.  Values are unchanged; the
-graph stays standard ONNX.  The exporter runs both (`prepare_for_load_time_fusions`) after the placement,
-before saving `onnx/model.onnx` and the native graph of a plain export (docs/cli.md, "The exporter")."""
+graph stays standard ONNX.  The exporter runs both (`ERF_GELU`, `INTERMEDIATE_SHAPES`: `attncal.graphs.passes`)
+after the placement, before saving `onnx/model.onnx` and the native graph of a plain export (docs/cli.md,
+"The exporter")."""
 
 from __future__ import annotations
+
+from .pass_base import IR, GraphPass
 
 
 def _scalar_is(value, expected: float) -> bool:
@@ -73,7 +76,9 @@ def drop_intermediate_shapes(model) -> int:
     return count
 
 
-def prepare_for_load_time_fusions(model) -> None:
-    """Both rewrites, after the placements: what every graph the exporter writes from torch's export gets."""
-    reorder_erf_gelu(model)
-    drop_intermediate_shapes(model)
+ERF_GELU = GraphPass(
+    "erf_gelu_order", IR, matches="x * (0.5 * (1 + erf(x / sqrt(2)))), as the dynamo exporter writes the exact GELU",
+    checks="the constants are 0.5, 1 and sqrt(2), and the half's product has no other reader", rewrite=reorder_erf_gelu)
+INTERMEDIATE_SHAPES = GraphPass(
+    "intermediate_shapes", IR, matches="the recorded shapes of intermediate values",
+    checks="the value is no graph output", rewrite=drop_intermediate_shapes)

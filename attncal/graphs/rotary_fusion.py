@@ -41,6 +41,7 @@ import onnx_ir as ir
 
 from .builder import Ops, const_array, scalar_value
 from .contract import DOMAIN
+from .pass_base import IR, GraphPass
 
 MS_DOMAIN = "com.microsoft"
 ROTARY_OP = "RotaryEmbedding"  # com.microsoft, version 1 (contrib_defs.cc); CPU kernel for float and float16
@@ -206,3 +207,10 @@ def fuse_rotations(model: ir.Model) -> int:
     if MS_DOMAIN not in model.opset_imports:
         model.opset_imports[MS_DOMAIN] = 1
     return len(rotations)
+
+
+PASS = GraphPass(
+    "rotary_embedding", IR,
+    matches="the query and key inputs of every attention op the plain attention placement placed",
+    checks="x·c + rotate_half(x)·s on [B,N,S,D], c and s one row per token from Concat(f, f) (`find_rotation`)",
+    rewrite=fuse_rotations)

@@ -23,6 +23,7 @@ from ..artifact import (
     is_long_context,
     read_metadata,
 )
+from ..messages import first_line
 
 GRAPHS = ("auto", "portable", "optimized", "native")
 _ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
@@ -226,7 +227,7 @@ class Encoder:
                                              self.meta.get("padding_side", "right"), self.pooling_spec)
         except Exception as exc:  # a damaged tokenizer file fails deep inside tokenizers/transformers
             raise ArtifactError(self.path / "tokenizer.json", "the tokenizer cannot be loaded "
-                                f"({type(exc).__name__}: {_first_line(exc)})") from None
+                                f"({type(exc).__name__}: {first_line(exc)[:300]})") from None
         from ..modelinfo import UnsupportedModelError, read_prompts
 
         try:
@@ -244,7 +245,7 @@ class Encoder:
         except Exception as exc:
             if not type(exc).__module__.startswith("onnxruntime"):
                 raise
-            raise ArtifactError(model_file, f"ONNX Runtime cannot load it ({_first_line(exc)})") from None
+            raise ArtifactError(model_file, f"ONNX Runtime cannot load it ({first_line(exc)[:300]})") from None
         if (self.meta.get("quantization") or {}).get("precision") == "int8":  # figures hold where its graph says
             cpuinfo.warn_if_uncovered(cpuinfo.int8_record(self.session.get_modelmeta().custom_metadata_map),
                                       str(model_file))
@@ -354,11 +355,6 @@ class Encoder:
             _, emb = self.run(self.tokenize([texts[j] for j in idx]))
             out[idx] = emb
         return out
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
 
 
 def check_texts(texts) -> list[str]:

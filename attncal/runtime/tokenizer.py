@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..artifact import TOKENIZERS
+from ..modelinfo import read_prompts
 from .landmarks import Landmarks, PoolingSpec, tokenizers_encode, transformers_encode
 
 FAST, TRANSFORMERS = TOKENIZERS  # attncal.json's "tokenizer" values
@@ -250,3 +251,16 @@ def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side
     if reference.token_lengths(texts) != fast.token_lengths(texts):
         return "token counts differ on the probe texts"
     return None
+
+
+def attest_tokenizer(path: str | Path, max_length: int | None, padding_side: str, spec: PoolingSpec | None,
+                     log: Callable[[str], None]) -> str:
+    """What attncal.json's "tokenizer" says of the export at `path`: FAST where its tokenizer.json alone gives
+    what transformers gives (the runtime then tokenizes without importing transformers), else TRANSFORMERS,
+    with the reason told to `log`."""
+    prompts = (read_prompts(path)[0] or {}).values()
+    why = verify_fast_tokenizer(path, max_length, padding_side, list(prompts), spec)
+    if why is None:
+        return FAST
+    log(f"note: the runtime tokenizes with transformers: {why}")
+    return TRANSFORMERS
