@@ -64,10 +64,7 @@ def basket_mass(encoder: TorchEncoder, text: str, config: CalibrationConfig, lay
     if rc.isolate_last:
         spans.append((end, end + 1))
         labels.append("last token")
-    if rc.row_set:  # the rows this item's input_ids mark (landmarks, every k-th token)
-        rows = [int(q) for q in np.flatnonzero(np.asarray(rc.row_mask(batch["input_ids"], batch["attention_mask"]))[0])]
-    else:
-        rows = list(range(start, end + 1)) if rc.all_rows else [end if rc.pool_last else start]
+    rows = list(range(start, end + 1)) if rc.all_rows else [end if rc.pool_last else start]
     kwargs = dict(batch, output_attentions=True, **forward_kwargs(encoder.model))
     # Attention probabilities are only returned by eager attention; the encoder may run SDPA.
     saved = set_attn_implementation(base_model_of(encoder.model), "eager")
