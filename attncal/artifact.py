@@ -48,6 +48,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
+from .calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from .memory import release_freed_memory
 
 ONNX_SUBDIR = "onnx"
@@ -59,6 +60,7 @@ OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized 
 NATIVE_FILE = "model_optimized_native.onnx"
 EXTERNAL_DATA_FILE = "model.onnx_data"
 METADATA_FILE = "attncal.json"
+EXPORT_LOG_FILE = "attncal-export.log"  # what the libraries wrote during `attncal export` (attncal.console)
 CONFIG_FILE = "config.json"
 PORTABLE_GRAPH = f"{ONNX_SUBDIR}/{ONNX_FILE}"
 OPTIMIZED_GRAPH = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
@@ -384,8 +386,7 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
                                   f"token_type_ids), got {meta['inputs']}")
     if meta.get("tokenizer") not in (None,) + TOKENIZERS:
         raise ArtifactError(path, f"key 'tokenizer' must be one of {', '.join(TOKENIZERS)}, got {meta['tokenizer']!r:.40}")
-    from .calibration.config import ROW_SET_POOLINGS  # landmark (LMK, multi-CLS) and Mean@k record their parameters
-
+    # landmark (LMK, multi-CLS) and Mean@k record their parameters
     if (meta.get("pooling_spec") is not None) != (meta["pooling"] in ROW_SET_POOLINGS):
         raise ArtifactError(path, f"pooling {meta['pooling']!r} " + ("needs key 'pooling_spec'" if meta["pooling"]
                                   in ROW_SET_POOLINGS else "takes no key 'pooling_spec'"))
@@ -394,8 +395,6 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
     if meta["calibrated"]:
         if not isinstance(meta.get("config"), dict):
             raise ArtifactError(path, "a calibrated export needs key 'config' (the calibration config object)")
-        from .calibration.config import CalibrationConfig
-
         try:
             CalibrationConfig.from_dict(meta["config"])
         except (TypeError, ValueError) as exc:
@@ -665,7 +664,7 @@ def graph_digest(model, base_dir: str | os.PathLike | None = None) -> str:
     for t in model.graph.initializer:
         d.add(t.SerializeToString(deterministic=True))
         if base_dir is not None and t.data_location == onnx.TensorProto.EXTERNAL:
-            loc, off, length = _external_info(t)
+            loc, off, length = external_info(t)
             _copy_range(Path(base_dir) / loc, off, length, d.h.update)
     return d.tail(model.graph)
 
@@ -738,7 +737,11 @@ def save_structure(proto, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-def _varint(n: int) -> bytes:
+# -- protobuf fields and external-data references, written here and by the int8 quantizer (attncal.export.quantize),
+# which both stream weights around the onnx package instead of holding them in a message.
+
+def varint_bytes(n: int) -> bytes:
+    """`n` (non-negative) as a protobuf varint."""
     out = bytearray()
     while True:
         byte = n & 0x7F
@@ -750,19 +753,35 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _field(tag: int, payload_len: int) -> bytes:
-    """A length-delimited protobuf field header (wire type 2) of field number `tag`."""
-    return _varint(tag << 3 | 2) + _varint(payload_len)
+def field_header(number: int, payload_len: int) -> bytes:
+    """A length-delimited protobuf field header (wire type 2) of field `number`; the payload follows it."""
+    return varint_bytes(number << 3 | 2) + varint_bytes(payload_len)
 
 
 # ModelProto.graph = 7, ModelProto.metadata_props = 14, GraphProto.initializer = 5, TensorProto.raw_data = 9.
-_MODEL_GRAPH, _MODEL_PROPS, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 14, 5, 9
+MODEL_GRAPH, MODEL_PROPS, GRAPH_INITIALIZER, TENSOR_RAW_DATA = 7, 14, 5, 9
 _CHUNK = 64 * 1024**2
 
 
-def _external_info(tensor) -> tuple[str, int, int]:
+def external_info(tensor) -> tuple[str, int, int] | None:
+    """(location, offset, length) of a tensor's external data; None for a tensor held in the graph."""
+    import onnx
+
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
     info = {e.key: e.value for e in tensor.external_data}
     return info["location"], int(info.get("offset", 0)), int(info["length"])
+
+
+def set_external(tensor, location: str, offset: int, length: int) -> None:
+    """Make `tensor` a reference to `length` bytes at `offset` of `location` (its own bytes dropped)."""
+    import onnx
+
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=k, value=v)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
 def is_long_context(max_seq_length: int | None) -> bool:
@@ -787,7 +806,7 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
     check_external_data(proto, base_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     inits = list(proto.graph.initializer)
-    total = sum(_external_info(t)[2] if t.data_location == onnx.TensorProto.EXTERNAL else t.ByteSize() for t in inits)
+    total = sum(external_info(t)[2] if t.data_location == onnx.TensorProto.EXTERNAL else t.ByteSize() for t in inits)
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(proto)
     del skeleton.graph.initializer[:]
@@ -808,11 +827,8 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
                     t2 = onnx.TensorProto()
                     t2.CopyFrom(t)
                     if t.data_location == onnx.TensorProto.EXTERNAL:
-                        loc, off, length = _external_info(t)
-                        offset = data.tell()
-                        del t2.external_data[:]
-                        for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
-                            t2.external_data.add(key=k, value=v)
+                        loc, off, length = external_info(t)
+                        set_external(t2, data_name, data.tell(), length)
                         d.add(t2.SerializeToString(deterministic=True))
 
                         def sink(chunk: bytes) -> None:
@@ -833,7 +849,7 @@ def write_graph_file(proto, base_dir: str | os.PathLike, path: str | os.PathLike
                     _write_inline_initializer(t, base_dir, f, d)
                 digest = d.tail(skeleton.graph)
                 entry = onnx.StringStringEntryProto(key=DIGEST_KEY, value=digest).SerializeToString()
-                f.write(_field(_MODEL_PROPS, len(entry)) + entry)
+                f.write(field_header(MODEL_PROPS, len(entry)) + entry)
         if external:
             os.replace(data_tmp, path.with_name(data_name))
         os.replace(tmp, path)
@@ -865,10 +881,10 @@ def _write_inline_initializer(t, base_dir: Path, f, d: _Digest) -> None:
     if t.data_location != onnx.TensorProto.EXTERNAL:
         b = t.SerializeToString(deterministic=True)
         d.add(b)
-        g = _field(_GRAPH_INITIALIZER, len(b)) + b
-        f.write(_field(_MODEL_GRAPH, len(g)) + g)
+        g = field_header(GRAPH_INITIALIZER, len(b)) + b
+        f.write(field_header(MODEL_GRAPH, len(g)) + g)
         return
-    loc, off, length = _external_info(t)
+    loc, off, length = external_info(t)
     head, tail = onnx.TensorProto(), onnx.TensorProto()
     head.CopyFrom(t)
     del head.external_data[:]
@@ -883,10 +899,10 @@ def _write_inline_initializer(t, base_dir: Path, f, d: _Digest) -> None:
         head.ClearField(name)
     hb = head.SerializeToString(deterministic=True)
     tb = tail.SerializeToString(deterministic=True)
-    raw = _field(_TENSOR_RAW_DATA, length)
+    raw = field_header(TENSOR_RAW_DATA, length)
     tensor_len = len(hb) + len(raw) + length + len(tb)
-    g_head = _field(_GRAPH_INITIALIZER, tensor_len)
-    f.write(_field(_MODEL_GRAPH, len(g_head) + tensor_len) + g_head + hb + raw)
+    g_head = field_header(GRAPH_INITIALIZER, tensor_len)
+    f.write(field_header(MODEL_GRAPH, len(g_head) + tensor_len) + g_head + hb + raw)
     d.h.update(tensor_len.to_bytes(8, "little"))  # `add` of the whole serialization, streamed
     d.h.update(hb + raw)
 

@@ -15,6 +15,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from .modelinfo import model_class
+
 ARCHITECTURES = ("bert", "xlm-roberta", "qwen3", "modernbert", "mpnet", "distilbert", "roberta", "t5", "gemma3_text")
 DEFAULT_POOLING = {"bert": "cls", "xlm-roberta": "cls", "qwen3": "last", "modernbert": "cls", "mpnet": "mean",
                    "distilbert": "mean", "roberta": "mean", "t5": "mean", "gemma3_text": "mean"}
@@ -225,8 +227,6 @@ def save_synthetic_model(
     (tanh) and EmbeddingGemma (two bias-free projections) have; `prompts` / `default_prompt_name`: the
     named prompts of `config_sentence_transformers.json`."""
     import torch
-
-    from .modelinfo import model_class
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ in one line, since the copied behaviour may have changed.
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
+import os
 import platform
 import re
 import warnings
@@ -85,3 +87,10 @@ def library_versions(packages: Iterable[str], *, python: bool = False,
         if version is not None or not omit_missing:
             out[pkg] = version
     return out
+
+
+def without_torch_advice() -> None:
+    """No "PyTorch was not found" advice from transformers where torch is absent on purpose (the runtime install):
+    its tokenizers need none, and only an environment variable turns that advisory warning off."""
+    if importlib.util.find_spec("torch") is None:
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

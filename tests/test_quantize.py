@@ -30,7 +30,7 @@ from attncal.cli import main
 from attncal.export.exporter import ExportOptions, export
 from attncal import artifact
 from attncal.artifact import DIGEST_KEY, external_data_name, load_onnx_checked
-from attncal.export import quantize
+from attncal.export import exporter, quantize
 from attncal.export.quantize import graph_record, quantization_record, quantize_graph, weight_nodes
 from attncal.graphs.contract import DOMAIN
 from attncal.modelinfo import default_model_path
@@ -166,7 +166,8 @@ def _reference(src: Path, dst: Path, per_channel: bool = True, weights: str = qu
 
 
 def _capture_fp32(monkeypatch, dest: Path) -> None:
-    """Copy each float32 graph (and its data file) the export hands to the quantizer into `dest` first."""
+    """Copy each float32 graph (and its data file) the export hands to the quantizer into `dest` first (patched
+    where the exporter looks it up)."""
     real = quantize.quantize_graph
 
     def spy(path, *args, **kwargs):
@@ -176,7 +177,7 @@ def _capture_fp32(monkeypatch, dest: Path) -> None:
                 shutil.copyfile(f, dest / f.name)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(quantize, "quantize_graph", spy)
+    monkeypatch.setattr(exporter, "quantize_graph", spy)
 
 
 def _serialized(items) -> list[bytes]:

@@ -293,6 +293,10 @@ def test_export_of_the_recommendation(tiny, posq_set, tmp_path, monkeypatch, cap
     assert meta["calibrated"] and meta["config"]["strength"] == 1.0 and meta["config"]["basket_size"] == 32
     assert not json.loads((out / "export-uncalibrated" / "attncal.json").read_text())["calibrated"]
     assert f"attncal encode {out / 'export-calibrated'} --input" in capsys.readouterr().out
+    # From Python, the export step is the caller's (eval does not import the exporter): refused up front without it.
+    with pytest.raises(ValueError, match=r"TuneOptions\(export=True\) needs tune\(\.\.\., export_step=\.\.\.\)"):
+        tune_module.tune(tiny["bert"], posq_set, tune_module.TuneOptions(export=True), out=tmp_path / "py")
+    assert not (tmp_path / "py").exists()
 
 
 def test_tune_on_a_beir_layout_set_and_on_documents(tiny, posq_set, tmp_path):

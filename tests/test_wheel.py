@@ -105,7 +105,7 @@ def _runtime_without_torch(vpy: str, root: Path, env: dict[str, str], tiny_model
     proc = subprocess.run([cli, "export", str(tiny_models["bert"]), "-o", str(root / "refused")], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        "attncal export: error: torch is not installed; this command needs pip install 'attncal[export]'"), proc.stderr
+        "attncal export: error: onnx_ir is not installed; this command needs pip install 'attncal[export]'"), proc.stderr
     assert not (root / "refused").exists()
 
 

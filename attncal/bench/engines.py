@@ -8,6 +8,8 @@ built once per bench run.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata as md
 import json
 import os
 import shutil
@@ -17,7 +19,13 @@ from typing import Callable
 
 import numpy as np
 
+from .. import export  # the callable package: a call loads the exporter (attncal/export/__init__.py)
+from ..artifact import (ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, ArtifactError, config_int, open_export, read_metadata,
+                        save_onnx_proto, write_metadata)
 from ..calibration.config import CalibrationConfig
+from ..export.plan import ExportOptions
+from ..runtime import oplib
+from ..runtime.encoder import Encoder, default_session_options
 from ..runtime.landmarks import PoolingSpec, place
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
@@ -135,8 +143,6 @@ class Workspace:
 
 def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict[str, str]:
     """Create the exports the selected engines need (once; reused when present). Returns notes."""
-    from ..export.exporter import ExportOptions, export
-
     notes: dict[str, str] = {}
     needed = {_ort_engine(e)[0] for e in engines if _is_ort_engine(e)}
     for name in sorted(needed):
@@ -180,10 +186,7 @@ def export_code_fingerprint() -> str:
     """What a cached bench export depends on besides the model, the config and the placement: attncal's own
     code (every module's source: a checkout's next commit keeps the version string, and must not reuse the
     last commit's exports) and the versions of the libraries that export and rewrite it."""
-    import hashlib
-    import importlib.metadata as md
-
-    from ..export.exporter import library_versions
+    from ..export.exporter import library_versions  # lazy: the exporter, which attncal --help must not load
 
     h = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
@@ -200,8 +203,6 @@ def export_code_fingerprint() -> str:
 
 def _cached_export_ok(path: Path, quiet: bool) -> bool:
     """Whether a cached bench export is there and intact; a damaged one is removed and rebuilt."""
-    from ..artifact import ArtifactError, open_export
-
     if not (path / "attncal.json").exists():
         return False
     try:
@@ -217,9 +218,6 @@ def _cached_export_ok(path: Path, quiet: bool) -> bool:
 def optimize_export(src: Path, dest: Path) -> None:
     """ONNX Runtime's transformer optimizer (attention and layer-norm fusions) on an uncalibrated export."""
     from onnxruntime.transformers.optimizer import optimize_model
-
-    from ..artifact import (ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, config_int, read_metadata, save_onnx_proto,
-                            write_metadata)
 
     meta = read_metadata(src)
     tmp = dest.with_name(dest.name + ".tmp")
@@ -241,7 +239,7 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
     if name.startswith("torch"):
         import torch
 
-        from ..calibration.encode import TorchEncoder
+        from ..calibration.encode import TorchEncoder  # lazy: torch (the export extra), not needed by ORT engines
 
         torch.set_num_threads(ws.threads)
         sdpa = name.endswith("sdpa")  # torch-sdpa / torch-cal-sdpa: SDPA attention, split calibration
@@ -255,12 +253,8 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
             return enc.forward(batch, config, implementation=impl)
 
         return run_torch
-    from ..runtime.encoder import Encoder
-
     export_name, graph, native = _ort_engine(name)
     if native:
-        from ..runtime import oplib
-
         if oplib.default_library_path() is None:
             raise EngineUnavailable("the native op library is not installed (pip install . or make plugins)")
     path = ws.export_dir(export_name)
@@ -295,9 +289,6 @@ def interleaved_session_options(export: Path) -> "onnxruntime.SessionOptions":  
     keeps spinning within a run (what a user's session does) and stops it between runs, so each engine gets
     the cores it would get on its own.
     """
-    from ..artifact import read_metadata
-    from ..runtime.encoder import default_session_options
-
     so = default_session_options(read_metadata(export).get("max_seq_length"))
     so.add_session_config_entry("session.force_spinning_stop", "1")
     return so

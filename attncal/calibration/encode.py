@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..modelinfo import ModelInfo, forward_kwargs, load_dense_head, load_model_info, load_transformer
+from ..modelinfo import (ModelInfo, choose_prompt, forward_kwargs, load_dense_head, load_model_info,
+                         load_transformer)
 from .config import POOLINGS, CalibrationConfig
 from .patching import LayerInputs, ResumeAt, calibrate
 
@@ -143,8 +144,6 @@ class TorchEncoder:
         sentence-transformers)."""
         if isinstance(texts, str):
             raise TypeError("texts must be a sequence of strings, not a single string")
-        from ..modelinfo import choose_prompt
-
         text_prompt = choose_prompt(self.info.prompts, self.info.default_prompt_name, prompt_name, prompt)
         if text_prompt:
             texts = [text_prompt + t for t in texts]

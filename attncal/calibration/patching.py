@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..modelinfo import forward_kwargs
 from .config import CalibrationConfig, ResolvedCalibration
 from .efficient import BatchGeometry, apply, compute_geometry
 from .naive import naive_apply
@@ -309,8 +310,6 @@ def _probe_forward(module: nn.Module, query, key, value, attention_mask, **kwarg
 
 def _probe_batch(base: nn.Module) -> dict[str, torch.Tensor]:
     """Two items of 6 tokens, the second padded (right) by 2: enough for every mask and position path."""
-    from ..modelinfo import forward_kwargs
-
     vocab = int(getattr(base.config, "vocab_size", 0) or 0)
     dev = next(base.parameters()).device
     ids = (torch.arange(12, device=dev).view(2, 6) % max(1, min(vocab, 50) - 3)) + 3 if vocab > 4 else \

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from pathlib import Path
 
-from . import CLIError, add_calibration_args, config_from_args, write_command_log
+from ..artifact import ArtifactError, looks_like_export, open_export, write_text_atomic
+from ..bench import engines as bench_engines
+from ..bench import harness
+from ..bench.engines import DEFAULT_ENGINES, ENGINES, MEM_PATTERN, Workspace, build_exports, is_engine, peer_engine
+from ..bench.report import write_results
+from ..graphs.placement_names import CHOICES as PLACEMENTS
+from ..modelinfo import load_model_info, position_limit, resolve_model_path
+from ..serving.bench import bench_triton, format_table
+from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
+from .common import CLIError, add_calibration_args, config_from_args, write_command_log
 from .pooling import add_pooling_args, pooling_choices
 
 LOG_FILE = "attncal-bench.log"
@@ -28,16 +38,10 @@ def _position_limit(info) -> int | None:
     """How many tokens the model can take (its position table; the ST max length may be lower)."""
     from transformers import AutoConfig
 
-    from ..modelinfo import position_limit
-
     return position_limit(AutoConfig.from_pretrained(str(info.path)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..bench.engines import DEFAULT_ENGINES, ENGINES, MEM_PATTERN
-    from ..graphs.placement_names import CHOICES as PLACEMENTS
-    from ..synthetic import SYNTHETIC_SHAPES
-
     p.add_argument("model", nargs="?", default=None,
                    help="model directory, an attncal export (its source model is used) or 'default'")
     p.add_argument("--triton", default=None, metavar="REPO_OR_URL",
@@ -78,16 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_triton(args: argparse.Namespace) -> int:
-    from ..serving.bench import bench_triton, format_table
-
     conc = _int_list(args.concurrency, "--concurrency")
     names = [n.strip() for n in args.names.split(",") if n.strip()] if args.names else None
     if args.requests < 1 or args.rounds < 1:
         raise ValueError(f"--requests and --rounds must be >= 1, got {args.requests} and {args.rounds}")
     result = bench_triton(args.triton, names, concurrency=conc, requests_per_level=args.requests, rounds=args.rounds)
     table = format_table(result)
-    from ..artifact import write_text_atomic
-
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} exists and is a file")
@@ -100,14 +100,8 @@ def run_triton(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.engines import ENGINES, MEM_PATTERN, Workspace, build_exports, is_engine
-
     if args.triton:
         return run_triton(args)
-    from ..bench.harness import machine_info, run_bench
-    from ..bench.report import write_results
-    from ..modelinfo import load_model_info, resolve_model_path
-
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if not is_engine(e)]
     if bad or not engines:
@@ -121,24 +115,18 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_probes < 1:
         raise CLIError(f"--memory-probes must be >= 1, got {args.memory_probes} (--no-memory skips the probes)")
     if (args.model is None) == (args.synthetic is None):
-        from ..synthetic import SYNTHETIC_SHAPES
-
         raise CLIError(f"give either MODEL or --synthetic {{{','.join(SYNTHETIC_SHAPES)}}}")
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.parent / ".bench-cache"
     (args.pooling, spec), = pooling_choices(args)
     config = config_from_args(args)
     if args.synthetic:
-        from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
-
         shape = SYNTHETIC_SHAPES[args.synthetic]
         model = work / f"synthetic-{args.synthetic}"
         if not (model / "config.json").exists():
             save_synthetic_model(shape.arch, model, **shape.kwargs)
         name = f"synthetic {args.synthetic} ({shape.description}, random weights)"
     else:
-        from ..artifact import ArtifactError, looks_like_export, open_export
-
         if Path(args.model).is_file():
             raise ArtifactError(args.model, "is a file; expected a model directory, an attncal export or 'default'")
         if looks_like_export(args.model):
@@ -159,10 +147,6 @@ def run(args: argparse.Namespace) -> int:
     pooling = info.pooling if config.pooling == "auto" else config.pooling
     config = config.with_pooling(pooling)
     config.layer_indices(info.num_layers)
-    import hashlib
-
-    from ..bench import engines as bench_engines
-
     spec_dict = spec.to_dict() if spec is not None else None
     key = f"{info.model_type}-" + hashlib.sha256(
         f"{model}|{config.to_json()}|{args.placement}|{spec_dict}|{bench_engines.export_code_fingerprint()}".encode()
@@ -170,16 +154,15 @@ def run(args: argparse.Namespace) -> int:
     ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads, placement=args.placement,
                    pooling_spec=spec_dict)
     notes = build_exports(ws, engines)
-    rows, skipped = run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
-                              memory=not args.no_memory, memory_probes=args.memory_probes)
+    rows, skipped = harness.run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
+                                      memory=not args.no_memory, memory_probes=args.memory_probes)
     notes.update(skipped)
-    from ..bench.engines import peer_engine
-
     meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "pooling_spec": spec_dict,
             "engines": engines,
             "peer": peer_engine([r.engine for r in rows]),
             "seq": seqs, "batch": batches, "repeats": args.repeats,
-            "memory_probes": None if args.no_memory else args.memory_probes, "machine": machine_info(args.threads)}
+            "memory_probes": None if args.no_memory else args.memory_probes,
+            "machine": harness.machine_info(args.threads)}
     write_results(out, rows, meta, notes)
     write_command_log(args, out / LOG_FILE)
     print((out / "results.md").read_text())

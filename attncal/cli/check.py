@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import CLIError
+from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
+from ..runtime.parity import check_parity
+from .common import CLIError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,12 +38,8 @@ def read_texts(path: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.parity import check_parity
-
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
-
     texts = read_texts(args.texts) if args.texts else None
     files = {"portable": PORTABLE_GRAPH, "optimized": OPTIMIZED_GRAPH, "native": NATIVE_GRAPH}
     # Every graph the check will run is validated first: a damaged export is one line, before any work.

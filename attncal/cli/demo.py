@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from . import add_calibration_args, config_from_args
+from .. import export  # the callable package: a call loads the exporter (attncal/export/__init__.py)
+from ..bench.engines import interleaved_session_options
+from ..bench.timing import interleaved_times, medians
+from ..export.plan import ExportOptions
+from ..runtime import Encoder
+from ..runtime.encoder import graph_has_custom_op
+from ..runtime.oplib import resolve_library
+from . import demo_position
+from .common import add_calibration_args, config_from_args
 
 LOG_FILE_HELP = "each export keeps them in its attncal-export.log"
 
@@ -42,10 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _latency_ms(encoders: dict, feeds_by_name: dict, repeats: int) -> dict[str, float]:
     """Median latency per model, runs interleaved so both see the same machine state."""
-    from functools import partial
-
-    from ..bench.timing import interleaved_times, medians
-
     runs = {k: partial(enc.run, feeds_by_name[k]) for k, enc in encoders.items()}
     return medians(interleaved_times(runs, repeats, warmup=3), scale=1e3)
 
@@ -58,11 +63,6 @@ def _op_path(library) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.engines import interleaved_session_options
-    from ..export.exporter import ExportOptions, export
-    from ..runtime import Encoder
-    from ..runtime.oplib import resolve_library
-
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     library = resolve_library(getattr(args, "native", None))  # before the exports: --native may refuse
@@ -82,8 +82,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"config     {config.variant}, λ={config.strength}, basket={config.basket_size}, "
           f"layers={meta['calibrated_layers']} of {meta['num_layers']}, pooling={meta['pooling']}")
     if not args.no_position_eval:
-        from . import demo_position
-
         print("== scoring both exports on real prose", file=sys.stderr, flush=True)
         data, source = demo_position.build_set(out / "posq-example", dirs["calibrated"])
         results = demo_position.compare(dirs["uncalibrated"], dirs["calibrated"], data)
@@ -114,8 +112,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"ONNX Runtime CPU latency, batch of {len(DEMO_TEXTS)} texts (median of {args.repeats}, interleaved): "
           f"uncalibrated {lat['uncalibrated']:.2f} ms, calibrated {lat['calibrated']:.2f} ms "
           f"(ratio {lat['calibrated'] / lat['uncalibrated']:.3f})")
-    from ..runtime.encoder import graph_has_custom_op
-
     cal = encoders["calibrated"]
     placement = (cal.meta.get("graphs") or {}).get(cal.graph_file, {}).get("placement") or cal.meta.get("placement")
     print(f"calibrated graph: {cal.graph_file}, {placement} placement")

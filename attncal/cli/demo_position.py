@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..eval import load_dataset
+from ..eval.compare import CompareOptions, compare_exports
+from ..eval.metrics import require_ir_measures
+from ..eval.realtext import make_posq_example
+
 RESAMPLES = 1000
 SEED = 0
 _WHERE = {"begin": "the beginning", "mid": "the middle", "middle": "the middle", "end": "the end"}
@@ -21,21 +26,14 @@ _WHERE = {"begin": "the beginning", "mid": "the middle", "middle": "the middle",
 def build_set(out: Path, tokenizer_model: str | Path):
     """(the real-prose set, written to `out` (replaced) and loaded, its source in words); passages are counted
     with `tokenizer_model`'s tokenizer."""
-    from ..eval import load_dataset
-    from ..eval.posq_builder import PosqOptions, build_posq, load_tokenizer, write_posq
-    from ..eval.realtext import python_reference_documents
-
-    docs, source = python_reference_documents()
-    tokenizer, max_length, label = load_tokenizer(str(tokenizer_model))
-    posq = build_posq(docs, tokenizer, max_length, PosqOptions(), tokenizer_label=label, source=source)
-    write_posq(out, posq, overwrite=True)
+    require_ir_measures()  # the comparison scores with it: refused before the set is built
+    posq = make_posq_example(out, str(tokenizer_model), overwrite=True, warn=lambda w: None)
+    source = posq.manifest["source"]
     return load_dataset(str(out)), f"{source['name']}, Python {source['python']}"
 
 
 def compare(uncalibrated: Path, calibrated: Path, data) -> dict:
     """`attncal eval --compare` of the two exports on `data` (no cache, no report files)."""
-    from ..eval.compare import CompareOptions, compare_exports
-
     return compare_exports([uncalibrated, calibrated], data,
                            CompareOptions(n_resamples=RESAMPLES, seed=SEED, cache_dir=None, plots=False))
 

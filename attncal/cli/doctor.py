@@ -10,6 +10,7 @@ Nothing is downloaded and nothing is written.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import os
 import platform
@@ -18,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import cpuinfo
+from ..artifact import open_export
+from ..calibration.config import CalibrationConfig
 from ..export.quantize import graph_record
+from ..graphs.contract import ALL_OP_TYPES, attention_op_spec, op_spec, with_softmax
+from ..runtime import oplib
+from ..runtime.encoder import default_providers, select_graph
+from ..serving.env import ServingEnvError, check_env
 from ..versions import declared_ranges, in_range, installed, library_versions
 
 _PACKAGES = ("attncal", "torch", "transformers", "onnx", "onnx-ir", "onnxruntime", "onnxruntime-gpu", "numpy",
@@ -57,9 +64,7 @@ def _registered_ops(library: Path) -> dict[str, bool]:
     load a one-node model of it?"""
     import onnxruntime as ort
 
-    from ..calibration.config import CalibrationConfig
-    from ..graphs.contract import ALL_OP_TYPES, attention_op_spec, op_spec, with_softmax
-    from ..graphs.single_op import single_op_model
+    from ..graphs.single_op import single_op_model  # lazy: onnx, ~30 ms of every attncal start-up otherwise
 
     specs = {}
     for pooling in ("cls", "mean"):
@@ -85,8 +90,6 @@ def _registered_ops(library: Path) -> dict[str, bool]:
 
 
 def _native() -> dict[str, Any]:
-    from ..runtime import oplib
-
     info: dict[str, Any] = {"disabled_by_env": oplib.native_disabled_by_env(), "build": oplib.build_info()}
     lib = oplib.default_library_path()
     info["library"] = str(lib) if lib is not None else None
@@ -114,8 +117,6 @@ def _native() -> dict[str, Any]:
 
 
 def _accelerators() -> dict[str, Any]:
-    import ctypes.util
-
     import onnxruntime as ort
 
     torch = _torch()
@@ -126,8 +127,6 @@ def _accelerators() -> dict[str, Any]:
                            "nvcc": None, "tensorrt_library": ctypes.util.find_library("nvinfer")}
     if cuda:
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    from ..runtime import oplib
-
     out["nvcc"] = oplib.find_nvcc()
     headers = oplib.tensorrt_headers()
     out["tensorrt_headers"] = str(headers) if headers is not None else None
@@ -153,8 +152,6 @@ def _threads() -> dict[str, Any]:
 
 
 def _triton() -> dict[str, Any]:
-    from ..serving.env import ServingEnvError, check_env
-
     try:
         env = check_env()
     except ServingEnvError as exc:
@@ -163,10 +160,6 @@ def _triton() -> dict[str, Any]:
 
 
 def _export(path: Path) -> dict[str, Any]:
-    from ..artifact import open_export
-    from ..runtime import oplib
-    from ..runtime.encoder import default_providers, select_graph
-
     exp = open_export(path, graphs=None)
     meta = exp.meta
     providers = default_providers()

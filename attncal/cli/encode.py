@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 
-from . import CLIError
+from ..corpus import encode_corpus
+from ..corpus.ray_engine import RayEngineError
+from ..corpus.triton import TritonEngineError
+from .common import CLIError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,10 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..corpus import encode_corpus
-    from ..corpus.ray_engine import RayEngineError
-    from ..corpus.triton import TritonEngineError
-
     if args.engine != "triton" and args.model is not None:
         raise CLIError("--model names a served model and needs --engine triton")
     if args.engine != "ray" and args.ray_address is not None:

@@ -22,7 +22,17 @@ import sys
 from pathlib import Path
 
 from ..calibration.config import CalibrationConfig
-from . import CLIError, add_calibration_args, config_from_args, write_command_log
+from ..eval import EvalOptions, evaluate, load_dataset, write_synthetic
+from ..eval.encoders import PooledConfig
+from ..eval.metrics import require_ir_measures
+from ..eval.posq_builder import PosqOptions, make_posq
+from ..eval.realtext import make_posq_example
+from ..eval.report import config_label, markdown_table
+from ..eval.runner import is_export
+from ..modelinfo import load_model_info
+from ..runtime.landmarks import PoolingSpec
+from .common import CLIError, add_calibration_args, config_from_args, write_command_log
+from .eval_compare import check_compare, run_compare
 from .pooling import add_pooling_args, pooling_choices
 
 DEFAULT_STRENGTHS = "0,0.25,0.5,0.75,1"
@@ -108,6 +118,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             action.help = f"comma-separated strengths λ to sweep (default {DEFAULT_STRENGTHS})"
 
 
+def _defaults() -> tuple[dict, dict]:
+    """(default value, flag as the user types it) of every eval option, from the parser itself."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    flags = {a.dest: (a.option_strings[0] if a.option_strings else a.dest.upper()) for a in p._actions}
+    return {a.dest: p.get_default(a.dest) for a in p._actions}, flags
+
+
 def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
     """Configs and optional names from a YAML list of mappings (or a mapping with a 'configs' list)."""
     import yaml
@@ -125,9 +143,6 @@ def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
         doc = doc["configs"]
     if not isinstance(doc, list) or not doc:
         raise ValueError(f"{path}: expected a non-empty list of calibration config mappings")
-    from ..eval.encoders import PooledConfig
-    from ..runtime.landmarks import PoolingSpec
-
     configs, names = [], []
     for i, item in enumerate(doc, 1):
         if not isinstance(item, dict):
@@ -145,8 +160,6 @@ def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
 
 def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None]:
     """The configs to sweep and their labels: every strength with every pooling asked for."""
-    from ..eval.encoders import PooledConfig
-
     if args.configs:
         if args.strength is not None:
             raise CLIError("--configs and --strength are exclusive; put the strengths in the YAML file")
@@ -163,8 +176,6 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None
     if any(isinstance(c, PooledConfig) for c in configs):  # the landmark token, named in the labels and the report
         from transformers import AutoTokenizer
 
-        from ..modelinfo import load_model_info
-
         tokenizer = AutoTokenizer.from_pretrained(str(load_model_info(args.model).path))
         configs = [c.bound(tokenizer) if isinstance(c, PooledConfig) else c for c in configs]
     return configs, [n or _label(c) for n, c in zip(names, configs)]
@@ -172,9 +183,6 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None
 
 def _label(config) -> str:
     """`config_label`, with a landmark / Mean@k pooling said in words."""
-    from ..eval.encoders import PooledConfig
-    from ..eval.report import config_label
-
     if not isinstance(config, PooledConfig):
         return config_label(config)
     base = {k: v for k, v in config.to_dict().items() if k not in ("pooling", "pool_token_id", "pool_every",
@@ -182,9 +190,7 @@ def _label(config) -> str:
     return f"{config_label(CalibrationConfig(**base))} {config.spec.describe()}"
 
 
-def _posq_options(args: argparse.Namespace):
-    from ..eval.posq_builder import PosqOptions
-
+def _posq_options(args: argparse.Namespace) -> PosqOptions:
     return PosqOptions(passage_tokens=args.passage_tokens, min_passage_tokens=args.min_passage_tokens,
                        drop_words=args.drop_words, max_passages=args.max_passages, seed=args.seed)
 
@@ -200,8 +206,6 @@ def _print_posq(posq, out) -> None:
 
 
 def _make_posq(args: argparse.Namespace) -> int:
-    from ..eval.posq_builder import make_posq
-
     if args.data is not None:
         raise CLIError("--data and --make-posq are exclusive: build the set first, then evaluate with --data")
     if not args.out:
@@ -218,36 +222,40 @@ def _make_posq_example(args: argparse.Namespace, tokenizer_model: str | None = N
 
     Passages are counted with `tokenizer_model`'s tokenizer (with --compare: the
     baseline export's), else MODEL's, else the default model's."""
-    from ..eval.posq_builder import build_posq, load_tokenizer, write_posq
-    from ..eval.realtext import python_reference_documents
-
     if args.data is not None:
         raise CLIError("--data and --make-posq-example are exclusive")
     out = Path(args.make_posq_example)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.overwrite)):
-        raise FileExistsError(f"{out} exists and is not an empty directory; pass --overwrite to replace it")
-    docs, source = python_reference_documents()
-    tokenizer, max_length, label = load_tokenizer(tokenizer_model or args.model or "default")
-    posq = build_posq(docs, tokenizer, max_length, _posq_options(args), tokenizer_label=label, source=source)
-    write_posq(out, posq, overwrite=args.overwrite)
+    posq = make_posq_example(out, tokenizer_model or args.model or "default", _posq_options(args),
+                             overwrite=args.overwrite, warn=lambda w: None)
     _print_posq(posq, out)
     args.data = str(out)
 
 
+def _write_synthetic(args: argparse.Namespace) -> None:
+    write_synthetic(args.make_synthetic, n_per_class=args.synthetic_per_class, words=args.synthetic_words)
+    print(f"wrote the synthetic set ({3 * args.synthetic_per_class} passages) to {args.make_synthetic}")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """--compare: everything a user can get wrong is checked before the set is built (`check_compare`)."""
+    n_resamples = check_compare(args, *_defaults())
+    if args.make_posq_example:
+        _make_posq_example(args, tokenizer_model=args.compare[0])
+    elif args.make_synthetic:
+        _write_synthetic(args)
+        args.data = args.make_synthetic
+    return finish(args, run_compare(args, n_resamples), "drift.png")
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..eval import EvalOptions, evaluate, load_dataset, write_synthetic
-
+    require_ir_measures()
     if args.compare is not None:
-        from .eval_compare import run_compare
-
-        return run_compare(args)
+        return _compare(args)
     if args.bootstrap is not None:
         raise CLIError("--bootstrap applies to --compare only")
     makers = [f for f in ("make_synthetic", "make_posq", "make_posq_example") if getattr(args, f)]
     if len(makers) > 1:
         raise CLIError(" and ".join("--" + f.replace("_", "-") for f in makers) + " are exclusive")
-    from ..eval.runner import is_export
-
     # The configs are checked before a set is built, so a refused config leaves nothing behind.
     swept = _configs_from_args(args) if args.model is not None and not is_export(args.model) else ([], None)
     if args.make_posq:
@@ -257,8 +265,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             return 0
     if args.make_synthetic:
-        write_synthetic(args.make_synthetic, n_per_class=args.synthetic_per_class, words=args.synthetic_words)
-        print(f"wrote the synthetic set ({3 * args.synthetic_per_class} passages) to {args.make_synthetic}")
+        _write_synthetic(args)
         if args.model is None:
             return 0
         if args.data is not None:
@@ -277,8 +284,6 @@ def run(args: argparse.Namespace) -> int:
                        cache_dir=None if args.no_cache else args.cache, length_buckets=args.length_buckets,
                        sea_chunk_tokens=args.sea_chunk_tokens, plots=not args.no_plots)
     results = evaluate(args.model, data, opts, out=args.out, overwrite=args.overwrite)
-    from ..eval.report import markdown_table
-
     sys.stdout.write(markdown_table(results["rows"], data.groups))
     return finish(args, results, "plots")
 

@@ -1,10 +1,10 @@
 """`attncal eval --compare EXPORT EXPORT [...]`: the command-line side of the retrieval-drift report.
 
-Everything a user can get wrong is checked before the first encode and before
+Everything a user can get wrong is checked (`check_compare`) before the first encode and before
 anything is written: the options that have no meaning for exports, the number
-of exports, that every path is an intact export, and OUT.  The data set is
-built (--make-posq-example, --make-synthetic) only after that, so a mistyped
-path leaves nothing behind.
+of exports, that every path is an intact export, and OUT.  `attncal eval` builds the data set
+(--make-posq-example, --make-synthetic) only after that, so a mistyped
+path leaves nothing behind, and then runs `run_compare`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import CLIError
+from ..eval import load_dataset
+from ..eval.compare import DEFAULT_RESAMPLES, CompareOptions, compare_exports, summary, validate_exports
+from ..eval.output import check_out_dir
+from .common import CLIError
 
 # Options that mean nothing for a comparison of exports, in groups that share the reason.
 _CONFLICTS: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -28,19 +31,9 @@ _CONFLICTS: tuple[tuple[tuple[str, ...], str], ...] = (
 _DATA_SOURCES = ("data", "make_posq_example", "make_synthetic")
 
 
-def _defaults() -> tuple[dict, dict]:
-    """(default value, flag as the user types it) of every eval option, from the parser itself."""
-    from .eval import add_arguments
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    flags = {a.dest: (a.option_strings[0] if a.option_strings else a.dest.upper()) for a in p._actions}
-    return {a.dest: p.get_default(a.dest) for a in p._actions}, flags
-
-
-def refuse_conflicts(args: argparse.Namespace) -> None:
-    """One CLIError line naming the options given with --compare that make no sense with it."""
-    defaults, flags = _defaults()
+def refuse_conflicts(args: argparse.Namespace, defaults: dict, flags: dict) -> None:
+    """One CLIError line naming the options given with --compare that make no sense with it; `defaults` and
+    `flags` map each eval option to its default value and to its flag as the user types it."""
     for dests, reason in _CONFLICTS:
         given = [flags[d] for d in dests if getattr(args, d, None) != defaults.get(d)]
         if given:
@@ -53,36 +46,23 @@ def refuse_conflicts(args: argparse.Namespace) -> None:
                        "--make-synthetic DIR")
 
 
-def _data_dir(args: argparse.Namespace) -> str:
-    """The data directory, building the example or synthetic set first when asked to."""
-    if args.make_posq_example:
-        from .eval import _make_posq_example
-
-        _make_posq_example(args, tokenizer_model=args.compare[0])
-    elif args.make_synthetic:
-        from ..eval import write_synthetic
-
-        write_synthetic(args.make_synthetic, n_per_class=args.synthetic_per_class, words=args.synthetic_words)
-        print(f"wrote the synthetic set ({3 * args.synthetic_per_class} passages) to {args.make_synthetic}")
-        args.data = args.make_synthetic
-    return args.data
-
-
-def run_compare(args: argparse.Namespace) -> int:
-    from ..eval import load_dataset
-    from ..eval.compare import DEFAULT_RESAMPLES, CompareOptions, compare_exports, summary, validate_exports
-    from ..eval.output import check_out_dir
-    from .eval import finish
-
-    refuse_conflicts(args)
+def check_compare(args: argparse.Namespace, defaults: dict, flags: dict) -> int:
+    """What the user can get wrong, before the set is built: the options (`refuse_conflicts`), the exports,
+    OUT and --bootstrap.  Returns the number of bootstrap resamples."""
+    refuse_conflicts(args, defaults, flags)
     validate_exports(args.compare)
     check_out_dir(args.out, args.overwrite)
     n = DEFAULT_RESAMPLES if args.bootstrap is None else args.bootstrap
     if n < 1:
         raise CLIError(f"--bootstrap must be >= 1 resample, got {n}")
-    data = load_dataset(_data_dir(args), split=args.split, n_groups=args.position_groups)
-    opts = CompareOptions(n_resamples=n, seed=args.seed, top_k=args.top_k, batch_size=args.batch_size,
+    return n
+
+
+def run_compare(args: argparse.Namespace, n_resamples: int) -> dict:
+    """Score the exports on --data (built by then) and print the summary; returns results.json's content."""
+    data = load_dataset(args.data, split=args.split, n_groups=args.position_groups)
+    opts = CompareOptions(n_resamples=n_resamples, seed=args.seed, top_k=args.top_k, batch_size=args.batch_size,
                           cache_dir=None if args.no_cache else args.cache, plots=not args.no_plots)
     results = compare_exports(args.compare, data, opts, out=args.out, overwrite=args.overwrite)
     sys.stdout.write(summary(results))
-    return finish(args, results, "drift.png")
+    return results

@@ -5,18 +5,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import CLIError, add_calibration_args, config_from_args
+from .. import export  # the callable package: the exporter loads on the first call
+from ..artifact import EXPORT_LOG_FILE
+from ..export.errors import ExportError, ParityError
+from ..export.plan import DEFAULT_OPSET, EXPORTERS, ExportOptions
+from ..export.quantize import INT8_TARGETS, QUANTIZATIONS
+from ..export.watch import Watch
+from ..graphs.placement_names import CHOICES as PLACEMENT_CHOICES
+from ..modelinfo import TESTED_MODEL_TYPES
+from ..runtime.landmarks import PoolingSpec
+from .common import CLIError, add_calibration_args, config_from_args
 from .pooling import add_pooling_args, pooling_choices
 
-LOG_FILE_HELP = "they are written to OUT/attncal-export.log"
+LOG_FILE_HELP = f"they are written to OUT/{EXPORT_LOG_FILE}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..export.exporter import DEFAULT_OPSET, EXPORTERS
-    from ..export.quantize import INT8_TARGETS, QUANTIZATIONS
-    from ..graphs.placement_names import CHOICES as PLACEMENT_CHOICES
-    from ..modelinfo import TESTED_MODEL_TYPES
-
     p.epilog = (
         "Tested architectures (CI, every graph and placement, parity <= 1e-5): "
         + ", ".join(f"{v} ({k})" for k, v in TESTED_MODEL_TYPES.items())
@@ -69,8 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export.exporter import ExportError, ExportOptions, ParityError, export
-
     (args.pooling, spec), = pooling_choices(args)
     opts = ExportOptions(
         config=config_from_args(args),
@@ -88,8 +90,6 @@ def run(args: argparse.Namespace) -> int:
         memory_check=args.memory_check,
         pooling_spec=spec,
     )
-    from ..export.watch import Watch
-
     try:
         with Watch() as watch:  # a kill (out of memory) is reported with its step, and leaves nothing behind
             meta = export(args.model, args.out, opts, watch=watch)
@@ -99,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), code=1) from None
     print(f"exported {meta['model_type']} -> {args.out}")
     if meta.get("pooling_spec"):
-        from ..runtime.landmarks import PoolingSpec
-
         print(f"pooling {meta['pooling']}: {PoolingSpec.from_dict(meta['pooling_spec']).describe()}")
     if meta["calibrated"]:
         print(f"calibrated layers {meta['calibrated_layers']}: {meta['placement_reason']}")
@@ -119,7 +117,5 @@ def run(args: argparse.Namespace) -> int:
                 line += f", cosine min {par['min_cos']:.5f} p50 {par.get('p50_cos') or float('nan'):.5f} " \
                         f"({par['precision']})"
         print(line)
-    from ..export.exporter import EXPORT_LOG_FILE
-
     print(f"third-party warnings and messages (torch, transformers, ONNX Runtime): {Path(args.out) / EXPORT_LOG_FILE}")
     return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import cpuinfo
 from ..artifact import ArtifactError, MissingArtifactError, load_onnx_checked, open_export
+from ..graphs.contract import DOMAIN, is_all_rows, is_attention, is_projected, takes_scores
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,8 +17,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _describe_graph(model_file: Path, placement: str | None, model=None,
                     fallback: str = "onnx/model_optimized.onnx") -> None:
     import onnx
-
-    from ..graphs.contract import DOMAIN, is_all_rows, is_attention, is_projected, takes_scores
 
     if model is None:
         model = load_onnx_checked(model_file, interface=False)

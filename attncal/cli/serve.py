@@ -6,6 +6,10 @@ import argparse
 import signal
 import threading
 
+from ..serving.env import ServingEnvError
+from ..serving.server import ServerError, TritonServer
+from .common import CLIError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("repo", help="model repository (from `attncal triton-repo`)")
@@ -21,10 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import CLIError
-    from ..serving.env import ServingEnvError
-    from ..serving.server import ServerError, TritonServer
-
     for port in (args.http_port, args.grpc_port, args.metrics_port):
         if not 0 < port < 65536:
             raise ValueError(f"port {port} is not in 1..65535")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from ..serving.repository import BACKENDS, KINDS, RepoOptions, build_repository
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..serving.repository import BACKENDS, KINDS, RepoOptions
-
     d = RepoOptions()
     p.add_argument("export", help="export directory (from `attncal export`)")
     p.add_argument("-o", "--repo", required=True, help="model repository to create or add to")
@@ -33,8 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serving.repository import RepoOptions, build_repository
-
     opts = RepoOptions(name=args.name, max_batch=args.max_batch, instances=args.instances, backend=args.backend,
                        kind=args.kind, with_tokenizer=args.with_tokenizer, max_queue_delay_us=args.max_queue_delay_us,
                        intra_op_threads=args.intra_op_threads, custom_op_library=args.custom_op_library,
@@ -53,9 +53,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _served(repo, encoder: str) -> str | None:
     """Which graph of the export the encoder model serves (recorded in its attncal.json)."""
-    import json
-    from pathlib import Path
-
     try:
         return json.loads((Path(repo) / encoder / "attncal.json").read_text())["triton"].get("graph")
     except (OSError, ValueError, KeyError):

@@ -14,14 +14,30 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import CLIError, write_command_log
+from .. import export
+from ..calibration.config import CalibrationConfig
+from ..eval.posq_builder import PosqOptions
+from ..eval.realtext import python_reference_documents
+from ..eval.tune import PRESETS, ExportStep, TuneOptions, grid_label, tune
+from ..export.plan import ExportOptions
+from ..eval.tune_report import delta_table, encode_command
+from .common import CLIError, write_command_log
+from .eval import load_grid
 
 LOG_FILE = "attncal-tune.log"
 LOG_FILE_HELP = f"they are written to OUT/{LOG_FILE}"
 
 
+def export_step(exporter: str = "dynamo", max_length: int | None = None) -> ExportStep:
+    """How `--export` exports tune's recommendation: the exporter, with its parity check, quiet."""
+    def step(model: str, out: Path, config: CalibrationConfig, calibrate: bool) -> dict:
+        return export(model, out, ExportOptions(config=config, calibrate=calibrate, exporter=exporter,
+                                                max_length=max_length), quiet=True)
+    return step
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # Defaults are None here and TuneOptions' own in `run`: building the parser imports no evaluation code.
+    # Defaults are None here: `run` takes TuneOptions' own for every option not given.
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (__doc__ or "").split("\n", 1)[1]
     p.add_argument("model", help="model directory or 'default' (not an export: tune sweeps configurations)")
@@ -78,9 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _grid(spec: str):
-    from ..eval.tune import PRESETS, grid_label
-    from .eval import load_grid
-
     if spec in PRESETS:
         return [], None, spec
     path = Path(spec)
@@ -91,9 +104,6 @@ def _grid(spec: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..eval.posq_builder import PosqOptions
-    from ..eval.tune import TuneOptions, tune
-
     sources = [f for f, v in (("--docs", args.docs), ("--data", args.data), ("--example", args.example)) if v]
     if len(sources) != 1:
         raise CLIError("give the set as one of --docs DOCS, --data DIR or --example"
@@ -122,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         results = _tune_example(args, opts, posq_options)
     else:
         results = tune(args.model, args.data, opts, args.out, docs=args.docs, posq_options=posq_options,
-                       text_field=args.text_field, split=args.split, overwrite=args.overwrite)
+                       text_field=args.text_field, split=args.split, overwrite=args.overwrite,
+                       export_step=export_step(opts.exporter, opts.max_length))
     _print(results, Path(args.out))
     write_command_log(args, Path(args.out) / LOG_FILE)
     return 0
@@ -130,16 +141,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _tune_example(args: argparse.Namespace, opts, posq_options) -> dict:
     """--example: the demo's real-prose documents, taken as --docs takes a user's."""
-    from ..eval.realtext import python_reference_documents
-    from ..eval.tune import tune
-
     return tune(args.model, None, opts, args.out, docs=python_reference_documents(), posq_options=posq_options,
-                overwrite=args.overwrite)
+                overwrite=args.overwrite, export_step=export_step(opts.exporter, opts.max_length))
 
 
 def _print(results: dict, out: Path) -> None:
-    from ..eval.tune_report import delta_table, encode_command
-
     rec = results["recommendation"]
     sys.stdout.write(delta_table(results["rows"], tuple(results["groups"]), rec["recommended"]))
     print()

@@ -31,13 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..artifact import PORTABLE_GRAPH, config_int, load_onnx_checked, read_metadata
+from ..artifact import METADATA_FILE, PORTABLE_GRAPH, config_int, load_onnx_checked, read_metadata
+from ..runtime.encoder import planned_graph
+from ..versions import DISTRIBUTION, installed
 from .inputs import (BadRow, CorpusInputError, InputFile, Piece, fingerprint, plan_pieces, read_chunks, rebase,
                      resolve_inputs)
+from .local import LocalEngine, windows
 from .progress import Progress
+from .ray_engine import RayEngine
 from .shards import (FORMAT, MANIFEST, OUTPUT_OPTIONS, PIECES, SEQUENTIAL, SKIP_FILE, ShardWriter, config_hash,
                      load_manifest, remove_temporaries, remove_unlisted, save_manifest, shard_name)
-from .storage import Location, StorageError, check_bucket, explain, is_uri
+from .storage import Location, StorageError, check_bucket, explain, fetch_tree, is_uri
+from .triton import TritonEngine
 
 ENGINES = ("local", "triton", "ray")
 ON_ERROR = ("fail", "skip")
@@ -91,8 +96,6 @@ class ScanResult:
 
 def _export(model: str | os.PathLike, endpoint: str | None) -> tuple[Location, dict]:
     """Where the export is and its attncal.json (the only file the driver reads of a remote export)."""
-    from ..artifact import METADATA_FILE
-
     if is_uri(model):
         loc = Location.parse(model, endpoint)
         check_bucket(loc, "export")
@@ -116,8 +119,6 @@ def _export(model: str | os.PathLike, endpoint: str | None) -> tuple[Location, d
 def _local_export(export: Location, digest: str) -> Path:
     if export.is_local:
         return Path(export.url)
-    from .storage import fetch_tree
-
     return fetch_tree(export, digest)
 
 
@@ -247,8 +248,6 @@ def encode_corpus(
     `FileExistsError` (subclasses included: `CorpusInputError`, `storage.StorageError`) for bad
     input or an unreachable location; bad input leaves no output behind.
     """
-    from .. import __version__
-
     t_start = time.perf_counter()
     opts = {"text_field": text_field, "id_field": id_field, "shard_size": shard_size, "batch_size": batch_size,
             "window": window, "max_length": max_length, "on_error": on_error}
@@ -273,7 +272,7 @@ def encode_corpus(
     except OSError as exc:
         raise explain(exc, "export", export) from None
     fresh = {
-        "format": FORMAT, "complete": False, "attncal_version": __version__,
+        "format": FORMAT, "complete": False, "attncal_version": installed(DISTRIBUTION),
         "model": {"export": str(export), "source_model": meta.get("source_model"),
                   "model_type": meta.get("model_type"), "calibrated": meta.get("calibrated"),
                   "config": meta.get("config"), "dimension": None, "max_length": max_length or limit},
@@ -312,19 +311,13 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
         return EncodeResult(str(out), engine, done_rows, 0, len(sc.bad), len(manifest["shards"]),
                             time.perf_counter() - t_start, 0, done_rows, manifest)
 
-    from .local import windows
-
     rows = ((c.ids, c.texts) for f in files for c in read_chunks(f, text_field, id_field))
     batches = windows(rows, done_rows, shard_size, opts["window"])
     if engine == "local":
-        from .local import LocalEngine
-
         eng = LocalEngine(str(local), batch_size=opts["batch_size"], workers=workers, max_length=opts["max_length"],
                           providers=providers)
         stream = eng.encode(batches)
     else:
-        from .triton import TritonEngine
-
         eng = TritonEngine(url, model_name, batch_size=opts["batch_size"], concurrency=workers)
         eng.check(dim)
         stream = eng.encode(batches)
@@ -361,8 +354,6 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
         progress.close()
     graph = None
     if engine != "triton":
-        from ..runtime.encoder import planned_graph
-
         graph = planned_graph(local, providers)
     return EncodeResult(str(out), engine, done_rows + writer.rows_done, progress.rows, len(sc.bad),
                         len(manifest["shards"]), progress.elapsed, progress.tokens if progress.tokens_known else None,
@@ -440,8 +431,6 @@ def _encode_pieces(export, digest, files, out, fresh, resume, opts, workers, ray
                    show_progress, t_start) -> EncodeResult:
     """The ray engine: the driver plans and commits; the actors read, encode and write (see the
     module docstring and `ray_engine`)."""
-    from .ray_engine import RayEngine
-
     manifest, is_new = _prepare_output(out, resume, fresh)
     done: dict[int, dict] = {d["piece"]: d for d in manifest.get("pieces", [])}
     done_rows = sum(d["rows"] for d in done.values())

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .storage import GLOB_CHARS, Location, StorageError, expand, explain, is_uri
+from .storage import GLOB_CHARS, Location, StorageError, check_bucket, expand, explain, is_uri
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet",
            ".pq": "parquet"}
@@ -156,8 +156,6 @@ def resolve_inputs(inputs: str | os.PathLike | list, endpoint: str | None = None
 
 
 def _remote_files(uri: str, endpoint: str | None) -> list[tuple[Location, int, int | None]]:
-    from .storage import check_bucket
-
     loc = Location.parse(uri, endpoint)
     check_bucket(loc, "input")
     try:

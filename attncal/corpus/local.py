@@ -11,12 +11,15 @@ that.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+
+from ..runtime.encoder import Encoder
 
 Window = tuple[list[str], list[str]]  # (ids, texts)
 
@@ -60,8 +63,6 @@ def windows(chunks: Iterable[Window], skip: int, shard_size: int, window: int) -
 
 
 def load_encoder(export_dir: str, threads: int | None, max_length: int | None, providers=None):
-    from ..runtime.encoder import Encoder
-
     enc = Encoder(export_dir, providers=providers, intra_op_threads=threads)
     if max_length is not None:
         enc.max_length = max_length
@@ -131,8 +132,6 @@ class LocalEngine:
                 emb, tokens = encode_window(enc, texts, self.batch_size)
                 yield ids, emb, tokens
             return
-        import multiprocessing as mp
-
         with ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                                  initargs=(self.export_dir, self.threads, self.max_length, self.providers)) as pool:
             pending: deque = deque()

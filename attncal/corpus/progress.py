@@ -16,16 +16,13 @@ class Progress:
     def __init__(self, total: int, done: int, show: bool, desc: str = "encode", unit: str = "row") -> None:
         from tqdm.auto import tqdm
 
-        from ..library_output import terminal
-
         self.rows = 0
         self.tokens = 0
         self.tokens_known = True
         self.unit = unit
         self.t0 = time.perf_counter()
         self.bar = tqdm(total=total, initial=done, unit=unit, unit_scale=unit == "B", desc=desc, disable=not show,
-                        smoothing=0.05, dynamic_ncols=True,
-                        file=terminal())  # on the terminal even while Ray's output is captured
+                        smoothing=0.05, dynamic_ncols=True)
 
     def update(self, rows: int, tokens: int | None, nbytes: int = 0) -> None:
         self.rows += rows

@@ -39,8 +39,10 @@ from collections import Counter, deque
 from typing import Iterator
 
 from . import shards
-from .inputs import InputFile, Piece
-from .storage import Location
+from .inputs import InputFile, Piece, lines_before, parquet_layout, read_piece
+from .local import available_cores, encode_window, load_encoder, tokenizer_threads, windows
+from .shards import ShardWriter, piece_shard_name
+from .storage import Location, fetch_tree
 
 START_TIMEOUT_S = 600.0  # an actor fetches the export and loads it before it is ready
 MAX_ATTEMPTS = 3  # a piece whose actor died this many times stops the run (a piece that kills its worker)
@@ -62,9 +64,6 @@ class _PieceWorker:
         self.spec, self.error = spec, None
         shards.FAULT_HOOK = spec["fault_hook"]  # the driver's (a test's), in this actor's own process
         try:
-            from .local import load_encoder, tokenizer_threads
-            from .storage import fetch_tree
-
             tokenizer_threads(spec["threads"])
             export: Location = spec["export"]
             local = export.url if export.is_local else str(fetch_tree(export, spec["digest"]))
@@ -81,13 +80,9 @@ class _PieceWorker:
                 "node": ray.get_runtime_context().get_node_id()}
 
     def layout(self, loc: Location) -> list[int]:
-        from .inputs import parquet_layout
-
         return parquet_layout(loc)
 
     def lines_before(self, piece_json: str) -> int:
-        from .inputs import lines_before
-
         return lines_before(Piece.from_json(piece_json))
 
     def run(self, index: int, piece_json: str) -> dict:
@@ -95,10 +90,6 @@ class _PieceWorker:
 
         With on_error "fail" a bad row stops the encoding of the piece: its shards are deleted and
         the rest of the piece is only parsed, so the driver learns every bad row of the piece."""
-        from .inputs import read_piece
-        from .local import encode_window, windows
-        from .shards import ShardWriter, piece_shard_name
-
         s = self.spec
         piece = Piece.from_json(piece_json)
         out: Location = s["out"]
@@ -168,8 +159,6 @@ class RayEngine:
                  shard_size: int, text_field: str, id_field: str, on_error: str, workers: int = 1,
                  max_length: int | None = None, address: str | None = None, num_cpus: int | None = None,
                  cpus_per_worker: int | None = None) -> None:
-        from .local import available_cores
-
         self.workers, self.address = workers, address
         self.num_cpus = num_cpus if num_cpus is not None else (None if address else available_cores())
         self.cpus_per_worker = cpus_per_worker
@@ -185,7 +174,6 @@ class RayEngine:
         self._last_death = "unknown"
         self.lost = 0  # actors that died during the run
         self.info: dict | None = None
-        self._output = None
 
     def describe(self) -> dict:
         return {"name": self.name, "workers": self.workers, "cpus_per_worker": self.cpus_per_worker,
@@ -194,17 +182,9 @@ class RayEngine:
     # -- Ray and the actors -----------------------------------------------------------------------
 
     def __enter__(self) -> "RayEngine":
-        from .. import library_output
-
-        # Ray talks a lot (its logger, the C++ core worker, deprecation notes): under the CLI that goes
-        # to the capture (shown with --verbose), and attncal's own bar writes to library_output.terminal().
-        self._output = library_output.third_party_output()
-        self._output.__enter__()
-        try:
-            self._connect()
-        except BaseException as exc:
-            self._output.__exit__(type(exc), exc, exc.__traceback__)
-            raise
+        # Ray talks a lot (its logger, the C++ core worker, deprecation notes): under the CLI that goes to the
+        # console's capture (attncal.console), shown with --verbose.
+        self._connect()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -215,12 +195,9 @@ class RayEngine:
                 import ray
 
                 ray.shutdown()
-            self._output.__exit__(*exc_info)
 
     def _connect(self) -> None:
         import ray
-
-        from .. import library_output
 
         if not ray.is_initialized():
             try:
@@ -232,7 +209,6 @@ class RayEngine:
                 where = self.address or "a local instance"
                 raise RayEngineError(f"cannot start Ray on {where}: {str(exc).strip().splitlines()[0]}") from None
             self._started = True
-        library_output.adopt_loggers()  # the handler Ray installed on its logger when imported
         nodes = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
         largest = max(nodes, default=0)
         total = self.num_cpus or sum(nodes)

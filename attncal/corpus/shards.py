@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..artifact import METADATA_FILE
 from .storage import TEMP_SUFFIX, Location, explain
 
 MANIFEST = "manifest.json"
@@ -57,8 +58,6 @@ def piece_shard_name(piece: int, j: int) -> str:
 
 def config_hash(export: Location) -> str:
     """sha256 of the export's attncal.json bytes: changes whenever the calibration or the export does."""
-    from ..artifact import METADATA_FILE
-
     return "sha256:" + hashlib.sha256(export.child(METADATA_FILE).read_bytes()).hexdigest()
 
 

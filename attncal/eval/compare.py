@@ -32,7 +32,7 @@ from .compare_report import (
 )
 from .data import Dataset
 from .encoders import EncodeCache, OnnxBackend
-from .metrics import per_query, score_delta, scores_from_per_query
+from .metrics import per_query, require_ir_measures, score_delta, scores_from_per_query
 from .output import atomic_output_dir, cache_record, check_out_dir, hash_texts, json_default, library_versions
 from .runner import (
     METRICS, TOP_K, effective_max_length, exact_search, queries_left_uncalibrated, token_counts,
@@ -195,6 +195,7 @@ def compare_exports(paths: Sequence[str | Path], data: Dataset, opts: CompareOpt
                     out: str | Path | None = None, overwrite: bool = False) -> dict:
     """Score every export on `data`, the deltas against the first; write the report to `out` (atomically)
     when given.  Returns results.json's content."""
+    require_ir_measures()
     t0 = time.perf_counter()
     if opts.top_k < 10:
         raise ValueError(f"top-k must be >= 10 for nDCG@10, got {opts.top_k}")

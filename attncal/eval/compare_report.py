@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..calibration.config import CalibrationConfig
 from .report import HEADERS, config_label, fmt
 
@@ -99,7 +101,6 @@ def plot_drift(rows: list[dict], groups: tuple[str, ...], level: float, path: Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = np.arange(len(groups))

@@ -29,7 +29,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..artifact import METADATA_FILE
 from ..calibration.config import CalibrationConfig
+from ..modelinfo import forward_kwargs
+from ..runtime.encoder import Encoder
+from ..runtime.landmarks import Landmarks, PoolingSpec, resolve, transformers_encode
 
 CACHE_FORMAT = 2  # 2: the description holds the array's sha256, shape and dtype
 
@@ -59,15 +63,11 @@ class PooledConfig(CalibrationConfig):
         return cls(**base, **fields, pooling_spec=spec.to_dict())
 
     @property
-    def spec(self):
-        from ..runtime.landmarks import PoolingSpec
-
+    def spec(self) -> PoolingSpec:
         return PoolingSpec.from_dict(self.pooling_spec)
 
     def bound(self, tokenizer) -> "PooledConfig":
         """This config with its landmark token resolved against a model's transformers tokenizer."""
-        from ..runtime.landmarks import resolve
-
         spec = resolve(self.spec, tokenizer)
         return replace(self, pooling_spec=spec.to_dict(), **spec.config_fields())
 
@@ -78,7 +78,7 @@ class TorchBackend:
     kind = "torch"
 
     def __init__(self, model: str | os.PathLike, *, batch_size: int = 32, max_length: int | None = None) -> None:
-        from ..calibration.encode import TorchEncoder
+        from ..calibration.encode import TorchEncoder  # lazy: torch (the export extra), not needed to import eval
 
         self.encoder = TorchEncoder(model, max_length=max_length)
         self.info = self.encoder.info
@@ -115,8 +115,6 @@ class TorchBackend:
     def landmarks(self, config: "PooledConfig"):
         """The tokenizer of a landmark / Mean@k config (`attncal.runtime.landmarks.Landmarks`, called on texts):
         what every runtime of an export with that pooling tokenizes with."""
-        from ..runtime.landmarks import Landmarks, transformers_encode
-
         tok = self.tokenizer
         return Landmarks(self.bind(config).spec, transformers_encode(tok), max_length=self.max_length,
                          pad_id=tok.pad_token_id, padding_side=self.info.padding_side,
@@ -128,9 +126,8 @@ class TorchBackend:
         calibrated (the patch marks them from the batch's input_ids)."""
         import torch
 
-        from ..calibration.encode import pool
-        from ..calibration.patching import calibrate
-        from ..modelinfo import forward_kwargs
+        from ..calibration.encode import pool  # lazy: torch (the export extra), not needed to import eval
+        from ..calibration.patching import calibrate  # lazy: torch, as above
 
         config = self.bind(config)
         rc = config.resolve()
@@ -157,8 +154,6 @@ class OnnxBackend:
     kind = "onnx"
 
     def __init__(self, out_dir: str | os.PathLike, *, batch_size: int = 32) -> None:
-        from ..runtime.encoder import Encoder
-
         self.encoder = Encoder(out_dir)
         self.path = Path(out_dir)
         self.meta = self.encoder.meta
@@ -175,8 +170,6 @@ class OnnxBackend:
         return None if config is None else config.with_pooling(self.meta["pooling"])
 
     def fingerprint(self) -> str:
-        from ..artifact import METADATA_FILE
-
         parts = [str(self.path.resolve()), _json_hash(self.path / METADATA_FILE),
                  _file_stamp(self.path / self.encoder.graph_file)]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]

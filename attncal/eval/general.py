@@ -29,6 +29,7 @@ from .encoders import EncodeCache, TorchBackend
 from .metrics import per_query
 from .output import hash_texts
 from .prefix_cache import HiddenCache
+from .realtext import LICENSE, URL, python_reference_documents
 from .runner import exact_search
 from .sweep import encode_sweep
 from .text import prose_blocks, split_sentences, words
@@ -165,8 +166,6 @@ def build_reference_sections() -> tuple[list[dict], list[dict], list[tuple[str, 
     whole sentences; a section repeated in another topic is kept once).  A section whose heading names it
     alone (not generic, not shared with another kept section) gives a query: the heading, with the section
     as its one relevant document; the other sections stay in the corpus as distractors."""
-    from .realtext import LICENSE, URL, python_reference_documents
-
     docs, source = python_reference_documents()
     corpus: list[dict] = []
     seen: set[str] = set()

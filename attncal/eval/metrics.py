@@ -13,11 +13,12 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Mapping
 
-import ir_measures
-from ir_measures import R, nDCG
 
-NDCG10 = nDCG @ 10
-R10 = R @ 10
+def require_ir_measures() -> None:
+    """Import ir-measures now.  It comes with the `eval` extra and is imported where it scores (`per_query`), so
+    that `attncal.eval` imports without it (the CLI's parser imports it, also on the runtime install); the entry
+    points call this first, so an install without it is refused before anything is built or encoded."""
+    import ir_measures  # noqa: F401
 
 
 @dataclass
@@ -39,10 +40,13 @@ def per_query(
     qrels: Mapping[str, Mapping[str, int]], run: Mapping[str, Mapping[str, float]]
 ) -> dict[str, dict[str, float]]:
     """{query id: {"ndcg10": .., "recall10": ..}} for every judged query (unretrieved ones score 0)."""
+    import ir_measures  # the eval extra; see require_ir_measures
+
+    ndcg10, r10 = ir_measures.nDCG @ 10, ir_measures.R @ 10
     out = {q: {"ndcg10": 0.0, "recall10": 0.0} for q in qrels}
-    names = {str(NDCG10): "ndcg10", str(R10): "recall10"}
+    names = {str(ndcg10): "ndcg10", str(r10): "recall10"}
     binary = {q: {d: int(r > 0) for d, r in docs.items()} for q, docs in qrels.items()}
-    for m in ir_measures.iter_calc([NDCG10, R10], binary, {q: dict(d) for q, d in run.items()}):
+    for m in ir_measures.iter_calc([ndcg10, r10], binary, {q: dict(d) for q, d in run.items()}):
         if m.query_id in out:
             out[m.query_id][names[str(m.measure)]] = float(m.value)
     return out

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..artifact import commit_dir
 from ..versions import library_versions as installed_versions
 
 
@@ -42,8 +43,6 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
 
     A reader of `out` therefore sees either the old report or the complete new
     one, never a mix (the same rule as `attncal export` and `bench --out`)."""
-    from ..artifact import commit_dir
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -39,6 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from ..artifact import commit_dir, looks_like_export, read_metadata
+from ..modelinfo import load_model_info
+from ..versions import DISTRIBUTION, installed
 from .data import DataError
 from .text import prose_blocks, split_sentences, words
 
@@ -149,12 +152,7 @@ def load_tokenizer(model: str | os.PathLike) -> tuple[Any, int | None, str]:
     """(tokenizer, max length in tokens or None, label) of a model directory, `default`, or an export."""
     from transformers import AutoTokenizer
 
-    from ..modelinfo import load_model_info
-    from .runner import is_export
-
-    if is_export(model):
-        from ..artifact import read_metadata
-
+    if looks_like_export(model):
         meta = read_metadata(model)
         return AutoTokenizer.from_pretrained(str(model)), meta.get("max_seq_length"), str(model)
     info = load_model_info(model)
@@ -392,7 +390,7 @@ def build_posq(
     manifest = {
         "format": FORMAT,
         "built_by": "attncal eval --make-posq",
-        "attncal_version": _version(),
+        "attncal_version": installed(DISTRIBUTION),
         "source": source or {},
         "tokenizer": {"model": tokenizer_label, "max_length": max_length, "class": type(tokenizer).__name__},
         "options": asdict(opts),
@@ -420,19 +418,8 @@ def build_posq(
     return PosqSet(passages, queries, manifest, warnings)
 
 
-def _version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("attncal")
-    except PackageNotFoundError:
-        return None
-
-
 def write_posq(out: str | os.PathLike, posq: PosqSet, overwrite: bool = False) -> Path:
     """passages.jsonl, queries.jsonl and posq.json, written to a temp dir and renamed into place."""
-    from ..artifact import commit_dir
-
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
         raise FileExistsError(f"{out} exists and is not an empty directory" + ("" if not out.is_dir() else
@@ -454,7 +441,7 @@ def write_posq(out: str | os.PathLike, posq: PosqSet, overwrite: bool = False) -
 
 
 def make_posq(
-    docs_path: str | os.PathLike,
+    docs_path: str | os.PathLike | tuple[list[Document], dict],
     out: str | os.PathLike,
     model: str | os.PathLike = "default",
     opts: PosqOptions | None = None,
@@ -463,13 +450,14 @@ def make_posq(
     overwrite: bool = False,
     warn: Callable[[str], None] | None = None,
 ) -> PosqSet:
-    """Read DOCS, build the set with MODEL's tokenizer and write it to OUT (see the module docstring)."""
+    """Read DOCS, build the set with MODEL's tokenizer and write it to OUT (see the module docstring).  DOCS is
+    a path, or (documents, source) as `read_documents` and `realtext.python_reference_documents` return them."""
     opts = opts or PosqOptions()
     opts.validate()
     out_path = Path(out)
     if out_path.exists() and (not out_path.is_dir() or (any(out_path.iterdir()) and not overwrite)):
         raise FileExistsError(f"{out_path} exists and is not an empty directory; pass --overwrite to replace it")
-    docs, source = read_documents(docs_path, text_field)
+    docs, source = docs_path if isinstance(docs_path, tuple) else read_documents(docs_path, text_field)
     tokenizer, max_length, label = load_tokenizer(model)
     posq = build_posq(docs, tokenizer, max_length, opts, tokenizer_label=label, source=source)
     write_posq(out_path, posq, overwrite=overwrite)

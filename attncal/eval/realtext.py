@@ -17,10 +17,12 @@ of the text.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+from typing import Callable
 
 from .data import DataError
-from .posq_builder import Document
+from .posq_builder import Document, PosqOptions, PosqSet, make_posq
 
 SOURCE_NAME = "Python Language Reference (pydoc_data.topics)"
 LICENSE = "PSF-2.0 (Python Software Foundation License Version 2); code examples 0BSD"
@@ -43,3 +45,10 @@ def python_reference_documents() -> tuple[list[Document], dict]:
     source = {"path": "pydoc_data.topics", "kind": "python-reference", "name": SOURCE_NAME, "license": LICENSE,
               "url": URL, "python": platform.python_version(), "documents": len(docs), "sha256": h.hexdigest()}
     return docs, source
+
+
+def make_posq_example(out: str | os.PathLike, model: str | os.PathLike = "default", opts: PosqOptions | None = None,
+                      *, overwrite: bool = False, warn: Callable[[str], None] | None = None) -> PosqSet:
+    """The real-prose example set (`attncal eval --make-posq-example DIR`): `make_posq` on these documents,
+    passages counted with MODEL's tokenizer (a model directory, `default` or an export), written to OUT."""
+    return make_posq(python_reference_documents(), out, model, opts, overwrite=overwrite, warn=warn)

@@ -16,10 +16,12 @@ from typing import Sequence
 
 import numpy as np
 
+from ..artifact import ArtifactError, looks_like_export
 from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from .data import Dataset
-from .encoders import Backend, EncodeCache, OnnxBackend, PooledConfig, TorchBackend, chunker_id, segment_embed_average
-from .metrics import group_scores, score_delta
+from .encoders import (Backend, EncodeCache, OnnxBackend, PooledConfig, TorchBackend, chunker_id, content_lengths,
+                       segment_embed_average)
+from .metrics import group_scores, require_ir_measures, score_delta
 from .output import atomic_output_dir, cache_record, check_out_dir, hash_texts, json_default, library_versions
 from .report import config_label, markdown_table, plot_groups_vs_strength, plot_hm_psi_vs_strength, truncation_section
 
@@ -61,8 +63,6 @@ def exact_search(
 def is_export(path: str | Path) -> bool:
     """An export directory, intact or damaged (attncal.json or onnx/ present): it is then opened as
     one, so a damaged export is reported as such rather than as a model directory without weights."""
-    from ..artifact import looks_like_export
-
     return looks_like_export(path)
 
 
@@ -78,8 +78,6 @@ def open_backends(
     """
     notes: list[str] = []
     if Path(model).is_file():
-        from ..artifact import ArtifactError
-
         raise ArtifactError(model, "is a file; expected a model directory, an attncal export or 'default'")
     if not is_export(model):
         b = TorchBackend(model, batch_size=opts.batch_size, max_length=opts.max_length)
@@ -114,8 +112,6 @@ def queries_left_uncalibrated(onnx: OnnxBackend, query_texts: Sequence[str]) -> 
     than one basket and skip_short is on, because the calibrated rows are then
     skipped and the graph computes the uncalibrated embedding.
     """
-    from .encoders import content_lengths
-
     if onnx.stored is None:
         return True, 0
     rc = onnx.stored.resolve()
@@ -145,6 +141,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
     """Run the evaluation; write the report to `out` (atomically) when given. Returns results.json's content."""
     from tqdm.auto import tqdm
 
+    require_ir_measures()
     t0 = time.perf_counter()
     unknown = sorted(set(opts.baselines) - set(BASELINES))
     if unknown:
@@ -339,7 +336,7 @@ def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Bac
             # landmark and Mean@k configs have no plot.
             shown = [j for j, c in enumerate(configs) if c.pooling not in ROW_SET_POOLINGS]
             if torch_enc is not None and shown:
-                from .attention import basket_mass, plot_basket_mass
+                from .attention import basket_mass, plot_basket_mass  # lazy: imports torch (the export extra)
 
                 i = max(shown, key=lambda j: configs[j].strength)
                 mass = basket_mass(torch_enc.encoder, _example_passage(data), configs[i])

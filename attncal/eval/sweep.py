@@ -249,7 +249,7 @@ class Sweep:
     def __init__(self, backend: TorchBackend, texts: Sequence[str], configs: Sequence[CalibrationConfig],
                  labels: Sequence[str], *, cache: EncodeCache, hidden: HiddenCache, data_fp: str,
                  budget_bytes: int, progress: bool = True) -> None:
-        from ..calibration.patching import layer_blocks
+        from ..calibration.patching import layer_blocks  # lazy: torch (the export extra), not needed to import eval
 
         self.t_start = time.perf_counter()
         self.sw = sw = _Sweep(backend, texts, cache, hidden, data_fp, progress)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -115,8 +116,6 @@ def write_synthetic(out: str | os.PathLike, n_per_class: int = 30, words: int = 
             out.rmdir()
         os.replace(tmp, out)
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out

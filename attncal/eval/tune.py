@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -35,8 +35,10 @@ from ..calibration.config import CalibrationConfig
 from .bootstrap import LEVEL, describe, draw_resamples, paired_deltas, paired_mean_delta
 from .data import Dataset, load_dataset
 from .encoders import EncodeCache, TorchBackend
-from .metrics import per_query, score_delta, scores_from_per_query
+from .general import general_check, load_general
+from .metrics import per_query, require_ir_measures, score_delta, scores_from_per_query
 from .output import atomic_output_dir, cache_record, check_out_dir, display_path, hash_texts, library_versions
+from .posq_builder import build_posq, read_documents, write_posq
 from .prefix_cache import HiddenCache
 from .recommend import DECIDE, Rule, recommend
 from .runner import (
@@ -44,6 +46,7 @@ from .runner import (
     truncation_note, truncation_stats,
 )
 from .sweep import Sweep
+from .tune_report import write_report
 
 GIB = 2 ** 30
 DEFAULT_BUDGET_GIB = 8.0
@@ -80,25 +83,9 @@ def preset(name: str) -> tuple[list[CalibrationConfig], list[str]]:
     return configs, [grid_label(c) for c in configs]
 
 
-def cli_flags(cfg: CalibrationConfig) -> str:
-    """The `attncal export` flags that reproduce `cfg` (variant, λ, basket and layers always; the rest when
-    they differ from the defaults)."""
-    d = CalibrationConfig()
-    layers = cfg.layers if isinstance(cfg.layers, str) else ",".join(map(str, cfg.layers))
-    parts = [f"--variant {cfg.variant}", f"--strength {cfg.strength:g}", f"--basket-size {cfg.basket_size}",
-             f"--layers={layers}"]
-    if cfg.pooling != d.pooling:
-        parts.append(f"--pooling {cfg.pooling}")
-    if cfg.self_weight != d.self_weight:
-        parts.append(f"--self-weight {cfg.self_weight:g}")
-    for name in ("isolate_first", "isolate_last", "skip_short"):
-        v = getattr(cfg, name)
-        if v is not None and v != getattr(d, name):
-            parts.append(f"--{'' if v else 'no-'}{name.replace('_', '-')}")
-    for name in ("first_weight", "last_weight"):
-        if getattr(cfg, name) is not None:
-            parts.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}")
-    return " ".join(parts)
+ExportStep = Callable[[str, Path, CalibrationConfig, bool], dict]
+"""(model, output directory, configuration, calibrate) -> the export's attncal.json: how `opts.export` exports.
+eval does not import the exporter (a sibling layer); `attncal.cli.tune.export_step` is the command line's."""
 
 
 @dataclass
@@ -136,7 +123,8 @@ class TuneOptions:
         return list(self.configs), labels
 
 
-def _validate(opts: TuneOptions, configs: list[CalibrationConfig], labels: list[str], out: Path | None) -> None:
+def _validate(opts: TuneOptions, configs: list[CalibrationConfig], labels: list[str], out: Path | None,
+              export_step: ExportStep | None) -> None:
     if not configs:
         raise ValueError("the grid is empty")
     dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -155,6 +143,9 @@ def _validate(opts: TuneOptions, configs: list[CalibrationConfig], labels: list[
         raise ValueError(f"--cache-budget must be > 0 GiB, got {opts.cache_budget_gib}")
     if opts.export and out is None:
         raise ValueError("--export writes the exports into OUT; give -o OUT")
+    if opts.export and export_step is None:
+        raise ValueError("TuneOptions(export=True) needs tune(..., export_step=...): "
+                         "attncal.cli.tune.export_step(exporter, max_length) makes the command line's")
     if opts.shuffled and opts.general is None:
         raise ValueError("--shuffled re-encodes the --general set with its sentences shuffled; give --general DATA")
     Rule(opts.max_begin_loss, opts.tie_margin, opts.level)
@@ -208,16 +199,11 @@ def _rows(data: Dataset, qids: list[str], embeddings: dict[str, np.ndarray], q_e
     return rows
 
 
-def _export(model: str, cfg: CalibrationConfig, tmp: Path, opts: TuneOptions) -> dict:
+def _export(model: str, cfg: CalibrationConfig, tmp: Path, export_step: ExportStep) -> dict:
     """The recommended configuration and its uncalibrated twin, exported with the exporter's parity check."""
-    from ..export.exporter import ExportOptions, export
-
     out = {}
     for name, calibrate in (("calibrated", True), ("uncalibrated", False)):
-        meta = export(model, tmp / f"export-{name}",
-                      ExportOptions(config=cfg, calibrate=calibrate, exporter=opts.exporter,
-                                    max_length=opts.max_length),
-                      quiet=True)
+        meta = export_step(model, tmp / f"export-{name}", cfg, calibrate)
         p = meta.get("parity") or {}
         out[name] = {"dir": f"export-{name}", "parity_ok": p.get("ok"), "max_abs": p.get("max_abs"),
                      "min_cos": p.get("min_cos")}
@@ -228,8 +214,6 @@ def build_set(documents: list, source: dict, backend: TorchBackend, model: str, 
               ) -> tuple[Dataset, dict]:
     """The position-labelled set from the user's documents (the `--make-posq` builder, the model's own
     tokenizer), written to `workdir` and loaded from there."""
-    from .posq_builder import build_posq, write_posq
-
     posq = build_posq(documents, backend.tokenizer, effective_max_length(backend), posq_options,
                       tokenizer_label=str(model), source=source)
     write_posq(workdir, posq, overwrite=True)
@@ -240,14 +224,14 @@ def build_set(documents: list, source: dict, backend: TorchBackend, model: str, 
 
 def tune(model: str, data: Dataset | str | Path | None = None, opts: TuneOptions | None = None,
          out: str | Path | None = None, *, docs: str | Path | tuple[list, dict] | None = None, posq_options=None,
-         text_field: str = "text", split: str = "test", overwrite: bool = False) -> dict:
+         text_field: str = "text", split: str = "test", overwrite: bool = False,
+         export_step: ExportStep | None = None) -> dict:
     """Sweep, decide and report (see the module docstring).  Give `docs` (documents to build the set from:
     a path as `attncal eval --make-posq` takes it, or (documents, source) as `read_documents` and
     `python_reference_documents` return them) or `data` (a position-labelled set: a Dataset or its
-    directory).  Returns results.json's content."""
-    from .general import load_general
-    from .posq_builder import read_documents
-
+    directory).  `export_step` exports the recommendation where `opts.export` asks for it.  Returns
+    results.json's content."""
+    require_ir_measures()
     t0 = time.perf_counter()
     opts = opts or TuneOptions()
     if (data is None) == (docs is None):
@@ -255,7 +239,7 @@ def tune(model: str, data: Dataset | str | Path | None = None, opts: TuneOptions
                          "one of them")
     out_path = check_out_dir(out, overwrite)
     configs, labels = opts.resolved_grid()
-    _validate(opts, configs, labels, out_path)
+    _validate(opts, configs, labels, out_path, export_step)
     if is_export(model):
         raise ValueError(f"{model} is an attncal export, which evaluates its stored calibration only; attncal tune "
                          "sweeps configurations of the model directory")
@@ -276,7 +260,7 @@ def tune(model: str, data: Dataset | str | Path | None = None, opts: TuneOptions
         hidden = HiddenCache(None if opts.cache_dir is None else Path(opts.cache_dir) / "hidden")
         try:
             results = _run(model, data, opts, configs, labels, backend, hidden, general, notes, out_path, set_source,
-                           manifest, t0)
+                           manifest, t0, export_step)
         finally:
             hidden.close()
     return results
@@ -284,9 +268,7 @@ def tune(model: str, data: Dataset | str | Path | None = None, opts: TuneOptions
 
 def _run(model, data: Dataset, opts: TuneOptions, configs, labels, backend: TorchBackend, hidden: HiddenCache,
          general: Dataset | None, notes: list[str], out_path: Path | None, set_source: Path | None,
-         manifest: dict | None, t0: float) -> dict:
-    from .tune_report import write_report
-
+         manifest: dict | None, t0: float, export_step: ExportStep | None) -> dict:
     qids = data.query_ids()
     if not qids:
         raise ValueError(f"{data.name}: no query has both a relevant document and a position group")
@@ -363,7 +345,7 @@ def _run(model, data: Dataset, opts: TuneOptions, configs, labels, backend: Torc
                     results["export"] = None
                     results["notes"].append("--export: nothing exported, the recommendation is not to calibrate")
                 else:
-                    results["export"] = _export(model, config_of[decision["recommended"]], tmp, opts)
+                    results["export"] = _export(model, config_of[decision["recommended"]], tmp, export_step)
             if set_source is not None and manifest is not None:
                 shutil.copytree(set_source, tmp / "set")
             results["seconds"] = round(time.perf_counter() - t0, 1)
@@ -376,8 +358,6 @@ def _run(model, data: Dataset, opts: TuneOptions, configs, labels, backend: Torc
 
 def general_check_for(backend: TorchBackend, general: Dataset, label: str, config: CalibrationConfig,
                       cache: EncodeCache, hidden: HiddenCache, budget: int, opts: TuneOptions) -> dict:
-    from .general import general_check
-
     return general_check(backend, general, label, config, cache=cache, hidden=hidden, budget=budget,
                          n_resamples=opts.n_resamples, seed=opts.seed, level=opts.level, top_k=opts.top_k,
                          with_shuffled=opts.shuffled, progress=opts.progress)

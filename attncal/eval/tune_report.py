@@ -7,9 +7,13 @@ retrieval check, what the sweep cost, and the commands that reproduce the run an
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
+import numpy as np
+
+from ..calibration.config import CalibrationConfig
 from .compare_report import with_ci
 from .output import json_default
 from .recommend import DECIDE
@@ -91,6 +95,27 @@ def _cost_section(results: dict) -> str:
     return "".join(lines)
 
 
+def cli_flags(cfg: CalibrationConfig) -> str:
+    """The `attncal export` flags that reproduce `cfg` (variant, λ, basket and layers always; the rest when
+    they differ from the defaults)."""
+    d = CalibrationConfig()
+    layers = cfg.layers if isinstance(cfg.layers, str) else ",".join(map(str, cfg.layers))
+    parts = [f"--variant {cfg.variant}", f"--strength {cfg.strength:g}", f"--basket-size {cfg.basket_size}",
+             f"--layers={layers}"]
+    if cfg.pooling != d.pooling:
+        parts.append(f"--pooling {cfg.pooling}")
+    if cfg.self_weight != d.self_weight:
+        parts.append(f"--self-weight {cfg.self_weight:g}")
+    for name in ("isolate_first", "isolate_last", "skip_short"):
+        v = getattr(cfg, name)
+        if v is not None and v != getattr(d, name):
+            parts.append(f"--{'' if v else 'no-'}{name.replace('_', '-')}")
+    for name in ("first_weight", "last_weight"):
+        if getattr(cfg, name) is not None:
+            parts.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}")
+    return " ".join(parts)
+
+
 def _reproduce(results: dict, set_dir: Path | None) -> str:
     model = results["model"]
     rec = results["recommendation"]
@@ -99,9 +124,6 @@ def _reproduce(results: dict, set_dir: Path | None) -> str:
     pick = rec["recommended"] or rec["closest"]
     row = next((r for r in results["rows"] if r["label"] == pick), None)
     if row is not None:
-        from ..calibration.config import CalibrationConfig
-        from .tune import cli_flags
-
         cfg = CalibrationConfig.from_dict(dict(row["config"], pooling="auto"))
         lines.append(f"The manual path for {'the recommendation' if rec['recommended'] else 'the closest candidate'} "
                      f"(`{pick}`): export it and its uncalibrated twin, measure the drift of the exported graphs, "
@@ -175,7 +197,6 @@ def plot_delta_hm(rows: list[dict], recommended: str | None, level: float, path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     rs = [r for r in rows if r["delta"] is not None]
     ys = np.arange(len(rs))[::-1]
@@ -205,7 +226,6 @@ def plot_groups(rows: list[dict], groups: tuple[str, ...], pick: str, level: flo
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     base = next(r for r in rows if r["kind"] == "uncalibrated")
     cal = next(r for r in rows if r["label"] == pick)
@@ -230,8 +250,6 @@ def plot_groups(rows: list[dict], groups: tuple[str, ...], pick: str, level: flo
 
 def write_report(tmp: Path, out: Path, results: dict, opts, set_dir: Path | None) -> None:
     """Plots, report.md and results.json into `tmp`, the temporary directory that becomes `out`."""
-    import json
-
     rec = results["recommendation"]
     results["plots"] = {}
     if opts.plots:

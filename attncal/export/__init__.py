@@ -14,7 +14,7 @@ import types
 
 class _CallableModule(types.ModuleType):
     def __call__(self, *args, **kwargs):
-        from .exporter import export
+        from .exporter import export  # lazy: the plan and ExportOptions import this package, not the exporter
 
         return export(*args, **kwargs)
 

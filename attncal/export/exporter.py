@@ -8,10 +8,11 @@ and `attncal.json` describing the calibration and the parity measured at export.
 Everything is written into a temporary directory beside OUT and renamed into
 place at the end, so a failure never leaves a half-written OUT behind.
 
-Warnings and messages of the libraries the export runs through (torch.onnx,
-transformers, ONNX Runtime's optimizer) are kept off the console and written to
-`attncal-export.log` in OUT, inside the temporary directory before the rename
-(attncal.library_output); attncal's own step lines stay on stderr.
+Under `attncal export` the warnings and messages of the libraries the export runs
+through (torch.onnx, transformers, ONNX Runtime's optimizer) are kept off the console
+(attncal.console) and written to `attncal-export.log` in OUT, inside the temporary
+directory before the rename; attncal's own step lines stay on stderr.  Called as a
+library, the export leaves its process's output as it is and writes no log.
 
 `export` is the pipeline; each step lives where its name says: the torch export and its model loading in
 `attncal.export.from_torch`, the ONNX Runtime graphs in `attncal.export.optimized_graphs` (beside the
@@ -22,7 +23,6 @@ meter in `attncal.memory`, and the run state in `attncal.export.run`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -30,8 +30,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .. import library_output
+import onnx_ir as ir
+
+from .. import console
 from ..artifact import (
+    EXPORT_LOG_FILE,
     ONNX_FILE,
     ONNX_SUBDIR,
     OPTIMIZED_GRAPH,
@@ -41,8 +44,12 @@ from ..artifact import (
     stamp_onnx,
     write_graph,
     write_metadata,
+    write_text_atomic,
 )
+from ..graphs import passes, placements
+from ..graphs.pass_base import run_passes
 from ..memory import StepMeter, available_bytes, release_freed_memory
+from ..runtime.parity import check_parity
 from ..runtime.tokenizer import attest_tokenizer
 from ..versions import library_versions as _installed_versions
 from . import from_torch, optimized_graphs
@@ -58,9 +65,9 @@ from .plan import (  # noqa: F401  (DEFAULT_OPSET, EXPORTERS, PLACEMENTS, Export
     ExportOptions,
     ExportPlan,
 )
+from .quantize import TARGET_WEIGHTS, method, quantization_record, quantize_graph, resolve_target
 from .run import Run
 
-EXPORT_LOG_FILE = "attncal-export.log"  # third-party warnings and messages of the export (attncal.library_output)
 # The libraries whose versions attncal.json records: those the written graphs depend on.
 _VERSIONED = ("attncal", "torch", "transformers", "onnx", "onnxruntime", "onnx-ir", "sentence-transformers")
 
@@ -87,9 +94,9 @@ def export(
     _note_estimate(plan, watch)
     tmp = Path(tempfile.mkdtemp(prefix=f".{plan.out.name}.tmp-", dir=plan.out.parent))
     t_start = time.perf_counter()
-    with contextlib.ExitStack() as stack:  # third-party chatter -> EXPORT_LOG_FILE (and --verbose), not the console
-        capture = stack.enter_context(library_output.capture_third_party())
-        run = Run(plan, tmp, quiet, stack.enter_context(StepMeter(watch)), capture)
+    capture = console.active()
+    with StepMeter(watch) as meter:
+        run = Run(plan, tmp, quiet, meter, len(capture.lines()) if capture is not None else 0)
         if watch is not None:
             watch.workdir(tmp)
         try:
@@ -124,11 +131,6 @@ def _note_estimate(plan: ExportPlan, watch) -> None:
 def _portable_graph(run: Run) -> None:
     """onnx/model.onnx: the placement on torch's export, ONNX Runtime's load-time fusions made easy (standard
     ONNX either way; values unchanged), written once."""
-    import onnx_ir as ir  # with sympy, a second's import: loaded when a graph is
-
-    from ..graphs import passes, placements
-    from ..graphs.pass_base import run_passes
-
     plan = run.plan
     ir_model = ir.load(run.raw_path)
     run.meter.step("portable graph")
@@ -154,16 +156,13 @@ def _quantize(run: Run) -> None:
     opts = run.plan.opts
     if opts.quantize is None:
         return
-    from .quantize import TARGET_WEIGHTS, method, quantization_record, quantize_graph, resolve_target
-
     target = resolve_target(opts.int8_target)
     weights = TARGET_WEIGHTS[target]
     run.meter.step("int8 quantization")
     run.progress(GRAPHS, f"quantizing every graph to {opts.quantize} for {target} CPUs ({weights} weights per "
                  "channel, streamed dynamic quantization; attention core and calibration stay fp32)")
     for graph_file, entry in run.graphs.items():
-        with library_output.third_party_output():
-            entry["quantized_nodes"] = quantize_graph(run.tmp / graph_file, weights=weights)
+        entry["quantized_nodes"] = quantize_graph(run.tmp / graph_file, weights=weights)
     run.quantization = {"precision": opts.quantize, "method": method(weights), "target": target,
                         **quantization_record(weights=weights)}
     for graph_file in run.graphs:  # the quantized graph's digest (the others carry theirs)
@@ -219,8 +218,6 @@ def _parity(run: Run, meta: ExportMetadata, check_fn: Callable | None) -> None:
     if not run.plan.opts.check:
         run.progress(PARITY, "parity check skipped (--skip-check)")
         return
-    from ..runtime.parity import check_parity  # imports torch (the reference)
-
     run.meter.step("parity check")
     run.progress(PARITY, "checking parity against the PyTorch reference")
     release_freed_memory(run.plan.estimate.weights)
@@ -244,6 +241,8 @@ def _commit(run: Run, meta: ExportMetadata, t_start: float) -> None:
     run.meter.step("write")
     meta.export_steps = run.meter.report()
     write_metadata(run.tmp, meta)
-    run.capture.write_log(run.tmp / EXPORT_LOG_FILE)  # inside the export before the rename: part of it
+    capture = console.active()
+    if capture is not None:  # inside the export before the rename: part of it
+        write_text_atomic(run.tmp / EXPORT_LOG_FILE, capture.log_text(run.log_start))
     commit_dir(run.tmp, run.plan.out)
     run.progress(WRITE, f"wrote {run.plan.out} in {time.perf_counter() - t_start:.1f} s")

@@ -11,7 +11,6 @@ import json
 import shutil
 from pathlib import Path
 
-from .. import library_output
 from ..artifact import METADATA_FILE, ONNX_FILE, weights_on_disk
 from ..memory import RELEASE_FROM_BYTES, release_freed_memory
 from ..messages import first_line
@@ -84,7 +83,7 @@ def torch_export(
     import torch  # the export's own dependencies (torch, transformers): lazy, as above
     from transformers import AutoTokenizer
 
-    from .wrapper import SentenceEmbeddingModule  # a torch module
+    from .wrapper import SentenceEmbeddingModule  # lazy: a torch module; importing the exporter loads no torch
 
     tokenizer = AutoTokenizer.from_pretrained(str(info.path))
     tokenizer.padding_side = info.padding_side
@@ -147,7 +146,7 @@ def load(run: Run):
     hold the same weights).  Whether it can be calibrated in PyTorch (the parity reference) is probed here, before
     exporting; the probe also says what the attention holds, which decides whether ORT's optimizer is worth
     trying (`attncal.export.optimized_graphs`)."""
-    from ..calibration.patching import UnsupportedArchitectureError, find_attention  # imports torch
+    from ..calibration.patching import UnsupportedArchitectureError, find_attention  # lazy: imports torch
 
     plan, info = run.plan, run.plan.info
     copy_model_files(info, run.tmp)
@@ -159,11 +158,9 @@ def load(run: Run):
     if not info.tested:
         run.log(f"note: {info.model_type} is not among attncal's tested architectures; the export goes ahead and "
                 "is labelled untested, and the parity check guards it")
-    with library_output.third_party_output():
-        torch_model = load_for_export(info, plan.opts.fp16)
+    torch_model = load_for_export(info, plan.opts.fp16)
     try:
-        with library_output.third_party_output():
-            sites = find_attention(torch_model)
+        sites = find_attention(torch_model)
         run.features = sites.features
         sites.base.__dict__.pop("_attncal_sites", None)  # the probe's cache stays out of the traced module
         del sites
@@ -178,9 +175,8 @@ def export_torch(run: Run, torch_model) -> None:
     plan, info = run.plan, run.plan.info
     raw_path = run.tmp / ".raw" / ONNX_FILE
     try:
-        with library_output.third_party_output():
-            run.input_names = torch_export(info, plan.pooling_head, raw_path, plan.opts.opset, plan.opts.exporter,
-                                           fp16=plan.opts.fp16, model=torch_model)
+        run.input_names = torch_export(info, plan.pooling_head, raw_path, plan.opts.opset, plan.opts.exporter,
+                                       fp16=plan.opts.fp16, model=torch_model)
         del torch_model
         if plan.opts.exporter == "dynamo" and plan.estimate.weights >= RELEASE_FROM_BYTES:
             release_onnxscript_matchers()  # a scan of every Python object: worth it where the weights are large

@@ -8,10 +8,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .. import library_output
+import onnx_ir as ir
+
 from ..artifact import (CONFIG_FILE, NATIVE_GRAPH, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, OPTIMIZED_GRAPH,
                         config_int, is_long_context, read_json, stage_onnx, weights_on_disk, write_graph)
 from ..calibration.config import CalibrationConfig
+from ..graphs import native_fusions, passes, placements
+from ..graphs import plain_attention_placement as pap
+from ..graphs.feed_forward_chunks import CHUNK_ROWS, PASS
+from ..graphs.pass_base import run_passes
+from ..graphs.passes import staged
+from ..graphs.placement_base import count_fused_attention
+from ..graphs.placement_names import ATTENTION
+from ..graphs.placements import NATIVE_BY_PRECISION
 from ..memory import release_freed_memory
 from ..messages import first_line
 from ..modelinfo import ModelInfo, declared_attention_window
@@ -38,8 +47,8 @@ def _ort_optimize(path: Path, info: ModelInfo, cache: dict):
     """ONNX Runtime's transformer optimizer (attention and layer-norm fusions; its BERT fusions match any
     encoder whose attention has the BERT shape, from a TorchScript export), lazily loaded: its weights stay
     in the staged data file (`attncal.export.ort_optimize` runs the optimizer in a child process).  `cache`
-    maps a source graph to its optimized copy, so the optimized and native graphs share one run."""
-    import onnx_ir as ir  # with sympy, a second's import: the graph modules load it when they run
+    maps a source graph to its optimized copy and the optimizer's messages, so the optimized and native graphs
+    share one run."""
     from transformers import AutoConfig  # the export's own dependency; its attribute maps name the heads
 
     key = str(path)
@@ -47,7 +56,7 @@ def _ort_optimize(path: Path, info: ModelInfo, cache: dict):
         cfg = AutoConfig.from_pretrained(str(info.path))
         dst = path.parent / "optimized" / f"{path.stem}.onnx"
         cache[key] = run_optimizer(path, dst, int(cfg.num_attention_heads), int(cfg.hidden_size))
-    return ir.load(cache[key])
+    return ir.load(cache[key][0])
 
 
 def _optimizer_fuses(info: ModelInfo, ts_raw: Path, cache: dict) -> tuple[bool, str]:
@@ -55,7 +64,6 @@ def _optimizer_fuses(info: ModelInfo, ts_raw: Path, cache: dict) -> tuple[bool, 
 
     The optimized graph is written only then: a partly fused graph is neither what ORT users run
     nor something the fused placements can rewrite.  The optimized graph is kept in `cache`."""
-    from ..graphs.placement_base import count_fused_attention
 
     n = count_fused_attention(_ort_optimize(ts_raw, info, cache))
     if n == info.num_layers:
@@ -69,9 +77,6 @@ def _optimized_graph(info: ModelInfo, ts_raw: Path, config: CalibrationConfig | 
     """The ORT-optimized graph: optimize then place (row, split, attention: fusions kept), or place then
     optimize.  `cache` keeps ORT's optimized graphs on disk between calls (the native graph is the same
     optimized graph with another placement)."""
-    import onnx_ir as ir
-
-    from ..graphs import placements
 
     if config is None:
         return _ort_optimize(ts_raw, info, cache), None
@@ -90,7 +95,7 @@ def _optimized_graph(info: ModelInfo, ts_raw: Path, config: CalibrationConfig | 
     return _ort_optimize(placed, info, cache), result
 
 
-def _fusion_note(model, captured: list[str]) -> str | None:
+def _fusion_note(model, messages: list[str]) -> str | None:
     """In attncal's words, what a skipped optional fusion of ONNX Runtime's optimizer means (or None).
 
     ORT's optimizer prints "failed in shape inference" when its symbolic shape inference cannot
@@ -102,7 +107,7 @@ def _fusion_note(model, captured: list[str]) -> str | None:
     ops = [n.op_type for n in model.graph]
     if "SkipLayerNormalization" in ops or ops.count("LayerNormalization") < 2:
         return None
-    shape_inference = any("shape inference" in ln for ln in captured)
+    shape_inference = any("shape inference" in text for text in messages)
     why = ("ONNX Runtime's shape inference does not handle this graph" if shape_inference
            else "ONNX Runtime's optimizer did not match it")
     return (f"{ONNX_SUBDIR}/{OPTIMIZED_FILE} keeps Add + LayerNormalization unfused ({why}); "
@@ -111,13 +116,11 @@ def _fusion_note(model, captured: list[str]) -> str | None:
 
 def _to_fp16(run: Run, model, placement: str | None):
     """(the optimized graph converted to float16 with its calibration kept float32, the nodes kept float32)."""
-    from ..graphs import placements
 
     prefix = placements.get(placement).float32_nodes if placement else None
     run.progress(GRAPHS, "converting the ORT-optimized graph to fp16 (ONNX Runtime's converter"
                  + (f"; {prefix}* calibration nodes stay fp32)" if prefix else ")"))
-    with library_output.third_party_output():
-        return convert_model_to_fp16(model, prefix)
+    return convert_model_to_fp16(model, prefix)
 
 
 def optimize(run: Run) -> Path | None:
@@ -146,13 +149,11 @@ def optimize(run: Run) -> Path | None:
             run.ts_root = run.tmp / ".raw-ts"
             ts_raw = run.ts_root / ONNX_FILE
             step = "the TorchScript export ONNX Runtime's optimizer needs"
-            with library_output.third_party_output():
-                from_torch.torch_export(info, plan.pooling_head, ts_raw, plan.opts.opset, "torchscript")
+            from_torch.torch_export(info, plan.pooling_head, ts_raw, plan.opts.opset, "torchscript")
             release_freed_memory(plan.estimate.weights)
             ts_raw = weights_on_disk(ts_raw)
             step = "ONNX Runtime's transformer optimizer"
-        with library_output.third_party_output():
-            fuses, run.optimizer_note = _optimizer_fuses(info, ts_raw, run.cache)
+        fuses, run.optimizer_note = _optimizer_fuses(info, ts_raw, run.cache)
     except Exception as exc:  # noqa: BLE001 - the optimized graph is optional; say why it is missing
         run.optimizer_note = (f"{step} failed on this {info.model_type} model ({type(exc).__name__}: "
                               f"{first_line(exc)[:200]}), so no {OPTIMIZED_GRAPH} is written")
@@ -176,16 +177,13 @@ def _refuse_unfused(run: Run) -> None:
 def optimized_graph(run: Run, ts_raw: Path) -> None:
     """onnx/model_optimized.onnx: the placement on ONNX Runtime's optimized graph, converted to fp16 for an
     fp16 export, written once."""
-    from ..graphs.passes import staged
-    from ..graphs.placement_base import count_fused_attention
 
     plan = run.plan
     placement = plan.placement.optimized if plan.placement else None
-    with library_output.third_party_output():
-        opt_model, _ = _optimized_graph(plan.info, ts_raw, plan.config, placement, plan.info.num_layers,
-                                        run.ts_root, run.cache)
+    opt_model, _ = _optimized_graph(plan.info, ts_raw, plan.config, placement, plan.info.num_layers,
+                                    run.ts_root, run.cache)
     n_fused = count_fused_attention(opt_model)
-    note = _fusion_note(opt_model, run.capture.lines())
+    note = _fusion_note(opt_model, [messages for _, messages in run.cache.values()])
     if note:
         run.log(f"note: {note}")
     entry = run.graphs[OPTIMIZED_GRAPH] = {"placement": placement,
@@ -201,9 +199,6 @@ def native_graph(run: Run, ts_raw: Path) -> None:
     """onnx/model_optimized_native.onnx: the optimized graph with the calibrated attention op in every layer
     (strength 0 where the export does not calibrate), for the native library (fp16: converted), written
     once; then the optimizer's files go."""
-    from ..graphs.passes import staged
-    from ..graphs.placement_base import count_fused_attention
-    from ..graphs.placements import NATIVE_BY_PRECISION
 
     plan = run.plan
     placement = plan.placement.native if plan.placement is not None else NATIVE_BY_PRECISION[plan.precision]
@@ -211,9 +206,8 @@ def native_graph(run: Run, ts_raw: Path) -> None:
         run.meter.step("native graph")
         run.progress(GRAPHS, f"ORT-optimized graph with {placement} placement in every layer, for the native "
                      f"library ({NATIVE_GRAPH})")
-        with library_output.third_party_output():
-            native_model, _ = _optimized_graph(plan.info, ts_raw, plan.config or plan.off_config(),
-                                               placement, plan.info.num_layers, run.ts_root, run.cache)
+        native_model, _ = _optimized_graph(plan.info, ts_raw, plan.config or plan.off_config(),
+                                           placement, plan.info.num_layers, run.ts_root, run.cache)
         entry = run.graphs[NATIVE_GRAPH] = {
             "placement": placement, "fused_attention": count_fused_attention(native_model),
             "runtime": "ONNX Runtime with the attncal native library (the runtime picks it when the library "
@@ -240,7 +234,6 @@ def _chunks_feed_forwards(plan: ExportPlan) -> bool:
 def _native_feed_forwards(run: Run, entry: dict, report: dict) -> None:
     """Record the native graph's chunked feed-forward blocks (from `write_graph`'s report) in its attncal.json
     entry, and say so."""
-    from ..graphs.feed_forward_chunks import CHUNK_ROWS, PASS
 
     blocks = report.get(PASS.name, {}).get(PASS.name, 0)
     entry["feed_forward_chunks"] = {"blocks": blocks, "rows": CHUNK_ROWS}
@@ -253,12 +246,6 @@ def native_plain_graph(run: Run) -> None:
     calibrated attention op in every layer (`attncal.graphs.plain_attention_placement`), calibrated or not,
     for the native library.  Where the rewrite does not apply, the log says why and the export goes on
     without it (the portable graph is complete)."""
-    import onnx_ir as ir
-
-    from ..graphs import native_fusions, passes
-    from ..graphs import plain_attention_placement as pap
-    from ..graphs.pass_base import run_passes
-    from ..graphs.placement_names import ATTENTION
 
     plan, info = run.plan, run.plan.info
     cfg = read_json(info.path / CONFIG_FILE, "model config")

@@ -26,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..artifact import stage_onnx
 from ..versions import warn_if_not_mirrored
 
 MIRRORS_ORT = "1.32"  # the onnxruntime release whose optimize_model stages `_optimize` rebuilds
@@ -64,23 +65,23 @@ def _optimize(src: Path, dst: Path, num_heads: int, hidden_size: int) -> None:
 
     out = ir.from_proto(fused)
     ir.external_data.set_base_dir(out.graph, basic.parent)
-    from ..artifact import stage_onnx
-
     stage_onnx(out, dst)
     del out, fused, model
     for leftover in (basic, basic.with_name(basic.name + ".data")):
         leftover.unlink(missing_ok=True)
 
 
-def run(src: Path, dst: Path, num_heads: int, hidden_size: int) -> Path:
-    """Optimize `src` into `dst` (+ `<name>_data`) in a child process; returns `dst`, or OptimizerError."""
+def run(src: Path, dst: Path, num_heads: int, hidden_size: int) -> tuple[Path, str]:
+    """Optimize `src` into `dst` (+ `<name>_data`) in a child process; returns `dst` and what the child wrote
+    to stderr (passed on to this process's stderr as the child wrote it), or OptimizerError."""
     warn_if_not_mirrored("onnxruntime", MIRRORS_ORT, "attncal's optimizer runs the stages of optimize_model")
     dst.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "attncal.export.ort_optimize", str(src), str(dst), "--num-heads", str(num_heads),
            "--hidden-size", str(hidden_size)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.stderr:
-        sys.stderr.write(proc.stderr)  # the export's capture puts it in the export log
+    if proc.stderr:  # on file descriptor 2, as ONNX Runtime's output: under a command, its log has it
+        sys.stderr.flush()
+        os.write(2, proc.stderr.encode("utf-8", "replace"))
     if proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name
         why = " (the kernel's out-of-memory killer sends it)" if proc.returncode == -signal.SIGKILL else ""
@@ -88,7 +89,7 @@ def run(src: Path, dst: Path, num_heads: int, hidden_size: int) -> Path:
     if proc.returncode != 0:
         last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "no message")
         raise OptimizerError(f"ONNX Runtime's transformer optimizer failed: {last.strip()[:300]}")
-    return dst
+    return dst, proc.stderr
 
 
 def main(argv: list[str] | None = None) -> int:

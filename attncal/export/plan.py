@@ -16,8 +16,9 @@ from typing import Callable
 
 from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from ..graphs.placement_names import CHOICES as PLACEMENTS
-from ..modelinfo import ModelInfo
-from ..runtime.landmarks import PoolingSpec
+from ..modelinfo import ModelInfo, load_model_info
+from ..runtime.landmarks import PoolingSpec, resolve
+from . import memory_plan
 from .memory_plan import MemoryEstimate
 from .quantize import INT8_TARGETS, QUANTIZATIONS
 
@@ -157,9 +158,6 @@ class ExportPlan:
     def make(cls, model, out, opts: ExportOptions) -> "ExportPlan":
         """Validate `opts` for `model` (a path or Hub id) and output `out`; raises before anything is written
         but an empty output directory's parent."""
-        from . import memory_plan
-        from ..modelinfo import load_model_info
-
         check_options(opts)
         import torch  # noqa: F401 - every export runs it: a runtime-only install stops here, before any read
 
@@ -186,8 +184,6 @@ def _resolve_spec(info: ModelInfo, spec: PoolingSpec | None) -> PoolingSpec | No
         return spec
     from transformers import AutoTokenizer
 
-    from ..runtime.landmarks import resolve
-
     return resolve(spec, AutoTokenizer.from_pretrained(str(info.path)))
 
 
@@ -203,7 +199,7 @@ def _check_out_dir(out: Path, overwrite: bool) -> None:
 def _placement_plan(plan: ExportPlan):
     """Each graph's placement (`attncal.graphs.placements.plan`); an fp16 export's portable graph takes softmax
     placement, whose op computes in float32."""
-    from ..graphs import placements
+    from ..graphs import placements  # lazy: onnx_ir and sympy, which ExportOptions and the CLI do not need
 
     chosen = placements.plan(plan.opts.placement, plan.config.resolve(), plan.precision)
     if plan.opts.fp16 and chosen.portable != "softmax":

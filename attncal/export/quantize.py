@@ -75,6 +75,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import cpuinfo
+from ..artifact import (GRAPH_INITIALIZER, MODEL_GRAPH, TENSOR_RAW_DATA, check_external_data, external_info,
+                        field_header, set_external, write_graph_file)
 from ..versions import warn_if_not_mirrored
 
 QUANTIZATIONS = ("int8",)
@@ -148,8 +150,6 @@ def quantize_graph(path: Path, per_channel: bool = True, weights: str = WEIGHT_T
     """Quantize the graph at `path` in place (written beside it, then renamed); returns how many nodes were
     quantized.  A float32 data file beside it that the int8 graph no longer needs goes.  The graph's ONNX
     metadata gains `quantization_record` under attncal.cpuinfo.INT8_RECORD_KEY."""
-    from ..artifact import write_graph_file
-
     warn_if_not_mirrored("onnxruntime", MIRRORS_ORT, "attncal's int8 quantizer reproduces quantize_dynamic")
     path = Path(path)
     model = _structure(path)
@@ -172,7 +172,7 @@ def quantize_graph(path: Path, per_channel: bool = True, weights: str = WEIGHT_T
                     continue
                 offset = f.tell()
                 fill(f)
-                _set_external(t, work.name, offset, f.tell() - offset)
+                set_external(t, work.name, offset, f.tell() - offset)
         # One file below 2 GiB of tensors, else `<graph>.onnx_data`; either way it replaces the float32 one.
         write_graph_file(model, path.parent, path)
     finally:
@@ -234,34 +234,6 @@ def _fields(buf, start: int, end: int):
         pos = stop
 
 
-def _varint_bytes(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-def _len_field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (wire type 2)."""
-    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(payload)) + payload
-
-
-def _set_external(t, location: str, offset: int, length: int) -> None:
-    import onnx
-
-    t.ClearField("raw_data")
-    del t.external_data[:]
-    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        t.external_data.add(key=k, value=v)
-    t.data_location = onnx.TensorProto.EXTERNAL
-
-
-# ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
-_GRAPH, _INITIALIZER, _RAW_DATA = 7, 5, 9
-
-
 def _structure(path: Path):
     """The ModelProto at `path` without its large tensors' bytes: a tensor in a data file stays a reference
     into it; one of 1 KiB or more held in the graph file becomes a reference to its bytes there (external
@@ -272,37 +244,29 @@ def _structure(path: Path):
     pieces = []
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for number, wire, first, start, stop in _fields(buf, 0, len(buf)):
-            if number != _GRAPH or wire != 2:
+            if number != MODEL_GRAPH or wire != 2:
                 pieces.append(buf[first:stop])
                 continue
             graph = []
             for g_number, g_wire, g_first, g_start, g_stop in _fields(buf, start, stop):
-                if g_number != _INITIALIZER or g_wire != 2:
+                if g_number != GRAPH_INITIALIZER or g_wire != 2:
                     graph.append(buf[g_first:g_stop])
                     continue
                 kept, raw = [], None
                 for t_number, t_wire, t_first, t_start, t_stop in _fields(buf, g_start, g_stop):
-                    if t_number == _RAW_DATA and t_wire == 2 and t_stop - t_start >= _INLINE_BELOW:
+                    if t_number == TENSOR_RAW_DATA and t_wire == 2 and t_stop - t_start >= _INLINE_BELOW:
                         raw = (t_start, t_stop - t_start)
                     else:
                         kept.append(buf[t_first:t_stop])
                 tensor = b"".join(kept)
                 if raw is not None:
                     t = onnx.TensorProto.FromString(tensor)
-                    _set_external(t, path.name, *raw)
+                    set_external(t, path.name, *raw)
                     tensor = t.SerializeToString()
-                graph.append(_len_field(_INITIALIZER, tensor))
-            pieces.append(_len_field(_GRAPH, b"".join(graph)))
+                graph.append(field_header(GRAPH_INITIALIZER, len(tensor)) + tensor)
+            body = b"".join(graph)
+            pieces.append(field_header(MODEL_GRAPH, len(body)) + body)
     return onnx.ModelProto.FromString(b"".join(pieces))
-
-
-def _external(t) -> tuple[str, int, int] | None:
-    import onnx
-
-    if t.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    info = {e.key: e.value for e in t.external_data}
-    return info["location"], int(info.get("offset", 0)), int(info["length"])
 
 
 def _blocks(t, base_dir: Path, columns: int):
@@ -310,9 +274,8 @@ def _blocks(t, base_dir: Path, columns: int):
     (external) or from the proto (small, inline)."""
     from onnx import numpy_helper
 
-    from ..artifact import check_external_data
     check_external_data(t, base_dir)
-    ext = _external(t)
+    ext = external_info(t)
     if ext is None:
         yield numpy_helper.to_array(t).reshape(-1, columns)
         return
@@ -335,7 +298,7 @@ def _array(t, base_dir: Path) -> np.ndarray:
     """A whole tensor (for the rare ones needed at once: a transposed Gemm weight)."""
     from onnx import numpy_helper
 
-    ext = _external(t)
+    ext = external_info(t)
     if ext is None:
         return numpy_helper.to_array(t)
     import onnx
@@ -519,10 +482,10 @@ class _Quantizer:
         import onnx
         from onnx import numpy_helper
 
-        if _external(src) is None or not top:
+        if external_info(src) is None or not top:
             return numpy_helper.from_array(_array(src, self.base_dir).T, name)
         t = onnx.TensorProto(name=name, data_type=src.data_type, dims=list(reversed(src.dims)))
-        _set_external(t, "", 0, 0)  # a placeholder until written (shape inference reads its dims only)
+        set_external(t, "", 0, 0)  # a placeholder until written (shape inference reads its dims only)
         base = self.base_dir
 
         def fill(f, src=src):  # the weight once, its transpose written a block of rows at a time
@@ -666,12 +629,12 @@ class _Quantizer:
         q_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(self.weights))
         new = [helper.make_tensor(scale_name, w.data_type, shape, scale.tolist()),
                helper.make_tensor(zp_name, q_type, shape, zero_point.astype(np.int64).tolist())]
-        if _external(w) is None:
+        if external_info(w) is None:
             new.append(numpy_helper.from_array(
                 _quantized(numpy_helper.to_array(w).reshape(-1, columns), scale, zero_point).reshape(dims), q_name))
         else:
             t = onnx.TensorProto(name=q_name, data_type=q_type, dims=dims)
-            _set_external(t, "", 0, 0)  # a placeholder until written (shape inference reads its dims only)
+            set_external(t, "", 0, 0)  # a placeholder until written (shape inference reads its dims only)
             base = self.base_dir
 
             def fill(f, w=w, scale=scale, zero_point=zero_point, columns=columns):

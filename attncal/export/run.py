@@ -6,7 +6,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import library_output
 from ..memory import StepMeter
 from .plan import ExportPlan, stage_label
 
@@ -19,7 +18,7 @@ class Run:
     tmp: Path
     quiet: bool
     meter: StepMeter
-    capture: library_output.Capture
+    log_start: int  # where this export's lines begin in the console's capture (a command may export twice)
     features: frozenset[str] = frozenset()  # what the attention holds (attncal.calibration.patching)
     input_names: list[str] = field(default_factory=list)
     raw_path: Path | None = None  # torch's export, weights on disk
@@ -28,11 +27,10 @@ class Run:
     optimizer_note: str | None = None
     quantization: dict | None = None
     ts_root: Path | None = None  # the folder of the TorchScript export ORT's optimizer runs on, removed after it
-    cache: dict = field(default_factory=dict)  # a source graph -> its ORT-optimized copy on disk
+    cache: dict = field(default_factory=dict)  # a source graph -> (its ORT-optimized copy on disk, messages)
 
     def log(self, msg: str) -> None:
-        """A line of attncal's own on stderr (unless quiet), and in the export log for context."""
-        library_output.own_line(f"attncal: {msg}")
+        """A line of attncal's own on stderr (unless quiet); under a command, its log records it for context."""
         if not self.quiet:
             print(f"attncal: {msg}", file=sys.stderr, flush=True)
 

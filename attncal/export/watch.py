@@ -35,6 +35,14 @@ sys.stderr.flush()
 """
 
 
+def _stderr_fd() -> int | None:
+    """The descriptor `sys.stderr` writes to (under `attncal.console`'s capture, the terminal's), else inherit."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 class Watch:
     """Context manager around one export: `step(name)`, `workdir(path)` and `note(text)` keep the watcher informed."""
 
@@ -44,6 +52,7 @@ class Watch:
     def __enter__(self) -> "Watch":
         try:
             self._proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER], stdin=subprocess.PIPE, text=True,
+                                          stderr=_stderr_fd(),  # attncal's line: the terminal under a command
                                           start_new_session=True)  # outlives a kill of the export's process group
         except OSError:
             self._proc = None  # no watcher: the export runs as before

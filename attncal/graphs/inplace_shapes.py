@@ -6,6 +6,7 @@ graph's value_info benefits.
 
 from __future__ import annotations
 
+from .contract import DOMAIN, takes_scores
 from .pass_base import PROTO, GraphPass
 
 
@@ -21,8 +22,6 @@ def annotate_inplace_shapes(model) -> int:
     Softmax placements only (Q == K: the op after a Softmax, or the Softmax-fused op); a
     [B,H,1,K] row-placement input is left alone."""
     import onnx
-
-    from .contract import DOMAIN, takes_scores
 
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output}

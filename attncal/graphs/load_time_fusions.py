@@ -6,13 +6,12 @@ after the placement, before saving `onnx/model.onnx` and the native graph of a p
 
 from __future__ import annotations
 
+from .builder import scalar_value
 from .pass_base import IR, GraphPass
 
 
 def _scalar_is(value, expected: float) -> bool:
     """`value` is a constant one-element tensor (initializer or Constant) equal to `expected`."""
-    from .builder import scalar_value
-
     v = scalar_value(value)
     return v is not None and abs(v - expected) <= 1e-6 * max(1.0, abs(expected))
 

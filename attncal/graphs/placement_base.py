@@ -36,6 +36,11 @@ from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
 import onnx_ir as ir
 
+from .attention_chain import inferred_shapes
+from .builder import graph_input
+from .contract import ATTENTION_OP_TYPES, DOMAIN, PROJECTED_OP_TYPES
+from .softmax_pattern import FUSED_ATTENTION_OPS
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -194,8 +199,6 @@ def checked_on_inferred_shapes(model: ir.Model, check: Callable[[], T]) -> T:
     model is unchanged in between, and the rewrite's own reads of ranks see what the check saw.
     `attention_chain.inferred_shapes` keeps its annotations only when its block completes; `_Undo` ends
     the block of a check that passed, so that one restoring code serves both outcomes."""
-    from .attention_chain import inferred_shapes
-
     outcome: list[T] = []
     try:
         with inferred_shapes(model):
@@ -213,8 +216,6 @@ class _Undo(Exception):
 def keep_inferred_shapes(model: ir.Model) -> None:
     """Annotate `model` with ONNX's inferred shapes and types, as its plain rule's check saw them; the
     rewrite reads ranks from them, and the written graph keeps them."""
-    from .attention_chain import inferred_shapes
-
     with inferred_shapes(model):
         pass
 
@@ -223,9 +224,6 @@ def keep_inferred_shapes(model: ir.Model) -> None:
 def count_fused_attention(model: ir.Model) -> int:
     """Fused attention nodes that compute a layer's attention (the ones a calibration must not lose):
     ONNX Runtime's, and the calibrated attention ops that replace them (one pass over the keys too)."""
-    from .contract import ATTENTION_OP_TYPES, DOMAIN, PROJECTED_OP_TYPES
-    from .softmax_pattern import FUSED_ATTENTION_OPS
-
     # Main graph only: split placement's per-basket calls live inside a Loop body.
     return sum(1 for n in model.graph if (n.domain == "com.microsoft" and n.op_type in FUSED_ATTENTION_OPS)
                or (n.domain == DOMAIN and n.op_type in ATTENTION_OP_TYPES + PROJECTED_OP_TYPES))
@@ -244,9 +242,6 @@ def fused_layers(model: ir.Model, num_layers: int, mask_input: str, error: type[
                  hint: str = "") -> tuple[list[ir.Node], ir.Value]:
     """(one fused Attention node per layer, the attention-mask input) of an uncalibrated optimized graph,
     or `error` saying what is wrong: `need` starts the message, `hint` ends it."""
-    from .builder import graph_input
-    from .contract import DOMAIN
-
     graph = model.graph
     if any(n.domain == DOMAIN for n in graph):
         raise error("the graph already contains attncal calibration nodes")

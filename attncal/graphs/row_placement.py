@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from ..artifact import ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_metadata, save_onnx, write_metadata
 from ..calibration.config import CalibrationConfig, ResolvedCalibration
 from . import placement_names
 from .builder import Ops as _Ops
@@ -198,8 +199,6 @@ FUSED_RULE = Rule(FUSED, _find_fused, _rewrite_fused, REFUSES)
 def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config: CalibrationConfig) -> dict:
     """Row-placement calibration of an optimized export directory `src` into `dest` (atomic)."""
     import onnx
-
-    from ..artifact import ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_metadata, save_onnx, write_metadata
 
     src, dest = Path(src), Path(dest)
     meta = read_metadata(src)

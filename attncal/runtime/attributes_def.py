@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
+from ..graphs import contract
 from ..native import CHECKOUT
 
 DEF_PATH = CHECKOUT / "plugins" / "kernels" / "common" / "attncal_attributes.def"
@@ -40,8 +41,6 @@ class Attribute:
 
     def taken_by(self, op_type: str) -> bool:
         """Whether op `op_type` (any of attncal.graphs.contract.ALL_OP_TYPES) takes this attribute."""
-        from ..graphs import contract
-
         if self.ops == "POOLED":
             return not contract.is_all_rows(op_type)
         if self.ops == "ATTENTION":

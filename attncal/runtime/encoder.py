@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -23,7 +24,13 @@ from ..artifact import (
     is_long_context,
     read_metadata,
 )
+from ..calibration.config import ROW_SET_POOLINGS
 from ..messages import first_line
+from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
+from ..versions import without_torch_advice
+from . import oplib
+from .landmarks import PoolingSpec
+from .tokenizer import TransformersTokenizer, load_tokenizer
 
 GRAPHS = ("auto", "portable", "optimized", "native")
 _ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
@@ -52,10 +59,7 @@ def default_session_options(max_seq_length: int | None = None) -> "onnxruntime.S
     export without a max length may be fed long texts, so it goes without."""
     import onnxruntime as ort
 
-    from .. import library_output
-
     so = ort.SessionOptions()
-    so.log_severity_level = library_output.ort_log_severity()
     so.enable_mem_pattern = memory_pattern(max_seq_length)
     return so
 
@@ -118,8 +122,6 @@ def planned_graph(out_dir: str | os.PathLike, providers: Sequence[str] | None = 
     providers = list(providers or default_providers())
     lib = None
     if NATIVE_GRAPH in (meta.get("graphs") or {}) and graph in ("auto", "native"):
-        from . import oplib
-
         lib = oplib.resolve_library(native, notice=False)
     return select_graph(out, meta, graph, providers, lib)
 
@@ -127,8 +129,6 @@ def planned_graph(out_dir: str | os.PathLike, providers: Sequence[str] | None = 
 def pooling_spec_of(meta: dict, out_dir: Path):
     """The export's landmark / Mean@k pooling (attncal.json's `pooling_spec`, an
     `attncal.runtime.landmarks.PoolingSpec`), None for the other poolings; ArtifactError when it is damaged."""
-    from ..calibration.config import ROW_SET_POOLINGS
-    from .landmarks import PoolingSpec
 
     data = meta.get("pooling_spec")
     if data is None and meta.get("pooling") not in ROW_SET_POOLINGS:
@@ -186,14 +186,9 @@ class Encoder:
         intra_op_threads: int | None = None,
         session_options=None,
     ) -> None:
-        import threading
-
         import onnxruntime as ort
 
-        from ..library_output import without_torch_advice
-
         without_torch_advice()
-        from .tokenizer import load_tokenizer
 
         self.path = Path(out_dir)
         self.meta = read_metadata(self.path)
@@ -205,15 +200,11 @@ class Encoder:
             if not lib.exists():
                 raise FileNotFoundError(f"custom-op library {lib} not found")
         elif NATIVE_GRAPH in (self.meta.get("graphs") or {}) and graph in ("auto", "native"):
-            from . import oplib
-
             # Decides between the native and the split graph; no notice: without the library the split
             # graph runs, not a function body.
             lib = oplib.resolve_library(native, notice=False)
         self.graph_file = select_graph(self.path, self.meta, graph, providers, lib)
         if custom_op_library is None and lib is None and graph_has_custom_op(self.meta, self.graph_file):
-            from . import oplib
-
             lib = oplib.resolve_library(native)
         elif lib is not None and custom_op_library is None and not graph_has_custom_op(self.meta, self.graph_file):
             lib = None  # the graph has no attncal op: nothing to register
@@ -228,7 +219,6 @@ class Encoder:
         except Exception as exc:  # a damaged tokenizer file fails deep inside tokenizers/transformers
             raise ArtifactError(self.path / "tokenizer.json", "the tokenizer cannot be loaded "
                                 f"({type(exc).__name__}: {first_line(exc)[:300]})") from None
-        from ..modelinfo import UnsupportedModelError, read_prompts
 
         try:
             self.prompts, self.default_prompt_name = read_prompts(self.path)
@@ -284,8 +274,6 @@ class Encoder:
         `padding_side` on the Encoder: they are what `tokenize` and `encode` use.  It places no landmarks
         (`tokenize` does)."""
         if self._hf_tokenizer is None:
-            from .tokenizer import TransformersTokenizer
-
             tok = getattr(self._tokenizer, "base", self._tokenizer)
             self._hf_tokenizer = (tok if isinstance(tok, TransformersTokenizer) else TransformersTokenizer(
                 self.path, self._max_length, self.padding_side)).hf
@@ -336,7 +324,6 @@ class Encoder:
         Safe to call from several threads at once: tokenizer calls are serialised, ONNX Runtime
         sessions run concurrently."""
         texts = check_texts(texts)
-        from ..modelinfo import choose_prompt
 
         text_prompt = choose_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt)
         if text_prompt:

@@ -31,10 +31,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import library_output
-from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
+from ..artifact import (NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, ArtifactError, config_int, external_data_name,
+                        open_export)
 from ..calibration.config import CalibrationConfig
-from .encoder import Encoder, pooling_spec_of
+from ..memory import available_bytes, float32_weight_bytes, release_freed_memory
+from ..modelinfo import choose_prompt, forward_kwargs
+from .encoder import Encoder, default_session_options, pooling_spec_of
 from .landmarks import SENTENCE, PoolingSpec, sentence_ends
 
 FP32_MAX_ABS = 1e-5
@@ -199,8 +201,7 @@ class PaperReference:
         """Embeddings of `texts` (prompts applied as the Encoder applies them), as one padded batch."""
         import torch
 
-        from ..calibration.patching import calibrate
-        from ..modelinfo import choose_prompt, forward_kwargs
+        from ..calibration.patching import calibrate  # lazy: imports torch, which the runtime install lacks
 
         info = self.enc.info
         prompt = choose_prompt(info.prompts, info.default_prompt_name)
@@ -280,8 +281,6 @@ def plan_batches(lengths: Sequence[int], heads: int, budget: int, max_batch: int
 
 def _weights_bytes(out_dir: Path, graph_file: str) -> int:
     """Bytes of the graph's file and its external data: the size of its weights, near enough."""
-    from ..artifact import external_data_name
-
     f = out_dir / graph_file
     data = f.with_name(external_data_name(f))
     return f.stat().st_size + (data.stat().st_size if data.exists() else 0)
@@ -308,9 +307,7 @@ def check_parity(
     activations per batch (default `activation_budget`)."""
     from transformers import AutoTokenizer
 
-    from ..artifact import ArtifactError, config_int
-    from ..calibration.encode import TorchEncoder
-    from ..memory import available_bytes, float32_weight_bytes, release_freed_memory
+    from ..calibration.encode import TorchEncoder  # lazy: imports torch, which the runtime install lacks
 
     meta = open_export(out_dir, graphs=None).meta  # the tokenizer files checked before AutoTokenizer reads them
     out = Path(out_dir)
@@ -346,8 +343,7 @@ def check_parity(
     if reference_cache is not None and key in reference_cache:
         expected, ref_pooling = reference_cache[key]
     else:
-        with library_output.third_party_output():  # transformers' weight-loading bar and load-time messages
-            ref_enc = TorchEncoder(source, max_length=check_len, attn_implementation="sdpa")
+        ref_enc = TorchEncoder(source, max_length=check_len, attn_implementation="sdpa")
         ref_pooling = ref_enc.info.pooling
         ref_config = config
         if spec is not None:
@@ -408,8 +404,6 @@ def _unpooled_session_options():
     """ONNX Runtime's CPU arena keeps every block it ever grew to, rounded up, for the session's life: with it
     the check's peak is the sum of its batches' largest blocks, not the largest batch.  A check runs each batch
     once, so it goes without the arena."""
-    from .encoder import default_session_options
-
     so = default_session_options()
     so.enable_cpu_mem_arena = False
     return so

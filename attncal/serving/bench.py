@@ -17,10 +17,12 @@ from typing import Sequence
 
 import numpy as np
 
+from ..synthetic import synthetic_text
+from .repository import discover
+from .server import TritonServer, free_port
+
 
 def _texts(n: int, seed: int, min_chars: int, max_chars: int) -> list[str]:
-    from ..synthetic import synthetic_text
-
     rng = np.random.default_rng(seed)
     return [synthetic_text(int(rng.integers(min_chars, max_chars + 1)), seed=seed + i) for i in range(n)]
 
@@ -94,9 +96,6 @@ def bench_triton(
     Returns {"rows": [{model, concurrency, seq_per_s, p50_ms, p95_ms, errors}], "ratios": [...]}.
     """
     from tqdm.auto import tqdm
-
-    from .repository import discover
-    from .server import TritonServer, free_port
 
     server = None
     is_repo = Path(target).is_dir()

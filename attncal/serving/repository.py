@@ -53,9 +53,13 @@ from ..artifact import (
     config_int,
     load_onnx_checked,
     open_export,
+    read_bytes,
     read_json,
     validate_metadata,
 )
+from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
+from ..runtime.encoder import memory_pattern, pooling_spec_of
+from ..runtime.oplib import resolve_library
 from . import pbtxt
 from .pbtxt import Enum
 
@@ -130,14 +134,10 @@ def _read_export(out_dir: Path) -> dict:
                                            "in config.json)") from None
     optimized = onnx_file.with_name(OPTIMIZED_ONNX_FILE)
     serve = optimized if optimized.is_file() else onnx_file
-    from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
-
     try:  # the model's default prompt, put before every text as attncal.Encoder and sentence-transformers do
         prompt = choose_prompt(*read_prompts(out_dir))
     except UnsupportedModelError as exc:
         raise ArtifactError(out_dir / "config_sentence_transformers.json", str(exc)) from None
-    from ..runtime.encoder import pooling_spec_of
-
     return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype,
             "prompt": prompt, "pooling_spec": pooling_spec_of(meta, out_dir)}
 
@@ -150,8 +150,6 @@ def _native_library(opts: RepoOptions) -> tuple[str | None, bool]:
         return opts.custom_op_library, True
     if opts.backend == "tensorrt":
         return None, False
-    from ..runtime.oplib import resolve_library
-
     lib = resolve_library(opts.native)
     return (str(lib.resolve()), bool(opts.native)) if lib is not None else (None, False)
 
@@ -202,8 +200,6 @@ def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int,
                  "dynamic_batching": _batching(opts), "instance_group": _instance_group(opts)}
     meta = exp["meta"]
     if opts.backend == "python":
-        from ..runtime.encoder import memory_pattern
-
         cfg = {"name": name, "backend": "python", **{k: v for k, v in cfg.items() if k != "name"}}
         cfg["parameters"] = _params(intra_op_threads=opts.intra_op_threads, custom_op_library=lib,
                                     custom_op_library_required=(("1" if required else "0") if lib else None),
@@ -468,8 +464,6 @@ def validate_repository(repo: str | os.PathLike) -> list[str]:
 
 def read_json_free_text(path: Path) -> str:
     """A text file of the repository (config.pbtxt), with failures as ArtifactError naming it."""
-    from ..artifact import read_bytes
-
     try:
         return read_bytes(path, "Triton model config").decode("utf-8")
     except UnicodeDecodeError:

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 from .env import ServingEnvError, check_env
+from .repository import validate_repository
 
 
 class ServerError(RuntimeError):
@@ -121,8 +122,6 @@ class TritonServer:
         return f"{self.client_host}:{self.grpc_port}"
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        from .repository import validate_repository
-
         validate_repository(self.repo)  # a damaged repository fails here, naming the file, before any launch
         common = [f"--model-repository={self.repo}",
                   f"--http-address={self.host}", f"--http-port={self.http_port}",

@@ -4,22 +4,24 @@ and, with --verbose, to the console as they come.
 
 The commands run in a subprocess, as a user runs them: the capture works on file descriptors, and a
 fresh interpreter shows every warning once (an in-process run would have seen them in earlier tests).
+The mechanism (attncal.console) is tested in-process below.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import subprocess
+import threading
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
-from attncal import library_output
+from attncal import console
+from attncal.artifact import EXPORT_LOG_FILE
 
 # attncal's own console lines: step lines and notes, error/hint lines, its progress bars, summaries.
 OWN_STDERR = re.compile(r"^(attncal: |attncal [a-z-]+: )")
@@ -84,8 +86,6 @@ def test_export_prints_only_attncal_lines_and_logs_the_rest(quiet_export):
         assert OWN_EXPORT_STDOUT.match(line), f"not attncal's: {line!r}"
     assert "attncal: [1/4] exporting bert" in proc.stderr and "attncal: [4/4] wrote" in proc.stderr
 
-    from attncal.export.exporter import EXPORT_LOG_FILE
-
     log_file = out / EXPORT_LOG_FILE
     assert log_file.is_file(), "the export log is part of the export"
     assert str(log_file) in proc.stdout
@@ -120,8 +120,6 @@ def test_check_prints_only_attncal_lines(quiet_export):
 
 
 def test_verbose_shows_third_party_messages_as_they_come(tiny_bert, tmp_path):
-    from attncal.export.exporter import EXPORT_LOG_FILE
-
     out = tmp_path / "out"
     proc = attncal("export", tiny_bert, "-o", out, "--exporter", "torchscript", "--no-optimized", "--skip-check",
                    "--verbose")
@@ -137,85 +135,96 @@ def test_verbose_shows_third_party_messages_as_they_come(tiny_bert, tmp_path):
 
 # -- the mechanism, in-process (fast) ------------------------------------------------------------------
 
-@contextlib.contextmanager
-def library_logger():
-    """A library logger with its own console handler, as torch and transformers install one."""
-    lg = logging.getLogger("transformers.attncal_test")
-    handler = logging.StreamHandler(sys.stderr)
-    lg.addHandler(handler)
-    try:
-        yield lg
-        assert lg.handlers == [handler], "the library's handler is given back"
-    finally:
-        lg.removeHandler(handler)
+def _attncal_module() -> dict:
+    """A function whose frame belongs to an attncal module: what the routers call attncal's own."""
+    namespace = {"__name__": "attncal.console_test", "sys": sys, "warnings": warnings}
+    exec(compile("def say(text):\n    print(text, file=sys.stderr)\n\ndef table(text):\n    print(text)\n\n"
+                 "def warn(text):\n    warnings.warn(text, UserWarning)\n", "attncal/console_test.py", "exec"),
+         namespace)
+    return namespace
 
 
-def test_capture_records_warnings_logs_and_fd_output(tmp_path, capfd):
-    log_path = tmp_path / "x.log"
-    with warnings.catch_warnings(), library_logger() as lib_logger, \
-            library_output.capture_third_party(verbose=False, log_path=log_path) as cap:
-        warnings.simplefilter("always")  # whatever filters the run has (-W ignore, an earlier "once")
-        warnings.warn("a library's warning", UserWarning)
-        lib_logger.getChild("sub").warning("a library's log record")
-        with library_output.third_party_output():
+def test_library_output_is_recorded_and_attncals_reaches_the_terminal(capfd):
+    own = _attncal_module()
+    with console.capture(verbose=False) as cap:
+        lib_logger = logging.getLogger("a_library.sub")
+        handler = logging.StreamHandler()  # made during the capture, as transformers makes its own on import
+        lib_logger.addHandler(handler)
+        try:
+            own["say"]("attncal: a step line")
+            own["table"]("| a | table |")
+            lib_logger.warning("a library's log record")
+            print("a library's print")
+            sys.stderr.write("progress 10%\rprogress 100%\n")
             os.write(1, b"C-level stdout\n")
-            os.write(2, b"progress 10%\rprogress 100%\n")
-        with library_output.capture_third_party() as inner:  # nested: shares the recorder, sees its own part
-            with library_output.third_party_output():
-                os.write(2, b"inner output\n")
-        assert inner.lines() == ["  output  inner output"]
-        assert cap.third_party_lines == 5
-    text = log_path.read_text()
-    for expected in ("  warning UserWarning (", "a library's warning", "  log     WARNING transformers.attncal_test.sub: a library's log "
-                     "record", "  output  C-level stdout", "  output  progress 100%", "  output  inner output"):
-        assert expected in text, text
-    assert "progress 10%" not in text
+            os.write(2, b"C-level stderr\n")
+            thread = threading.Thread(target=print, args=("from a library's thread",))
+            thread.start()
+            thread.join()
+            with console.capture() as inner:  # nested: the same capture
+                assert inner is cap
+        finally:
+            lib_logger.removeHandler(handler)
+    lines = cap.lines()
     got = capfd.readouterr()
-    assert "C-level" not in got.out + got.err and "a library's" not in got.out + got.err
+    assert "attncal: a step line" in got.err and "| a | table |" in got.out
+    for text in ("a library's", "C-level", "progress"):
+        assert text not in got.out + got.err, (text, got)
+    assert "attncal: a step line" in lines and "| a | table |" not in "\n".join(lines)  # own stderr: context
+    third = [ln for ln in lines if ln.startswith("  ")]
+    for expected in ("  log     a library's log record", "  output  a library's print", "  bar     progress 100%",
+                     "  output  C-level stdout", "  output  C-level stderr", "  output  from a library's thread"):
+        assert expected in third, (expected, third)
+    assert "progress 10%" not in "\n".join(lines)
+    assert cap.third_party_lines == len(third) - 1  # the warnings and messages: not the progress bar
+    assert cap.log_text(start=lines.index("attncal: a step line") + 1).startswith(console.LOG_HEADER)
 
 
-def test_verbose_echoes_and_attncal_warnings_stay_visible(capfd, recwarn):
-    with library_logger() as lib_logger, library_output.capture_third_party(verbose=True):
-        with library_output.third_party_output():
-            os.write(2, b"shown as it comes\n")
-        lib_logger.warning("shown too")
+def test_verbose_shows_library_lines_in_order(capfd):
+    own = _attncal_module()
+    with console.capture(verbose=True):
+        own["say"]("attncal: before")
+        print("a library's line")
+        own["say"]("attncal: after")
     err = capfd.readouterr().err
-    assert "  output  shown as it comes" in err and "  log     WARNING transformers.attncal_test: shown too" in err
-    with library_output.capture_third_party(verbose=False):
-        warnings.warn("attncal: one of attncal's own", UserWarning)
-        warnings.warn("a library's", UserWarning)
-    assert [str(w.message) for w in recwarn] == ["attncal: one of attncal's own"]
+    assert err.index("attncal: before") < err.index("  output  a library's line") < err.index("attncal: after"), err
 
 
-def test_without_a_capture_nothing_is_redirected(capfd):
-    with library_output.third_party_output():
-        os.write(2, b"library use: untouched\n")
-    assert "library use: untouched" in capfd.readouterr().err
-    assert library_output.active() is None and library_output.ort_log_severity() == 2
+def test_a_warning_goes_where_the_code_that_issued_it_belongs():
+    """pytest records warnings itself, so this runs in a fresh interpreter with Python's own warning display."""
+    code = ("import sys, warnings\nfrom attncal import console\n"
+            "ns = {'__name__': 'attncal.console_test', 'warnings': warnings}\n"
+            "exec('def warn(text):\\n    warnings.warn(text, UserWarning)\\n', ns)\n"
+            "with console.capture() as cap:\n"
+            "    warnings.warn(\"a library's warning\", UserWarning)\n"
+            "    ns['warn'](\"attncal: one of attncal's own\")\n"
+            "print('\\n'.join(cap.lines()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "attncal: one of attncal's own" in proc.stderr and "a library's" not in proc.stderr, proc.stderr
+    assert re.search(r"^  warning .*UserWarning: a library's warning$", proc.stdout, re.M), proc.stdout
 
 
-def test_an_applications_own_logger_is_left_alone():
-    """attncal run as a library keeps its hands off the caller's logging: only the loggers of the
-    libraries it drives (library_output.THIRD_PARTY_LOGGERS) are routed into the log."""
-    import io
-
-    stream = io.StringIO()
-    app = logging.getLogger("my_application")
-    handler = logging.StreamHandler(sys.stderr)
-    app.addHandler(handler)
-    try:
-        with library_output.capture_third_party(verbose=False):
-            assert handler in app.handlers
-        handler.stream = stream
-        app.warning("still mine")
-        assert "still mine" in stream.getvalue()
-    finally:
-        app.removeHandler(handler)
+def test_nothing_of_the_process_is_touched_outside_a_capture(capfd):
+    """Library use: no capture, nothing redirected; a handler made during a capture keeps its router, which
+    passes on to whatever sys.stderr is afterwards; logging handlers, warning filters and showwarning are
+    never swapped."""
+    before = (dict(logging.root.manager.loggerDict), list(logging.root.handlers), list(warnings.filters),
+              warnings.showwarning)
+    with console.capture(verbose=False):
+        router = sys.stderr
+        during = (dict(logging.root.manager.loggerDict), list(logging.root.handlers), list(warnings.filters),
+                  warnings.showwarning)
+    assert during == before and console.active() is None
+    os.write(2, b"library use: untouched\n")
+    router.write("a router kept by a handler\n")
+    assert capfd.readouterr().err == "library use: untouched\na router kept by a handler\n"
 
 
 def test_encode_on_ray_prints_only_attncal_lines(quiet_export, tmp_path):
     """Ray's logger, its C++ core worker and its deprecation notes stay off the console; attncal's scan
-    and encode bars and its summary still reach it (they write to library_output.terminal())."""
+    and encode bars and its summary still reach it (attncal's own frames wrote them)."""
     pytest.importorskip("ray")
     out, _ = quiet_export
     src = tmp_path / "c.jsonl"

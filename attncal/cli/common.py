@@ -1,0 +1,67 @@
+"""What every command module shares: the one-line user error, the calibration flags, the command's log file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..artifact import write_text_atomic
+from ..calibration.config import CalibrationConfig
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """An error that is the user's to fix; printed as one line, exit status `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_calibration_args(p: argparse.ArgumentParser) -> None:
+    """Flags that mirror CalibrationConfig; defaults are the config's defaults."""
+    d = CalibrationConfig()
+    g = p.add_argument_group("calibration")
+    g.add_argument("--variant", default=d.variant, help="uniform | cls-soft | cls-hard (default %(default)s)")
+    g.add_argument("--strength", "--lambda", dest="strength", type=float, default=d.strength,
+                   help="blend strength λ in [0, 1] (default %(default)s)")
+    g.add_argument("--basket-size", type=int, default=d.basket_size, help="tokens per basket (default %(default)s)")
+    g.add_argument("--layers", default=d.layers,
+                   help="last-half | last | all | comma-separated indices, negatives allowed (default %(default)s)")
+    g.add_argument("--pooling", default=d.pooling,
+                   help="cls | last | mean | auto = the model's sentence-transformers Pooling (default %(default)s)")
+    g.add_argument("--self-weight", type=float, default=d.self_weight,
+                   help="fixed share w of the pooling token for cls-hard (default %(default)s)")
+    g.add_argument("--isolate-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="give the first valid token its own share (default: by pooling)")
+    g.add_argument("--isolate-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="give the last valid token its own share (default: by pooling)")
+    g.add_argument("--skip-short", action=argparse.BooleanOptionalAction, default=d.skip_short,
+                   help="leave rows with less than one basket of content unchanged (default on)")
+    g.add_argument("--first-weight", default=None, help="override: equal | original | a fixed share")
+    g.add_argument("--last-weight", default=None, help="override: equal | original | a fixed share")
+
+
+def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
+    return CalibrationConfig(
+        variant=args.variant,
+        strength=args.strength,
+        basket_size=args.basket_size,
+        layers=args.layers,
+        pooling=args.pooling,
+        self_weight=args.self_weight,
+        isolate_first=args.isolate_first,
+        isolate_last=args.isolate_last,
+        skip_short=args.skip_short,
+        first_weight=args.first_weight,
+        last_weight=args.last_weight,
+    )
+
+
+def write_command_log(args: argparse.Namespace, path: os.PathLike | str) -> None:
+    """Write the third-party warnings and messages captured so far to `path` (bench --out, eval --out)."""
+    capture = getattr(args, "capture", None)
+    if capture is not None:
+        write_text_atomic(Path(path), capture.log_text())
