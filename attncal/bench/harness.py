@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+from ..cpuinfo import cpu_class
 from .engines import EngineUnavailable, Workspace, make_engine, make_feeds, peer_engine
 from .timing import interleaved_times
 
@@ -73,8 +74,24 @@ def machine_info(threads: int) -> dict:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
-            "platform": platform.platform(), "versions": versions}
+    return {"cpu": cpu, "cpu_class": cpu_class(), "cores": os.cpu_count(), "threads": threads,
+            "python": platform.python_version(), "platform": platform.platform(), "versions": versions}
+
+
+def source_commit() -> str | None:
+    """The commit of the git checkout attncal runs from, with "+changes" where attncal/ or plugins/ differ from it,
+    so a figure names the code it measured; None for an installed attncal."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists() or not (root / "pyproject.toml").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        changes = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "attncal", "plugins"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if changes else "")
 
 
 def _status_kib(field: str) -> int:

@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 from ..artifact import ArtifactError, looks_like_export, open_export, write_text_atomic
@@ -17,7 +18,7 @@ from ..graphs.placement_names import CHOICES as PLACEMENTS
 from ..modelinfo import load_model_info, position_limit, resolve_model_path
 from ..serving.bench import bench_triton, format_table
 from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
-from .common import CLIError, add_calibration_args, config_from_args, write_command_log
+from .common import CLIError, add_calibration_args, command_line, config_from_args, write_command_log
 from .pooling import add_pooling_args, pooling_choices
 
 LOG_FILE = "attncal-bench.log"
@@ -162,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
             "peer": peer_engine([r.engine for r in rows]),
             "seq": seqs, "batch": batches, "repeats": args.repeats,
             "memory_probes": None if args.no_memory else args.memory_probes,
-            "machine": harness.machine_info(args.threads)}
+            "machine": harness.machine_info(args.threads),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": command_line("bench"),
+            "commit": harness.source_commit()}
     write_results(out, rows, meta, notes)
     write_command_log(args, out / LOG_FILE)
     print((out / "results.md").read_text())

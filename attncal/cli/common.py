@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from ..artifact import write_text_atomic
@@ -65,3 +67,9 @@ def write_command_log(args: argparse.Namespace, path: os.PathLike | str) -> None
     capture = getattr(args, "capture", None)
     if capture is not None:
         write_text_atomic(Path(path), capture.log_text())
+
+
+def command_line(command: str) -> str | None:
+    """`attncal COMMAND ...` as it was typed, for a result to name the command that made it; None when the
+    command runs some other way (a test calling `main`, Python)."""
+    return shlex.join(["attncal", command, *sys.argv[2:]]) if sys.argv[1:2] == [command] else None

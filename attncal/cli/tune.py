@@ -10,7 +10,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -19,9 +18,9 @@ from ..calibration.config import CalibrationConfig
 from ..eval.posq_builder import PosqOptions
 from ..eval.realtext import python_reference_documents
 from ..eval.tune import PRESETS, ExportStep, TuneOptions, grid_label, tune
-from ..export.plan import ExportOptions
 from ..eval.tune_report import delta_table, encode_command
-from .common import CLIError, write_command_log
+from ..export.plan import ExportOptions
+from .common import CLIError, command_line, write_command_log
 from .eval import load_grid
 
 LOG_FILE = "attncal-tune.log"
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                        cache_budget_gib=given("cache_budget", d.cache_budget_gib), general=args.general,
                        general_split=args.split, shuffled=args.shuffled, export=args.export, exporter=args.exporter,
                        plots=not args.no_plots,
-                       command=shlex.join(["attncal", "tune", *sys.argv[2:]]) if sys.argv[1:2] == ["tune"] else None)
+                       command=command_line("tune"))
     posq_options = PosqOptions(max_passages=args.max_passages, seed=args.seed)
     if args.example:
         results = _tune_example(args, opts, posq_options)
