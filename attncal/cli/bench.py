@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             model = Path(source)
         else:
             model = resolve_model_path(args.model)
-        name = str(model)
+        name = args.model  # as given ("default", a hub id, a directory): results.json names no one's machine
     info = load_model_info(model)
     limit = _position_limit(info)
     if limit is not None and max(seqs) > limit:
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     rows, skipped = harness.run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
                                       memory=not args.no_memory, memory_probes=args.memory_probes)
     notes.update(skipped)
-    meta = {"model": str(model), "model_name": name, "config": config.to_dict(), "pooling_spec": spec_dict,
+    meta = {"model": args.model or f"--synthetic {args.synthetic}", "model_name": name, "config": config.to_dict(), "pooling_spec": spec_dict,
             "engines": engines,
             "peer": peer_engine([r.engine for r in rows]),
             "seq": seqs, "batch": batches, "repeats": args.repeats,
