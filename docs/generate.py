@@ -21,6 +21,10 @@ The blocks:
 * `README.md`: the "which file to load" table (`readme-which-file`), copied from docs/which-file.md.
 * `docs/evaluation.md`: the two example result tables (`eval-pyref`, `eval-synthetic`), rendered from the
   committed `docs/eval/*/results.json` by the function that writes `attncal eval`'s own results.md.
+* `docs/performance.md`: the long-context and all-MiniLM-L6-v2 cost tables (`bench-long`, `bench-long-sweep`,
+  `bench-minilm`),
+  rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
+  command, commit, machine and date its JSON records.
 """
 
 from __future__ import annotations
@@ -260,6 +264,35 @@ def _eval_table(folder: str) -> Callable[[], str]:
     return render
 
 
+# -- benchmark figures --------------------------------------------------------------------------------------
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _bench_table(*folders: str) -> Callable[[], str]:
+    """`attncal bench` runs, committed as `docs/bench/FOLDER/results.json`: what each run measured (its command,
+    the commit, the CPU and its class, the date), then every engine's time and peak memory against the run's peer,
+    one row per engine and shape."""
+    def render() -> str:
+        runs = [json.loads((DOCS / "bench" / f / "results.json").read_text(encoding="utf-8")) for f in folders]
+        lines = []
+        for run in runs:
+            meta, machine = run["meta"], run["meta"]["machine"]
+            lines.append(f"* `{meta['command']}`: commit `{meta['commit']}`, {meta['date']}, {machine['cpu']} "
+                         f"(`{machine['cpu_class']}`), {machine['threads']} threads, {meta['repeats']} rounds, peak "
+                         f"memory the median of {meta['memory_probes']} processes; peer `{meta['peer']}`")
+        lines += ["", "| batch × tokens | engine | p50 | time / peer | peak memory | memory / peer |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for run in runs:
+            for r in sorted(run["rows"], key=lambda r: (r["batch"], r["seq"])):
+                peak = "–" if r["peak_mib"] is None else f"{r['peak_mib']:,.1f} MiB"
+                lines.append(f"| {r['batch']} × {r['seq']:,} | `{r['engine']}` | {r['p50_ms']:,.1f} ms | "
+                             f"{_ratio(r['latency_vs_peer'])} | {peak} | {_ratio(r['memory_vs_peer'])} |")
+        return "\n".join(lines)
+    return render
+
+
 BLOCKS: dict[str, Block] = {
     "cli-commands": Block(DOCS / "cli.md", render_cli_commands),
     "export-conflicts": Block(DOCS / "cli.md", render_export_conflicts),
@@ -267,6 +300,9 @@ BLOCKS: dict[str, Block] = {
     "readme-which-file": Block(REPO / "README.md", _docs_table("which-file.md", "## By runtime")),
     "eval-pyref": Block(DOCS / "evaluation.md", _eval_table("pyref-minilm")),
     "eval-synthetic": Block(DOCS / "evaluation.md", _eval_table("synthetic-minilm")),
+    "bench-long": Block(DOCS / "performance.md", _bench_table("long-2048", "long-8192")),
+    "bench-long-sweep": Block(DOCS / "performance.md", _bench_table("long-sweep")),
+    "bench-minilm": Block(DOCS / "performance.md", _bench_table("minilm")),
 }
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
+from attncal import cpuinfo
 from attncal.cli import main
 
 
@@ -30,6 +33,16 @@ def test_two_engine_one_shape_run_writes_json_table_and_plots(tiny_models, tmp_p
     assert rows["ort-cal"]["latency_vs_peer"] == rows["ort-cal"]["latency_vs_ort"]
     assert rows["ort-cal"]["memory_vs_peer"] == pytest.approx(rows["ort-cal"]["peak_mib"] / rows["ort"]["peak_mib"])
     assert data["meta"]["machine"]["threads"] >= 1 and "onnxruntime" in data["meta"]["machine"]["versions"]
+    # What a figure generated from this file names: the model as given, the date, the machine's CPU class, the
+    # commit of this checkout ("+changes" where attncal/ or plugins/ differ from it); the command only where
+    # `attncal bench` was typed (here `main` is called).
+    meta = data["meta"]
+    assert meta["model"] == str(tiny_models["bert"]) and meta["command"] is None
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", meta["date"]) and meta["machine"]["cpu_class"] in cpuinfo.CLASSES
+    if (Path(__file__).resolve().parents[1] / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{7,40}(\+changes)?", meta["commit"]), meta["commit"]
+    else:  # an unpacked source tree: no commit to name
+        assert meta["commit"] is None
     table = (out / "results.md").read_text()
     assert "| ort-cal | 2 | 40 |" in table and "median of 2 fresh processes" in table
     for png in ("latency.png", "memory.png"):
