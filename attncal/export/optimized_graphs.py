@@ -261,7 +261,7 @@ def native_plain_graph(run: Run) -> None:
         run.log(f"note: no {NATIVE_GRAPH}: the calibrated attention op does not replace this model's attention "
                 f"({first_line(exc)})")
         return
-    fused = run_passes(model, passes.NATIVE_PLAIN)[passes.NATIVE_FUSIONS.name]
+    fused = passes.onnxruntime_fusions(run_passes(model, passes.NATIVE_PLAIN))
     native_fusions.describe_to_onnx_checker()
     run.progress(GRAPHS, f"native graph: the calibrated attention op in every layer ({NATIVE_GRAPH})")
     entry = run.graphs[NATIVE_GRAPH] = {

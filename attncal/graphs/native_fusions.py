@@ -21,24 +21,9 @@ of the graph still runs on every other node."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from . import rotary_fusion
-
 HIDDEN_RANK = 3  # [batch, sequence, hidden]
 PER_HEAD_RANK = 4  # [batch, sequence, heads, head size], or heads before sequence after a Transpose
 RMS_NORM_OP = "SimplifiedLayerNormalization"  # ONNX Runtime's, in the ONNX domain (contrib_defs.cc)
-
-
-@dataclass(frozen=True)
-class FusionCounts:
-    rms_normalization: int
-    fast_gelu: int
-    rotary_embedding: int
-
-    def as_dict(self) -> dict[str, int]:
-        return {RMS_NORM_OP: self.rms_normalization, "FastGelu": self.fast_gelu,
-                rotary_fusion.ROTARY_OP: self.rotary_embedding}
 
 
 def _rms_rules():
@@ -64,20 +49,19 @@ def _rms_rules():
                                    LayoutAwareRmsNorm.rule("LayoutAwareRmsNorm2", _mul_order=True)])
 
 
-def fuse_for_onnxruntime(model) -> FusionCounts:
-    """Fuse `model` (an onnx_ir.Model, the native graph of a plain export, shapes still recorded) in place: the
-    rotations first, which take the Transposes out of the per-head norms' way."""
+def fuse_norms_and_gelus(model) -> dict[str, int]:
+    """Fuse the RMS norms and tanh GELUs of `model` (an onnx_ir.Model, the native graph of a plain export, shapes
+    still recorded, its rotations already fused: `rotary_fusion`) in place; how many of each op it wrote."""
     from onnxscript.rewriter import pattern
     from onnxscript.rewriter.ort_fusions.gelu import GeluTanhFusion
 
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-    rotary = rotary_fusion.fuse_rotations(model)
     rms = _rms_rules().apply_to_model(model)
     gelu = pattern.RewriteRuleSet([GeluTanhFusion.rule()]).apply_to_model(model)
     # The rules leave the constants only the replaced nodes read (ONNX Runtime warns of each at load).
     RemoveUnusedNodesPass()(model)
-    return FusionCounts(rms, gelu, rotary)
+    return {RMS_NORM_OP: rms, "FastGelu": gelu}
 
 
 def describe_to_onnx_checker() -> None:

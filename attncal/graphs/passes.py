@@ -14,9 +14,9 @@ from .pass_base import IR, GraphPass, Ordered
 
 NATIVE_FUSIONS = GraphPass(
     "onnxruntime fusions", IR,
-    matches=f"rotations of Q and K ({rotary_fusion.PASS.name}, first), RMS normalizations, tanh GELUs",
-    checks="the rotary form of `rotary_fusion`; norms of the hidden state or per head with no Transpose beside them",
-    rewrite=lambda model: native_fusions.fuse_for_onnxruntime(model).as_dict())
+    matches="RMS normalizations and tanh GELUs (onnxscript's ort_fusions rules)",
+    checks="norms of the hidden state or per head with no Transpose beside them",
+    rewrite=native_fusions.fuse_norms_and_gelus)
 
 _LOAD_TIME = (
     Ordered(load_time_fusions.ERF_GELU, "after the placements, which read the GELU's neighbours as torch wrote them"),
@@ -29,8 +29,9 @@ PORTABLE: tuple[Ordered, ...] = _LOAD_TIME
 
 # The native graph of a plain export (no ORT-optimized graph): ONNX Runtime's own ops are allowed there.
 NATIVE_PLAIN: tuple[Ordered, ...] = (
-    Ordered(NATIVE_FUSIONS, "first: its rotary fusion reads the heads and head size from the recorded shapes, and "
-            "the fused rotations take the Transposes out of the per-head norms' way"),
+    Ordered(rotary_fusion.PASS, "first: it reads the heads and head size from the recorded shapes, and the fused "
+            "rotations take the Transposes out of the per-head norms' way"),
+    Ordered(NATIVE_FUSIONS, "after the rotations, whose Transposes would keep Q's and K's per-head norms unfused"),
     Ordered(feed_forward_chunks.SPLIT_AXIS, "while the recorded shapes say which Split is of the last axis; the "
             "chunking, on the staged structure, reads the axis only"),
     *_LOAD_TIME,
@@ -43,6 +44,13 @@ STAGED: tuple[Ordered, ...] = (
     Ordered(feed_forward_chunks.PASS, "last: the Scan body takes the block's nodes as they are; native float32 "
             "long-context graphs only (`attncal.export.optimized_graphs`)"),
 )
+
+
+def onnxruntime_fusions(reports: dict[str, dict[str, int]]) -> dict[str, int]:
+    """How many of ONNX Runtime's ops `NATIVE_PLAIN`'s fusions wrote, by op, as attncal.json's
+    `onnxruntime_fusions` records them."""
+    rotations = reports[rotary_fusion.PASS.name][rotary_fusion.PASS.name]
+    return {**reports[NATIVE_FUSIONS.name], rotary_fusion.ROTARY_OP: rotations}
 
 
 def staged(chunk_feed_forwards: bool) -> tuple[Ordered, ...]:
