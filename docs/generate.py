@@ -22,7 +22,7 @@ The blocks:
 * `docs/evaluation.md`: the two example result tables (`eval-pyref`, `eval-synthetic`), rendered from the
   committed `docs/eval/*/results.json` by the function that writes `attncal eval`'s own results.md.
 * `docs/performance.md`: the long-context and all-MiniLM-L6-v2 cost tables (`bench-long`, `bench-long-sweep`,
-  `bench-minilm`),
+  `bench-minilm`, `bench-plain-long`),
   rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
   command, commit, machine and date its JSON records.
 """
@@ -282,12 +282,13 @@ def _bench_table(*folders: str) -> Callable[[], str]:
             lines.append(f"* `{meta['command']}`: commit `{meta['commit']}`, {meta['date']}, {machine['cpu']} "
                          f"(`{machine['cpu_class']}`), {machine['threads']} threads, {meta['repeats']} rounds, peak "
                          f"memory the median of {meta['memory_probes']} processes; peer `{meta['peer']}`")
-        lines += ["", "| batch × tokens | engine | p50 | time / peer | peak memory | memory / peer |",
-                  "|---|---|---:|---:|---:|---:|"]
+        lines += ["", "| model | batch × tokens | engine | p50 | time / peer | peak memory | memory / peer |",
+                  "|---|---|---|---:|---:|---:|---:|"]
         for run in runs:
+            model = run["meta"]["model"].replace("--synthetic ", "synthetic ")
             for r in sorted(run["rows"], key=lambda r: (r["batch"], r["seq"])):
                 peak = "–" if r["peak_mib"] is None else f"{r['peak_mib']:,.1f} MiB"
-                lines.append(f"| {r['batch']} × {r['seq']:,} | `{r['engine']}` | {r['p50_ms']:,.1f} ms | "
+                lines.append(f"| {model} | {r['batch']} × {r['seq']:,} | `{r['engine']}` | {r['p50_ms']:,.1f} ms | "
                              f"{_ratio(r['latency_vs_peer'])} | {peak} | {_ratio(r['memory_vs_peer'])} |")
         return "\n".join(lines)
     return render
@@ -303,6 +304,7 @@ BLOCKS: dict[str, Block] = {
     "bench-long": Block(DOCS / "performance.md", _bench_table("long-2048", "long-8192")),
     "bench-long-sweep": Block(DOCS / "performance.md", _bench_table("long-sweep")),
     "bench-minilm": Block(DOCS / "performance.md", _bench_table("minilm")),
+    "bench-plain-long": Block(DOCS / "performance.md", _bench_table("gemma", "qwen3", "modernbert")),
 }
 
 
