@@ -22,7 +22,7 @@ The blocks:
 * `docs/evaluation.md`: the two example result tables (`eval-pyref`, `eval-synthetic`), rendered from the
   committed `docs/eval/*/results.json` by the function that writes `attncal eval`'s own results.md.
 * `docs/performance.md`: the long-context and all-MiniLM-L6-v2 cost tables (`bench-long`, `bench-long-sweep`,
-  `bench-minilm`, `bench-plain-long`),
+  `bench-minilm`, `bench-plain-long`, `bench-relative-position`),
   rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
   command, commit, machine and date its JSON records.
 """
@@ -305,6 +305,7 @@ BLOCKS: dict[str, Block] = {
     "bench-long-sweep": Block(DOCS / "performance.md", _bench_table("long-sweep")),
     "bench-minilm": Block(DOCS / "performance.md", _bench_table("minilm")),
     "bench-plain-long": Block(DOCS / "performance.md", _bench_table("gemma", "qwen3", "modernbert")),
+    "bench-relative-position": Block(DOCS / "performance.md", _bench_table("mpnet", "t5")),
 }
 
 
