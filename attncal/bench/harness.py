@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 
 from ..cpuinfo import cpu_class
+from ..versions import library_versions
 from .engines import EngineUnavailable, Workspace, make_engine, make_feeds, peer_engine
 from .timing import interleaved_times
 
@@ -58,8 +59,6 @@ def _vocab(ws: Workspace) -> int:
 
 
 def machine_info(threads: int) -> dict:
-    import importlib.metadata as md
-
     cpu = platform.processor() or platform.machine()
     try:
         for line in open("/proc/cpuinfo"):
@@ -68,12 +67,7 @@ def machine_info(threads: int) -> dict:
                 break
     except OSError:
         pass
-    versions = {}
-    for pkg in ("attncal", "torch", "transformers", "onnxruntime", "onnx", "numpy"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
+    versions = library_versions(("attncal", "torch", "transformers", "onnxruntime", "onnx", "numpy"), omit_missing=True)
     return {"cpu": cpu, "cpu_class": cpu_class(), "cores": os.cpu_count(), "threads": threads,
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions}
 
