@@ -19,7 +19,7 @@ from ..modelinfo import load_model_info, position_limit, resolve_model_path
 from ..serving.bench import bench_triton, format_table
 from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
 from .common import CLIError, add_calibration_args, command_line, config_from_args, write_command_log
-from .pooling import add_pooling_args, pooling_choices
+from .pooling import pooling_choices
 
 LOG_FILE = "attncal-bench.log"
 LOG_FILE_HELP = f"they are written to OUT/{LOG_FILE}"
@@ -74,12 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default="auto",
                    help="placement of the ort-opt-cal engine's optimized graph (default %(default)s)")
     p.add_argument("--workdir", default=None, help="where exports are built and cached, per model, config and attncal code (default: OUT/../.bench-cache)")
-    add_calibration_args(p)
-    add_pooling_args(p)
-    for action in p._actions:
-        if action.dest == "pooling":
-            action.help += ("; lmk, multi-cls and mean-every apply to the engines ort-pooled and ort-opt-pooled, "
-                            "which run --seq content tokens with their landmarks, the others keep the model's pooling")
+    add_calibration_args(p, landmarks=True,
+                         pooling_note="; lmk, multi-cls and mean-every apply to the engines ort-pooled and "
+                                      "ort-opt-pooled, which run --seq content tokens with their landmarks, the "
+                                      "others keep the model's pooling")
 
 
 def run_triton(args: argparse.Namespace) -> int:

@@ -31,23 +31,13 @@ from ..eval.report import config_label, markdown_table
 from ..eval.runner import is_export
 from ..modelinfo import load_model_info
 from ..runtime.landmarks import PoolingSpec
-from .common import CLIError, add_calibration_args, config_from_args, write_command_log
+from .common import (DEFAULT_STRENGTHS, CLIError, add_calibration_args, config_from_args, strength_list,
+                     write_command_log)
 from .eval_compare import check_compare, run_compare
-from .pooling import add_pooling_args, pooling_choices
+from .pooling import pooling_choices
 
-DEFAULT_STRENGTHS = "0,0.25,0.5,0.75,1"
 LOG_FILE = "attncal-eval.log"
 LOG_FILE_HELP = f"they are written to OUT/{LOG_FILE} (with --out)"
-
-
-def _strengths(text: str) -> list[float]:
-    try:
-        values = [float(t) for t in str(text).split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-    if not values:
-        raise argparse.ArgumentTypeError("the list of strengths is empty")
-    return values
 
 
 def _ints(text: str) -> list[int]:
@@ -109,13 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-passages", type=int, default=None, help="keep a seeded sample of at most N passages")
     g.add_argument("--seed", type=int, default=0, help="seed for query sentences and dropped words, and for "
                    "the bootstrap of --compare (default 0)")
-    add_calibration_args(p)
-    add_pooling_args(p, sweep=True)
-    for action in p._actions:  # eval sweeps λ: --strength takes a comma-separated list here
-        if action.dest == "strength":
-            action.type = _strengths
-            action.default = None
-            action.help = f"comma-separated strengths λ to sweep (default {DEFAULT_STRENGTHS})"
+    add_calibration_args(p, sweep=True, landmarks=True)  # eval sweeps λ and the poolings
 
 
 def _defaults() -> tuple[dict, dict]:
@@ -166,7 +150,7 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None
         configs, names = load_grid(args.configs)
     else:
         configs, names = [], []
-        for s in args.strength or _strengths(DEFAULT_STRENGTHS):
+        for s in args.strength or strength_list(DEFAULT_STRENGTHS):
             for pooling, spec in pooling_choices(args, sweep=True):
                 ns = argparse.Namespace(**vars(args))
                 ns.strength, ns.pooling = s, pooling

@@ -15,7 +15,7 @@ from ..graphs.placement_names import CHOICES as PLACEMENT_CHOICES
 from ..modelinfo import TESTED_MODEL_TYPES
 from ..runtime.landmarks import PoolingSpec
 from .common import CLIError, add_calibration_args, config_from_args
-from .pooling import add_pooling_args, pooling_choices
+from .pooling import pooling_choices
 
 LOG_FILE_HELP = f"they are written to OUT/{EXPORT_LOG_FILE}"
 
@@ -32,8 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", help="model directory, a hub id already in the local HF cache, or 'default'")
     p.add_argument("-o", "--out", required=True, help="output directory (sentence-transformers/optimum layout)")
-    add_calibration_args(p)
-    add_pooling_args(p)
+    add_calibration_args(p, landmarks=True)
     p.add_argument("--no-calibration", action="store_true", help="export the uncalibrated model")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset, >= 18 (default %(default)s)")
     p.add_argument("--fp16", action="store_true", help="export weights and activations in float16")

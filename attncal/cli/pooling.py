@@ -16,11 +16,9 @@ POOLING_HELP = ("cls | last | mean | auto = the model's sentence-transformers Po
 
 
 def add_pooling_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    """The landmark flags, and lmk / multi-cls / mean-every on `--pooling` (added by `add_calibration_args`)."""
+    """The landmark flags (`add_calibration_args(landmarks=True)` adds them, with lmk / multi-cls / mean-every on
+    its `--pooling`)."""
     lists = " (comma-separated to sweep)" if sweep else ""
-    for action in p._actions:
-        if action.dest == "pooling":
-            action.help = POOLING_HELP + lists
     g = p.add_argument_group("landmark (LMK), multi-CLS and Mean@k pooling")
     g.add_argument("--lmk-every", default=str(DEFAULT_EVERY), metavar="G",
                    help=f"a landmark every G tokens, or after every sentence with 'sentence' (default "
