@@ -28,7 +28,8 @@ from ..calibration.config import ROW_SET_POOLINGS
 from ..messages import first_line
 from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
 from ..versions import without_torch_advice
-from . import oplib
+from . import oplib, precision as _precision
+from .chunking import Chunker, ChunkedEmbeddings, ChunkOptions
 from .landmarks import PoolingSpec
 from .tokenizer import TransformersTokenizer, load_tokenizer
 
@@ -241,6 +242,7 @@ class Encoder:
                                       str(model_file))
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to call concurrently
         self.input_names = [i.name for i in self.session.get_inputs()]
+        self._chunker: Chunker | None = None  # made on the first encode_chunks
 
     @property
     def max_length(self) -> int | None:
@@ -316,14 +318,19 @@ class Encoder:
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
+        dimensions: int | None = None,
+        precision: str = "float32",
+        ranges=None,
     ) -> np.ndarray:
         """`sentence_embedding` of every text, float32 [N, D], in input order ([0, D] for no text).
 
         `prompt_name` / `prompt` put a prompt before every text as sentence-transformers does (EmbeddingGemma's
         "query" / "document"); without them the model's default prompt applies, if it has one.
+        `dimensions`, `precision` and `ranges` are `output`'s (Matryoshka truncation, int8 / binary ...).
         Safe to call from several threads at once: tokenizer calls are serialised, ONNX Runtime
         sessions run concurrently."""
         texts = check_texts(texts)
+        self.check_output(dimensions, precision, ranges)
 
         text_prompt = choose_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt)
         if text_prompt:
@@ -341,7 +348,110 @@ class Encoder:
             idx = order[i : i + batch_size]
             _, emb = self.run(self.tokenize([texts[j] for j in idx]))
             out[idx] = emb
+        return self.output(out, dimensions, precision, ranges)
+
+    def encode_chunks(
+        self,
+        texts: Sequence[str],
+        chunks: str | ChunkOptions = "late",
+        *,
+        size: int | None = None,
+        by: str = "tokens",
+        overlap: int = 0,
+        batch_size: int = 32,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int | None = None,
+        precision: str = "float32",
+        ranges=None,
+        errors: list | None = None,
+    ) -> ChunkedEmbeddings:
+        """Several vectors per text, one per chunk, with its character span and window
+        (`attncal.runtime.chunking`: naive, late or landmark chunking; `chunks` a method name with `size`, `by`,
+        `overlap`, or a `ChunkOptions`).  Nothing is cut: a text longer than the max length is covered by
+        several windows.  `dimensions`, `precision` and `ranges` are `output`'s, applied to every chunk vector.
+        A text that cannot be chunked (empty, only special tokens, a landmark chunk longer than a window) raises
+        a one-line ValueError naming it, or, with a list as `errors`, is left out and listed there as
+        (index, message)."""
+        texts = check_texts(texts)
+        options = chunks if isinstance(chunks, ChunkOptions) else ChunkOptions(chunks, size, by, overlap)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        self.check_output(dimensions, precision, ranges)
+        text_prompt = choose_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt)
+        if self._chunker is None:
+            with self._tokenizer_lock:
+                self._chunker = Chunker(self)
+        out = self._chunker.run(texts, options, batch_size, text_prompt, errors)
+        out.vectors = self.output(out.vectors, dimensions, precision, ranges)
         return out
+
+    @property
+    def normalize(self) -> bool:
+        """Whether the model normalises its embeddings (attncal.json's `normalize`)."""
+        return bool(self.meta.get("normalize"))
+
+    def check_output(self, dimensions: int | None = None, precision: str = "float32", ranges=None) -> int:
+        """The width of the output `output` gives for these arguments; ValueError (one line) for a precision
+        that is not one of `attncal.runtime.precision.PRECISIONS`, `dimensions` above the embedding width,
+        below 1 or not among the Matryoshka dimensions the model declares, int8 / uint8 without ranges or with
+        ranges of another width."""
+        _precision.check_precision(precision)
+        width = _precision.check_dimensions(dimensions, self.dimension,
+                                            _precision.declared_dimensions(self.path)) or self.dimension
+        if precision in _precision.SCALAR:
+            _precision.check_ranges(ranges, width, precision)
+        return width
+
+    def output(self, emb: np.ndarray, dimensions: int | None = None, precision: str = "float32",
+               ranges=None) -> np.ndarray:
+        """Embeddings as an index stores them: cut to their first `dimensions` (then normalised again where
+        the model normalises), in `precision` (sentence-transformers' `quantize_embeddings` meaning; int8 /
+        uint8 take `ranges` [2, dimensions] from `quantization_ranges`).  See attncal.runtime.precision."""
+        self.check_output(dimensions, precision, ranges)
+        return _precision.quantize(_precision.truncate(emb, dimensions, self.normalize), precision, ranges)
+
+    def quantization_ranges(self, texts: Sequence[str], *, dimensions: int | None = None,
+                            sample: int = _precision.RANGE_SAMPLE, seed: int = _precision.RANGE_SEED,
+                            batch_size: int = 32, prompt_name: str | None = None,
+                            prompt: str | None = None) -> np.ndarray:
+        """int8 / uint8 ranges, float32 [2, dimensions]: the per-dimension minimum and maximum of the
+        embeddings of `sample` texts drawn from `texts` with `seed` (all of them when there are fewer).
+        Compute them once per index and pass them to `encode(..., ranges=)` for its documents and queries."""
+        texts = check_texts(texts)
+        if not texts:
+            raise ValueError("quantization ranges need at least one text")
+        picked = [texts[i] for i in _precision.sample_rows(len(texts), sample, seed)]
+        emb = self.encode(picked, batch_size, prompt_name=prompt_name, prompt=prompt, dimensions=dimensions)
+        return _precision.ranges_of(emb)
+
+
+def length_batches(lengths: Sequence[int], batch_size: int = 32, max_batch_tokens: int | None = None,
+                   sort_by_length: bool = True) -> list[np.ndarray]:
+    """The batches `Encoder.encode` runs, as index arrays into `lengths` (each text's tokens): longest first
+    when `sort_by_length` (stable among equal lengths), else in input order.
+
+    A batch holds at most `batch_size` texts and, with `max_batch_tokens`, at most as many as keep its padded
+    size (texts x its longest text) within that budget, so a batch's activations are bounded by the budget
+    rather than by the count times the longest text: long texts go a few at a time and short ones many at
+    a time.  A text longer than the budget runs alone (its own length bounds it)."""
+    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens)):
+        if (value is not None or name == "batch_size") and (
+                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    order = np.argsort(lengths, kind="stable")[::-1] if sort_by_length else np.arange(len(lengths))
+    batches, start, longest = [], 0, 0
+    for k, i in enumerate(order):
+        n = int(lengths[i])
+        grown = max(longest, n)
+        if k > start and (k - start >= batch_size or (max_batch_tokens is not None
+                                                      and (k - start + 1) * grown > max_batch_tokens)):
+            batches.append(order[start:k])
+            start, grown = k, n
+        longest = grown
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
 
 
 def check_texts(texts) -> list[str]:

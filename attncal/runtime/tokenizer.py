@@ -119,6 +119,10 @@ class FastTokenizer:
         tok.no_padding()
         return tokenizers_encode(tok), self._model_max_length, self._truncation_side
 
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the tokenizer's special tokens (its added tokens marked special)."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def token_lengths(self, texts: Sequence[str]) -> list[int]:
         """Each text's number of tokens, special tokens and truncation included."""
         return [len(e.ids) for e in self._tok.encode_batch(list(texts))]
@@ -157,6 +161,9 @@ class TransformersTokenizer:
 
     def plain(self):
         return transformers_encode(self.hf), self.hf.model_max_length, self.hf.truncation_side
+
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.hf.all_special_ids)
 
     @property
     def pad_id(self) -> int | None:

@@ -1,0 +1,392 @@
+"""Chunked documents: several vectors per text, each with its chunk's character span and the window (model
+call) it came from.  `Encoder.encode_chunks` runs it; `attncal encode --chunks` writes its rows.
+
+A text is tokenized once, untruncated and without special tokens (special-token spellings inside the text are
+dropped), with the tokenizer's character offsets.  Its tokens are cut into chunks of `size` tokens, or with
+`by="sentence"` into whole sentences packed up to `size` tokens (a longer sentence is cut at `size`).  Nothing
+is cut off: a text longer than the max length is covered by several windows.  Then, by `method`:
+
+* **naive**: each chunk is encoded alone, as the text between its first token's start and its last token's
+  end (`Encoder.encode` of that text, so exactly what encoding the chunk texts gives).  With `overlap` O, a
+  chunk's text also holds the O tokens before it.  One window per chunk.
+* **late** (Günther et al., "Late Chunking", arXiv 2409.04669): the text is encoded once, in windows of the
+  max length; each chunk's vector is the mean of the final states of its own tokens (the template's special
+  tokens, a prompt and the window's context excluded), then the model's normalisation.  A window holds whole
+  chunks; each window after the first opens with the `overlap` O tokens before its first chunk, as context
+  only, so each chunk is owned by exactly one window.  The rows are the export's graph's `last_hidden_state`
+  output: a calibrated export gives the states of its calibrated forward.  Which rows of that forward are
+  calibrated is the export's pooling's: mean pooling calibrates every valid row, so every token a chunk
+  averages is a calibrated row; cls / last pooling calibrate the pooled row only (the window's first / last
+  token, never inside a chunk), and the chunk's tokens see it as a key from the next layer on.
+* **landmark** (an export with `--pooling lmk` or `multi-cls`): the chunks are the export's own landmark
+  chunks (`pooling_spec`: every G tokens, or per sentence), each window is tokenized as the landmark
+  tokenizer places them, and a chunk's vector is its landmark's final state, normalised.  The landmark rows
+  are exactly the rows a calibrated landmark export calibrates.
+
+Prompts: naive chunk texts get the prompt as `Encoder.encode` gives it; late and landmark windows hold the
+prompt's tokens after the template's opening tokens, as context of every window (no chunk holds them).
+
+The windows of every text of a call are batched together, sorted by length: one model call per window, for
+chunks, Matryoshka dimensions and precision alike.  The graph's `last_hidden_state` is the per-token output this
+needs: the ONNX graph of every export has it, so no export option is needed for the Encoder, the Ray engine and
+Triton's ensemble (which returns it; see attncal.serving).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .landmarks import SENTENCE, Template, sentence_ends
+
+METHODS = ("naive", "late", "landmark")
+BY = ("tokens", "sentence")
+DEFAULT_SIZE = 128
+_NORM_EPS = 1e-12
+
+
+class ChunkError(ValueError):
+    """A text that cannot be chunked (empty, only special tokens, longer than any window): one line naming it."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"text {index}: {message}")
+        self.index = index
+
+
+@dataclass(frozen=True)
+class ChunkOptions:
+    """How `encode_chunks` cuts texts: `method` (naive, late, landmark), `size` tokens per chunk (naive,
+    late; landmark takes the export's), `by` tokens or sentence, `overlap` tokens (see the module docstring)."""
+
+    method: str = "late"
+    size: int | None = None
+    by: str = "tokens"
+    overlap: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"chunking method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.by not in BY:
+            raise ValueError(f"chunks by must be one of {', '.join(BY)}, got {self.by!r}")
+        if self.size is not None and (isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1):
+            raise ValueError(f"chunk size must be a whole number of tokens >= 1, got {self.size!r}")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
+            raise ValueError(f"chunk overlap must be a whole number of tokens >= 0, got {self.overlap!r}")
+        if self.method == "landmark" and (self.size is not None or self.by != "tokens" or self.overlap):
+            raise ValueError("landmark chunks are the export's own landmark chunks (its --lmk-every): drop the "
+                             "chunk size, by and overlap")
+        if self.size is not None and self.overlap >= self.size and self.method == "naive":
+            raise ValueError(f"chunk overlap ({self.overlap}) must be smaller than the chunk size ({self.size})")
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "size": self.size, "by": self.by, "overlap": self.overlap}
+
+
+@dataclass
+class ChunkedEmbeddings:
+    """The chunks of a call, one row each, texts in input order and chunks in text order: `text` (the input
+    index), `chunk` (index within the text), `window` (the model call of the text it came from), `start` /
+    `end` (character span in the text), `vectors` (float32 [rows, D] before `Encoder.output`)."""
+
+    text: np.ndarray
+    chunk: np.ndarray
+    window: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    vectors: np.ndarray
+    tokens: int = 0  # tokens the model ran on (windows, special tokens included)
+    windows: int = 0  # model calls' rows
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def of(self, i: int) -> slice:
+        """The rows of text i."""
+        lo, hi = np.searchsorted(self.text, [i, i + 1])
+        return slice(int(lo), int(hi))
+
+
+@dataclass
+class _Text:
+    index: int
+    text: str
+    ids: list[int]
+    types: list[int]
+    offsets: list[tuple[int, int]]
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # token ranges (own tokens)
+
+
+def _normalise(x: np.ndarray) -> np.ndarray:
+    norm = np.sqrt((x * x).sum(-1, keepdims=True, dtype=np.float32))
+    return x / np.maximum(norm, np.float32(_NORM_EPS))
+
+
+class Chunker:
+    """An Encoder's chunking: its tokenizer's plain encodings and template, its max length."""
+
+    def __init__(self, encoder) -> None:
+        base = getattr(encoder._tokenizer, "base", encoder._tokenizer)
+        self.encoder = encoder
+        self._encode, _, _ = base.plain()
+        self.template = Template.of(self._encode)
+        self.special = set(base.special_ids()) | set(self.template.prefix) | set(self.template.suffix)
+        if base.pad_id is not None:
+            self.special.add(base.pad_id)
+        self.pad_id = base.pad_id
+
+    # -- tokens and chunks -------------------------------------------------------------------------
+
+    def _texts(self, texts: Sequence[str]) -> list[_Text]:
+        out = []
+        for i, (text, (ids, types, offsets)) in enumerate(zip(texts, self._encode(list(texts), False, True))):
+            if not text.strip():
+                raise ChunkError(i, "is empty")
+            keep = [k for k, t in enumerate(ids) if t not in self.special]
+            if not keep:
+                raise ChunkError(i, "holds only special tokens")
+            out.append(_Text(i, text, [ids[k] for k in keep], [types[k] for k in keep],
+                             [tuple(offsets[k]) for k in keep]))
+        return out
+
+    def _cut(self, t: _Text, size: int | None, by: str) -> list[tuple[int, int]]:
+        """Token ranges of the chunks: `size` tokens each, or whole sentences packed up to `size` tokens
+        (a sentence per chunk where `size` is None)."""
+        n = len(t.ids)
+        if by == "tokens":
+            return [(a, min(a + size, n)) for a in range(0, n, size)]
+        bounds = sentence_ends(t.text)
+        sent = [bisect.bisect_right(bounds, start) for start, _ in t.offsets]
+        sentences, a = [], 0
+        for k in range(1, n + 1):
+            if k == n or sent[k] != sent[k - 1]:
+                sentences.append((a, k))
+                a = k
+        chunks: list[tuple[int, int]] = []
+        for a, b in sentences:
+            if size is None:
+                chunks.append((a, b))
+                continue
+            while b - a > size:  # a sentence longer than a chunk is cut
+                chunks.append((a, a + size))
+                a += size
+            if chunks and chunks[-1][1] == a and b - chunks[-1][0] <= size:
+                chunks[-1] = (chunks[-1][0], b)  # packed with the sentences before it
+            else:
+                chunks.append((a, b))
+        return chunks
+
+    def _span(self, t: _Text, a: int, b: int) -> tuple[int, int]:
+        return int(t.offsets[a][0]), int(t.offsets[b - 1][1])
+
+    def budget(self, prompt_ids: Sequence[int]) -> int | None:
+        """Content tokens one window holds (None: no max length)."""
+        limit = self.encoder.max_length
+        if limit is None:
+            return None
+        return limit - len(self.template.prefix) - len(self.template.suffix) - len(prompt_ids)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def run(self, texts: Sequence[str], options: ChunkOptions, batch_size: int, prompt: str | None,
+            errors: list | None = None) -> ChunkedEmbeddings:
+        """The chunks of `texts` (see the module docstring).  A text that cannot be chunked raises its
+        ChunkError, or, with `errors` given, is appended there (index, message) and left out."""
+        if options.method == "naive":
+            return self._naive(texts, options, batch_size, prompt, errors)
+        spec = self.encoder.pooling_spec
+        if options.method == "landmark" and (spec is None or not spec.inserts):
+            raise ValueError("landmark chunking needs an export with landmark pooling (attncal export --pooling "
+                             "lmk or multi-cls)")
+        if options.method == "late" and spec is not None and spec.inserts:
+            raise ValueError("this export pools landmarks: use landmark chunking (late chunking averages token "
+                             "states, which a landmark export's tokenization interleaves with landmarks)")
+        self._check_head()
+        prompt_ids = self._prompt_ids(prompt)
+        budget = self.budget(prompt_ids)
+        rows, owners = [], []  # rows: (ids, types) of each window; owners: (text, window, chunks, positions)
+        for t in self._guarded(texts, errors):
+            try:
+                if options.method == "late":
+                    windows = self._late_windows(t, options, budget)
+                else:
+                    windows = self._landmark_windows(t, spec, budget)
+            except ChunkError as exc:
+                if errors is None:
+                    raise
+                errors.append((t.index, str(exc)))
+                continue
+            for w, (ids, types, chunk_positions) in enumerate(windows):
+                rows.append((ids, types))
+                owners.append((t, w, chunk_positions))
+        return self._forward(rows, owners, batch_size, prompt_ids, options.method)
+
+    def _guarded(self, texts, errors):
+        if errors is None:
+            yield from self._texts(texts)
+            return
+        for i, text in enumerate(texts):
+            try:
+                (t,) = self._texts([text])
+            except ChunkError as exc:
+                errors.append((i, str(exc).replace("text 0:", f"text {i}:", 1)))
+                continue
+            t.index = i
+            yield t
+
+    def _check_head(self) -> None:
+        hidden = self.encoder.session.get_outputs()[0].shape[-1]
+        if isinstance(hidden, int) and hidden != self.encoder.dimension:
+            raise ValueError(f"this model projects its pooled embedding ({hidden} -> {self.encoder.dimension} "
+                             "dimensions, a Dense head): its token states are not in the embedding space, so late "
+                             "and landmark chunking do not apply; use naive chunking")
+
+    def _prompt_ids(self, prompt: str | None) -> list[int]:
+        if not prompt:
+            return []
+        (ids, _, _), = self._encode([prompt], False, False)
+        return [x for x in ids if x not in self.special]
+
+    def _late_windows(self, t: _Text, options: ChunkOptions, budget: int | None):
+        size = options.size or DEFAULT_SIZE
+        if budget is not None and size + options.overlap > budget:
+            raise ValueError(f"chunk size {size} + overlap {options.overlap} tokens exceed the {budget} content "
+                             f"tokens of a window (max length {self.encoder.max_length})")
+        t.chunks = chunks = self._cut(t, size, options.by)
+        out, c = [], 0
+        while c < len(chunks):
+            ctx = max(0, chunks[c][0] - options.overlap) if out else 0
+            e = c
+            while e < len(chunks) and (budget is None or chunks[e][1] - ctx <= budget):
+                e += 1
+            if e == c:  # cannot happen with size + overlap <= budget; kept as a guard
+                raise ChunkError(t.index, f"chunk {c} does not fit a window of {budget} tokens")
+            lo, hi = ctx, chunks[e - 1][1]
+            positions = [(k, list(range(chunks[k][0] - lo, chunks[k][1] - lo))) for k in range(c, e)]
+            out.append((t.ids[lo:hi], t.types[lo:hi], positions))
+            c = e
+        return out
+
+    def _landmark_windows(self, t: _Text, spec, budget: int | None):
+        tid = spec.token_id
+        keep = [k for k, x in enumerate(t.ids) if x != tid]
+        t.ids, t.types, t.offsets = [t.ids[k] for k in keep], [t.types[k] for k in keep], [t.offsets[k] for k in keep]
+        if not t.ids:
+            raise ChunkError(t.index, "holds only special tokens")
+        t.chunks = chunks = self._cut(t, None if spec.every == SENTENCE else int(spec.every),
+                                      "sentence" if spec.every == SENTENCE else "tokens")
+        tpl = self.template
+        served = (tpl.suffix[:1] == (tid,)) if spec.style == "lmk" else (tpl.prefix[-1:] == (tid,))
+        out, c = [], 0
+        while c < len(chunks):
+            e, used = c, 0
+            while e < len(chunks):
+                cost = used + (chunks[e][1] - chunks[e][0]) + 1
+                if budget is not None and cost - served > budget:
+                    break
+                used, e = cost, e + 1
+            if e == c:
+                raise ChunkError(t.index, f"landmark chunk {c} ({chunks[c][1] - chunks[c][0]} tokens) is longer "
+                                          f"than a window ({budget} tokens with its landmark)")
+            ids, types, positions = [], [], []
+            ct = tpl.content_type
+            for k in range(c, e):
+                a, b = chunks[k]
+                before = spec.style == "multi-cls" and not (k == c and served)
+                after = spec.style == "lmk" and not (k == e - 1 and served)
+                if before:
+                    positions.append((k, [len(ids)]))
+                    ids.append(tid)
+                    types.append(ct)
+                elif spec.style == "multi-cls":  # the template's own opening token is this chunk's landmark
+                    positions.append((k, [-1]))
+                ids += t.ids[a:b]
+                types += t.types[a:b]
+                if after:
+                    positions.append((k, [len(ids)]))
+                    ids.append(tid)
+                    types.append(ct)
+                elif spec.style == "lmk":  # the template's closing token is this chunk's landmark
+                    positions.append((k, [len(ids)]))
+            out.append((ids, types, positions))
+            c = e
+        return out
+
+    def _forward(self, rows, owners, batch_size, prompt_ids, method) -> ChunkedEmbeddings:
+        enc, tpl = self.encoder, self.template
+        pre_ids = list(tpl.prefix) + list(prompt_ids)
+        pre_types = list(tpl.prefix_types) + [tpl.content_type] * len(prompt_ids)
+        full = [(pre_ids + ids + list(tpl.suffix), pre_types + types + list(tpl.suffix_types)) for ids, types in rows]
+        records: list[tuple[int, int, int, int, int, np.ndarray]] = []  # text, chunk, window, start, end, vec
+        order = sorted(range(len(full)), key=lambda r: -len(full[r][0]))
+        tokens = 0
+        for i in range(0, len(order), batch_size):
+            idx = order[i: i + batch_size]
+            feeds, starts = self._pad([full[r] for r in idx])
+            hidden, _ = enc.run({n: feeds[n] for n in enc.input_names})
+            tokens += int(feeds["attention_mask"].sum())
+            for b, r in enumerate(idx):
+                t, w, positions = owners[r]
+                off = starts[b] + len(pre_ids)
+                for k, pos in positions:
+                    if method == "late":
+                        vec = hidden[b, [off + p for p in pos]].astype(np.float32).mean(0)
+                    elif pos == [-1]:  # multi-cls: the template's opening token
+                        vec = hidden[b, off - len(prompt_ids) - 1].astype(np.float32)
+                    else:
+                        vec = hidden[b, off + pos[0]].astype(np.float32)
+                    a, bb = t.chunks[k]
+                    records.append((t.index, k, w, *self._span(t, a, bb), vec))
+        return self._collect(records, tokens, len(full))
+
+    def _collect(self, records, tokens: int, windows: int) -> ChunkedEmbeddings:
+        records.sort(key=lambda r: (r[0], r[1]))
+        dim = self.encoder.dimension
+        vectors = np.stack([r[5] for r in records]).astype(np.float32) if records else np.zeros((0, dim), np.float32)
+        if self.encoder.normalize and len(vectors):
+            vectors = _normalise(vectors)
+        cols = [np.array([r[j] for r in records], dtype=np.int64) for j in range(5)]
+        return ChunkedEmbeddings(*cols, vectors=vectors, tokens=tokens, windows=windows)
+
+    def _pad(self, rows):
+        width = max(len(ids) for ids, _ in rows)
+        left = self.encoder.padding_side == "left"
+        n = len(rows)
+        out = {"input_ids": np.full((n, width), self.pad_id if self.pad_id is not None else 0, dtype=np.int64),
+               "token_type_ids": np.zeros((n, width), dtype=np.int64),
+               "attention_mask": np.zeros((n, width), dtype=np.int64)}
+        starts = []
+        for i, (ids, types) in enumerate(rows):
+            s = width - len(ids) if left else 0
+            out["input_ids"][i, s:s + len(ids)] = ids
+            out["token_type_ids"][i, s:s + len(ids)] = types
+            out["attention_mask"][i, s:s + len(ids)] = 1
+            starts.append(s)
+        return out, starts
+
+    def _naive(self, texts, options, batch_size, prompt, errors) -> ChunkedEmbeddings:
+        size = options.size or DEFAULT_SIZE
+        budget = self.budget(self._prompt_ids(prompt))
+        if budget is not None and size + options.overlap > budget:
+            raise ValueError(f"chunk size {size} + overlap {options.overlap} tokens exceed the {budget} content "
+                             f"tokens a model call holds (max length {self.encoder.max_length})")
+        pieces, meta = [], []
+        for t in self._guarded(texts, errors):
+            t.chunks = self._cut(t, size, options.by)
+            for k, (a, b) in enumerate(t.chunks):
+                s, e = self._span(t, max(0, a - options.overlap), b)
+                pieces.append(t.text[s:e])
+                meta.append((t.index, k, k, s, e))
+        if pieces and self.encoder.max_length is not None:  # a chunk's own text may tokenize otherwise
+            n_prompt = len(self._prompt_ids(prompt))
+            for (ids, _, _), m in zip(self._encode(pieces, True, False), meta):
+                if len(ids) + n_prompt > self.encoder.max_length:
+                    raise ChunkError(m[0], f"chunk {m[1]} tokenizes to {len(ids)} tokens on its own, more than the "
+                                           f"max length {self.encoder.max_length}; use a smaller chunk size")
+        vectors = (self.encoder.encode(pieces, batch_size, prompt=prompt or "") if pieces
+                   else np.zeros((0, self.encoder.dimension), np.float32))
+        lengths = self.encoder.token_lengths(pieces) if pieces else []
+        cols = [np.array([m[j] for m in meta], dtype=np.int64) for j in range(5)]
+        return ChunkedEmbeddings(*cols, vectors=vectors, tokens=int(sum(lengths)), windows=len(pieces))

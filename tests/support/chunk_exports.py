@@ -1,0 +1,34 @@
+"""Tiny exports the chunking and precision tests share (built once per run, `built_once`): a calibrated
+mean-pooled BERT and an uncalibrated one of the same model (max length 64, so texts of a few hundred characters
+take several windows), and an LMK export every 8 tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .built_once import built_once
+
+MAX_LENGTH = 64
+CALIBRATION = dict(basket_size=4, strength=1.0)  # basket 4: calibration changes rows of a few dozen tokens
+
+
+def _build(path: Path, arch: str, pooling: str | None, calibrate: bool, every: int | str | None) -> None:
+    from attncal.calibration.config import CalibrationConfig
+    from attncal.export.exporter import ExportOptions, export
+    from attncal.runtime.landmarks import PoolingSpec
+    from attncal.synthetic import save_synthetic_model
+
+    model = save_synthetic_model(arch, path / "model", seed=3, pooling=pooling, max_positions=128,
+                                 max_seq_length=MAX_LENGTH)
+    spec = PoolingSpec("lmk", every) if every else None
+    export(str(model), path / "export", ExportOptions(config=CalibrationConfig(**CALIBRATION), calibrate=calibrate,
+                                                      exporter="torchscript", check=False, optimized=False,
+                                                      pooling_spec=spec), quiet=True)
+
+
+def chunk_export(tmp_path_factory, arch: str = "bert", pooling: str | None = "mean", calibrate: bool = True,
+                 every: int | str | None = None) -> tuple[Path, Path]:
+    """(the export directory, the source model directory) of one tiny export."""
+    name = f"chunks-{arch}-{pooling}-{'cal' if calibrate else 'plain'}-{every or 'none'}"
+    root = built_once(tmp_path_factory, name, lambda p: _build(p, arch, pooling, calibrate, every))
+    return root / "export", root / "model"
