@@ -105,6 +105,14 @@ def load(path: str | os.PathLike) -> ctypes.CDLL:
     return lib
 
 
+def _stream(tensor) -> int | None:
+    """torch's current CUDA stream for a CUDA tensor; None (the legacy default stream) for a CPU tensor, which only
+    the CUDA simulator's library (tests/simt) takes: its device memory is host memory."""
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream if tensor.is_cuda else None
+
+
 def _check(lib, rc: int, name: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{name} failed ({rc}): {lib.attncal_cuda_last_error().decode()}")
@@ -113,10 +121,8 @@ def _check(lib, rc: int, name: str) -> None:
 def launch(lib, probs, out, mask, p, workspace=None, softmax: bool = False) -> None:
     """attncal_cuda_calibrate(probs -> out), or with softmax=True attncal_cuda_softmax_calibrate(scores -> out):
     probs [B,H,Q,K], mask int64 [B,K], `p` the AttncalParams (params_of); out may be probs (in place)."""
-    import torch
-
     B, H, Q, K = probs.shape
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = _stream(probs)
     fn = lib.attncal_cuda_softmax_calibrate if softmax else lib.attncal_cuda_calibrate
     rc = fn(DTYPE_CODE[dtype_name(probs.dtype)], probs.data_ptr(), out.data_ptr(), mask.data_ptr(), B, H, Q, K,
             ctypes.byref(p), None if workspace is None else workspace.data_ptr(), stream)
@@ -138,11 +144,9 @@ def attention_launch(lib, q, k, v, mask, out, rc, num_heads: int, scale: float, 
     position bias table [num_buckets,N] of q's dtype, on the device, for a geometry with relative_max_distance
     (None: no table, num_buckets 0).  Returns the launcher's status; with `check` a non-zero one raises with the
     library's message (without, a refusal can be examined)."""
-    import torch
-
     B, S_q, hidden = q.shape
     S_k = k.shape[1]
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = _stream(q)
     p = params_of(rc)
     # Every geometry field, defaults included: params_of leaves the fields of attributes the calibration op does
     # not take at 0, and a window bound of 0 is a window (the default is -1).

@@ -105,7 +105,7 @@ struct RowState {
 
 // The tiled kernel's dynamic shared memory (laid out by cuda/launch_config.h's tile_layout).
 __device__ __forceinline__ unsigned char* tile_smem() {
-  extern __shared__ __align__(16) unsigned char attention_smem[];
+  ATTNCAL_DYNAMIC_SHARED(unsigned char, attention_smem);
   return attention_smem;
 }
 

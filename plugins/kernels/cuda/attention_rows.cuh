@@ -39,7 +39,7 @@ struct RowsLaunch {
 // left to its own occupancy heuristic it spilled on sm_90.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads, 1) rows_kernel(Args a, RowsLaunch l) {
-  extern __shared__ __align__(16) float rsm[];
+  ATTNCAL_DYNAMIC_SHARED(float, rsm);
   __shared__ float s_red[kRowThreads / 32];
   __shared__ float s_w[kRowThreads];
   const int64_t S_k = a.S_k, N = a.N, N_kv = a.N_kv, D = a.D, Dv = a.D_v, S_q = a.S_q;

@@ -71,7 +71,7 @@ int launch_relative(const void* table, int64_t buckets, int64_t max_distance, in
   constexpr int kThreads = 256;
   const int64_t width = 2 * S_k - 1;
   const int64_t blocks = attncal::imin((width + kThreads - 1) / kThreads, 4096);
-  relative_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  ATTNCAL_LAUNCH(relative_kernel<T>, static_cast<unsigned>(blocks), kThreads, 0, stream)(
       static_cast<const T*>(table), buckets, attncal::relative_log_span(buckets, max_distance), N, S_k, rel);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(ATTNCAL_ERR_CUDA, "calibrated attention relative bias kernel launch", e);
@@ -98,8 +98,8 @@ int launch_rows(const Args& a, const DeviceFacts& dev, const uint32_t* queue, co
                                          "kernel's minimum");
   int64_t blocks = static_cast<int64_t>(dev.sms) * 8;
   if (queue == nullptr) blocks = attncal::imin(blocks * 64, a.B * a.N * a.S_q);
-  attncal::rows_kernel<T>
-      <<<static_cast<unsigned>(blocks > 0 ? blocks : 1), attncal::kRowThreads, l.cfg.smem_bytes, stream>>>(a, l);
+  ATTNCAL_LAUNCH(attncal::rows_kernel<T>, static_cast<unsigned>(blocks > 0 ? blocks : 1), attncal::kRowThreads,
+                 l.cfg.smem_bytes, stream)(a, l);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(ATTNCAL_ERR_CUDA, "calibrated attention per-row kernel launch", e);
   return ATTNCAL_OK;
@@ -117,7 +117,7 @@ int launch_config(const Args& a, const DeviceFacts& dev, const attncal::TiledLau
   if (smem_bytes > limit) return fail(ATTNCAL_ERR_UNSUPPORTED, "calibrated attention: the chosen configuration "
                                                                "exceeds the kernel's shared memory");
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(a.N), static_cast<unsigned>(a.B));
-  kernel<<<grid, NW * 32, smem_bytes, stream>>>(a, l);
+  ATTNCAL_LAUNCH(kernel, grid, NW * 32, smem_bytes, stream)(a, l);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(ATTNCAL_ERR_CUDA, "calibrated attention kernel launch", e);
   return ATTNCAL_OK;

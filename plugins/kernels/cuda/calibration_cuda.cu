@@ -55,7 +55,7 @@ int launch_calibrate(const T* in, T* out, const int64_t* mask, int64_t B, int64_
   }
   const int64_t rows = every_row ? Q : (p.all_rows ? (Q < K ? Q : K) : 1);
   dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(H), static_cast<unsigned>(B));
-  attncal::calibrate_kernel<T><<<grid, attncal::threads_for(K), baskets.smem_bytes, stream>>>(
+  ATTNCAL_LAUNCH(attncal::calibrate_kernel<T>, grid, attncal::threads_for(K), baskets.smem_bytes, stream)(
       in, out, mask, spans, H, Q, K, p, every_row ? 1 : 0, baskets.kept ? 1 : 0);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(ATTNCAL_ERR_CUDA, "kernel launch", e);
@@ -73,7 +73,7 @@ int launch_softmax(const T* in, T* out, const int64_t* mask, int64_t B, int64_t 
     if (rc != ATTNCAL_OK) return rc;
   }
   dim3 grid(static_cast<unsigned>(Q), static_cast<unsigned>(H), static_cast<unsigned>(B));
-  attncal::softmax_calibrate_kernel<T><<<grid, attncal::threads_for(K), baskets.smem_bytes, stream>>>(
+  ATTNCAL_LAUNCH(attncal::softmax_calibrate_kernel<T>, grid, attncal::threads_for(K), baskets.smem_bytes, stream)(
       in, out, mask, spans, H, Q, K, p, baskets.kept ? 1 : 0);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(ATTNCAL_ERR_CUDA, "kernel launch", e);

@@ -245,7 +245,7 @@ template <typename T>
 __global__ void __launch_bounds__(kMaxThreads) calibrate_kernel(const T* in, T* out, const int64_t* __restrict__ mask,
                                                                 const int* __restrict__ spans, int64_t H, int64_t Q,
                                                                 int64_t K, AttncalParams p, int every_row, int kept) {
-  extern __shared__ float s_g[];  // n basket masses, then multipliers
+  ATTNCAL_DYNAMIC_SHARED(float, s_g);  // n basket masses, then multipliers
   __shared__ int s_redi[kMaxWarps];
   __shared__ float s_redf[kMaxWarps];
   __shared__ float s_sc[5];
@@ -325,7 +325,7 @@ template <typename T>
 __global__ void __launch_bounds__(kMaxThreads)
     softmax_calibrate_kernel(const T* in, T* out, const int64_t* __restrict__ mask, const int* __restrict__ spans,
                              int64_t H, int64_t Q, int64_t K, AttncalParams p, int kept) {
-  extern __shared__ float s_g[];  // calibrated rows: n basket sums of exp, then masses, then multipliers
+  ATTNCAL_DYNAMIC_SHARED(float, s_g);  // calibrated rows: n basket sums of exp, then masses, then multipliers
   __shared__ float s_redf[kMaxWarps];
   __shared__ int s_redi[kMaxWarps];
   __shared__ float s_sc[5];

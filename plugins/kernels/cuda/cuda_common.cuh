@@ -19,6 +19,16 @@
 #include "common/attncal_params.h"
 #include "common/span_geometry.h"
 
+// A kernel launch and a kernel's dynamic shared memory, written through these two macros so that the CUDA
+// simulator of the tests (tests/simt, which compiles these sources with g++) can give its own; under nvcc
+// they are the plain forms.
+#ifndef ATTNCAL_LAUNCH
+#define ATTNCAL_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+#ifndef ATTNCAL_DYNAMIC_SHARED
+#define ATTNCAL_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
+#endif
+
 // Defined in calibration_cuda.cu: the library's one error string, read by attncal_cuda_last_error.
 extern "C" void attncal_cuda_set_error(const char* msg);
 
@@ -127,7 +137,7 @@ __global__ void span_kernel(const int64_t* __restrict__ mask, int64_t K, int* __
 // Launches span_kernel for B items on `stream`.
 inline int launch_spans(const int64_t* mask, int64_t B, int64_t K, int* spans, uint32_t* queue_count,
                         cudaStream_t stream) {
-  span_kernel<<<static_cast<unsigned>(B), kSpanThreads, 0, stream>>>(mask, K, spans, queue_count);
+  ATTNCAL_LAUNCH(span_kernel, static_cast<unsigned>(B), kSpanThreads, 0, stream)(mask, K, spans, queue_count);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? ATTNCAL_OK : fail(ATTNCAL_ERR_CUDA, "span kernel launch", e);
 }
