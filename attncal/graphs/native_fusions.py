@@ -4,8 +4,8 @@ the tanh GELU into `com.microsoft.FastGelu`.
 
 Why: ONNX Runtime fuses none of them at load time in torch's export of Gemma3, Qwen3, ModernBERT or T5 (the
 export writes the norm as Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul; the GELU with Pow and Tanh; the
-rotation with Slices, Neg, Concat), so each runs as separate element-wise passes.  The norm and GELU rules are
-onnxscript's (`onnxscript.rewriter.ort_fusions`); this module picks which apply.
+rotation with Slices, Neg, Concat), so each runs as separate element-wise passes.  The GELU rule is onnxscript's
+(`onnxscript.rewriter.ort_fusions`), the norm rule onnxscript's pattern with this module's layout checks.
 
 Only the native graph gets them: it already needs ONNX Runtime (with the attncal library), while the
 portable graph stays standard ONNX.  The rotations go first: fused, they feed the attention op in [B,S,N·D]
@@ -27,26 +27,62 @@ RMS_NORM_OP = "SimplifiedLayerNormalization"  # ONNX Runtime's, in the ONNX doma
 
 
 def _rms_rules():
-    """onnxscript's RMS-normalization rules, restricted to the hidden state (rank HIDDEN_RANK) and to per-head
-    norms (rank PER_HEAD_RANK) with no Transpose on either side."""
-    from onnxscript.rewriter import pattern
-    from onnxscript.rewriter.ort_fusions.rms_normalization import RmsNormFusion
+    """RMS-normalization rules, restricted to the hidden state (rank HIDDEN_RANK) and to per-head norms (rank
+    PER_HEAD_RANK) with no Transpose on either side.
 
-    class LayoutAwareRmsNorm(RmsNormFusion):
+    The pattern, the checks of the types and the rewrite are onnxscript's `RmsNormFusion`'s (0.7), written
+    against its public pattern API: onnxscript chooses the final product's operand order with a private keyword
+    of its constructor, which this rule takes as its own `scale_first`."""
+    import onnx_ir as ir
+    from onnxscript.rewriter import pattern
+
+    floats = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+    compute_floats = {ir.DataType.FLOAT, ir.DataType.DOUBLE}
+
+    def scalar(value) -> float | None:
+        tensor = value.const_value if value is not None else None
+        if tensor is None or tensor.size != 1:
+            return None
+        item = tensor.numpy().reshape(()).item()
+        return item if isinstance(item, float) else None
+
+    class LayoutAwareRmsNorm(pattern.RewriteRuleClassBase):
+        def __init__(self, name: str, scale_first: bool) -> None:
+            super().__init__(name)
+            self.scale_first = scale_first
+
+        def pattern(self, op, x, scale, epsilon, compute_dtype, target_dtype):
+            x = pattern.OrValue([op.Cast(x, to=compute_dtype), x])
+            mean_square = op.ReduceMean(op.Pow(x, 2.0), [-1], keepdims=1, noop_with_empty_axes=0)
+            normalized = op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean_square, epsilon))))
+            normalized = pattern.OrValue([op.Cast(normalized, to=target_dtype), normalized])
+            scale = pattern.OrValue([op.Cast(scale, to=compute_dtype), scale])
+            return op.Mul(scale, normalized) if self.scale_first else op.Mul(normalized, scale)
+
         def check(self, context, x, scale, epsilon, compute_dtype, target_dtype, **rest):
-            result = super().check(context, x, scale, epsilon, compute_dtype, target_dtype, **rest)
+            result = pattern.MatchResult()
+            if scalar(epsilon) is None:
+                return result.fail("epsilon is not a float scalar", epsilon)
+            if x.dtype not in floats or scale.dtype not in floats:
+                return result.fail("input or scale is not a float type", x)
+            self.stash_type = compute_dtype.as_int() if compute_dtype is not None else x.dtype
+            if self.stash_type not in compute_floats:
+                return result.fail("the normalization is not computed in float or double")
             rank = None if x.shape is None else x.shape.rank()
-            if result and rank not in (HIDDEN_RANK, PER_HEAD_RANK):
+            if rank not in (HIDDEN_RANK, PER_HEAD_RANK):
                 return result.fail(f"input of rank {rank}, neither the hidden state's nor per head", x)
             neighbours = [x.producer()] + [use.node for out in context.output_values for use in out.uses()]
-            if result and rank == PER_HEAD_RANK and any(n is not None and n.op_type == "Transpose"
-                                                        for n in neighbours):
+            if rank == PER_HEAD_RANK and any(n is not None and n.op_type == "Transpose" for n in neighbours):
                 return result.fail("a per-head norm beside a Transpose, which ONNX Runtime moves through the "
                                    "unfused norm's element-wise ops", x)
             return result
 
-    return pattern.RewriteRuleSet([LayoutAwareRmsNorm.rule("LayoutAwareRmsNorm1", _mul_order=False),
-                                   LayoutAwareRmsNorm.rule("LayoutAwareRmsNorm2", _mul_order=True)])
+        def rewrite(self, op, x, scale, epsilon, **_):
+            return op.SimplifiedLayerNormalization(x, scale, axis=-1, epsilon=scalar(epsilon),
+                                                   stash_type=self.stash_type)
+
+    return pattern.RewriteRuleSet([LayoutAwareRmsNorm.rule("LayoutAwareRmsNorm1", scale_first=True),
+                                   LayoutAwareRmsNorm.rule("LayoutAwareRmsNorm2", scale_first=False)])
 
 
 def fuse_norms_and_gelus(model) -> dict[str, int]:
