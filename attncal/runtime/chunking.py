@@ -53,7 +53,10 @@ class ChunkError(ValueError):
 
     def __init__(self, index: int, message: str) -> None:
         super().__init__(f"text {index}: {message}")
-        self.index = index
+        self.index, self.message = index, message
+
+    def __reduce__(self):  # raised in worker processes, received in the caller's
+        return ChunkError, (self.index, self.message)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class ChunkedEmbeddings:
     vectors: np.ndarray
     tokens: int = 0  # tokens the model ran on (windows, special tokens included)
     windows: int = 0  # model calls' rows
+    errors: list = field(default_factory=list)  # (text index, one line) of the texts left out (`errors=`)
 
     def __len__(self) -> int:
         return len(self.text)
@@ -122,6 +126,51 @@ class _Text:
 def _normalise(x: np.ndarray) -> np.ndarray:
     norm = np.sqrt((x * x).sum(-1, keepdims=True, dtype=np.float32))
     return x / np.maximum(norm, np.float32(_NORM_EPS))
+
+
+def check_options(options: ChunkOptions, budget: int | None, max_length: int | None, spec) -> None:
+    """ValueError (one line) for chunk options an export cannot run: `budget` content tokens per model call
+    (`Chunker.budget`, None: no max length), `spec` its landmark pooling (a PoolingSpec, or None)."""
+    inserts = spec is not None and spec.inserts
+    if options.method == "landmark" and not inserts:
+        raise ValueError("landmark chunking needs an export with landmark pooling (attncal export --pooling lmk or "
+                         "multi-cls)")
+    if options.method == "late" and inserts:
+        raise ValueError("this export pools landmarks: use landmark chunking (late chunking averages token states, "
+                         "which a landmark export's tokenization interleaves with landmarks)")
+    size = resolved_size(options, budget)
+    if options.method != "landmark" and budget is not None and size + options.overlap > budget:
+        raise ValueError(f"chunk size {size} + overlap {options.overlap} tokens exceed the {budget} content tokens "
+                         f"of one model call (max length {max_length}, less the special tokens and the prompt)")
+
+
+def resolved_size(options: ChunkOptions, budget: int | None) -> int:
+    """The chunk size: the one given, else DEFAULT_SIZE or, where one model call holds fewer tokens, what it
+    holds besides the overlap."""
+    if options.size is not None:
+        return options.size
+    return DEFAULT_SIZE if budget is None else max(1, min(DEFAULT_SIZE, budget - options.overlap))
+
+
+def check_export(options: ChunkOptions, export_dir, meta: dict, max_length: int | None = None) -> None:
+    """`check_options` for the export at `export_dir` (attncal.json `meta`) without loading its graph: what
+    `attncal encode` checks before it writes anything.  `max_length`: the run's (None: the export's)."""
+    from pathlib import Path
+
+    from ..modelinfo import choose_prompt, read_prompts
+    from .landmarks import PoolingSpec
+    from .tokenizer import load_tokenizer
+
+    limit = max_length or meta.get("max_seq_length")
+    base = load_tokenizer(Path(export_dir), meta.get("tokenizer"), limit, meta.get("padding_side", "right"))
+    encode, _, _ = base.plain()
+    tpl = Template.of(encode)
+    prompt = choose_prompt(*read_prompts(Path(export_dir)))
+    special = set(base.special_ids())
+    n_prompt = len([x for x in encode([prompt], False, False)[0][0] if x not in special]) if prompt else 0
+    budget = None if limit is None else limit - len(tpl.prefix) - len(tpl.suffix) - n_prompt
+    spec = PoolingSpec.from_dict(meta["pooling_spec"]) if meta.get("pooling_spec") else None
+    check_options(options, budget, limit, spec)
 
 
 class Chunker:
@@ -194,18 +243,13 @@ class Chunker:
             errors: list | None = None) -> ChunkedEmbeddings:
         """The chunks of `texts` (see the module docstring).  A text that cannot be chunked raises its
         ChunkError, or, with `errors` given, is appended there (index, message) and left out."""
-        if options.method == "naive":
-            return self._naive(texts, options, batch_size, prompt, errors)
         spec = self.encoder.pooling_spec
-        if options.method == "landmark" and (spec is None or not spec.inserts):
-            raise ValueError("landmark chunking needs an export with landmark pooling (attncal export --pooling "
-                             "lmk or multi-cls)")
-        if options.method == "late" and spec is not None and spec.inserts:
-            raise ValueError("this export pools landmarks: use landmark chunking (late chunking averages token "
-                             "states, which a landmark export's tokenization interleaves with landmarks)")
-        self._check_head()
         prompt_ids = self._prompt_ids(prompt)
         budget = self.budget(prompt_ids)
+        check_options(options, budget, self.encoder.max_length, spec)
+        if options.method == "naive":
+            return self._naive(texts, options, batch_size, prompt, errors)
+        self._check_head()
         rows, owners = [], []  # rows: (ids, types) of each window; owners: (text, window, chunks, positions)
         for t in self._guarded(texts, errors):
             try:
@@ -231,7 +275,7 @@ class Chunker:
             try:
                 (t,) = self._texts([text])
             except ChunkError as exc:
-                errors.append((i, str(exc).replace("text 0:", f"text {i}:", 1)))
+                errors.append((i, str(ChunkError(i, exc.message))))
                 continue
             t.index = i
             yield t
@@ -250,11 +294,7 @@ class Chunker:
         return [x for x in ids if x not in self.special]
 
     def _late_windows(self, t: _Text, options: ChunkOptions, budget: int | None):
-        size = options.size or DEFAULT_SIZE
-        if budget is not None and size + options.overlap > budget:
-            raise ValueError(f"chunk size {size} + overlap {options.overlap} tokens exceed the {budget} content "
-                             f"tokens of a window (max length {self.encoder.max_length})")
-        t.chunks = chunks = self._cut(t, size, options.by)
+        t.chunks = chunks = self._cut(t, resolved_size(options, budget), options.by)
         out, c = [], 0
         while c < len(chunks):
             ctx = max(0, chunks[c][0] - options.overlap) if out else 0
@@ -367,11 +407,7 @@ class Chunker:
         return out, starts
 
     def _naive(self, texts, options, batch_size, prompt, errors) -> ChunkedEmbeddings:
-        size = options.size or DEFAULT_SIZE
-        budget = self.budget(self._prompt_ids(prompt))
-        if budget is not None and size + options.overlap > budget:
-            raise ValueError(f"chunk size {size} + overlap {options.overlap} tokens exceed the {budget} content "
-                             f"tokens a model call holds (max length {self.encoder.max_length})")
+        size = resolved_size(options, self.budget(self._prompt_ids(prompt)))
         pieces, meta = [], []
         for t in self._guarded(texts, errors):
             t.chunks = self._cut(t, size, options.by)
