@@ -27,7 +27,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml tests/loaders/requirements.txt tests/lowest/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,export,eval,demo,serving,docs]'
+	$(PY) -m pip install -q -e '.[test,export,eval,demo,serving,docs,openvino]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
 	$(PY) -m pip install -q --no-deps --upgrade --target $(LOWEST) -r tests/lowest/requirements.txt
 	@rm -f $(DEMO_STAMP)

@@ -12,6 +12,7 @@ Layout of OUT (sentence-transformers / optimum style):
     config.json, tokenizer.json  the source model's config and tokenizer files, ...
     onnx/model.onnx              the portable graph (standard ONNX)
     onnx/model_optimized.onnx    the ORT-optimized graph (BERT family), optional
+    onnx/model_inlined.onnx      the portable graph with its functions inlined (standard ONNX only), optional
     onnx/<graph>.onnx_data       a graph's weights, beside it, above 2 GiB (`model.onnx_data`, ...), and
                                  for a native graph whose feed-forward blocks run over chunks of rows
 
@@ -58,6 +59,9 @@ OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized 
 # native library is loaded; the calibrated export writes it beside model_optimized.onnx (split placement,
 # no custom op), which runs everywhere else.
 NATIVE_FILE = "model_optimized_native.onnx"
+# The portable graph with every model-local function inlined, attribute references bound (attncal.export.inline):
+# standard ONNX only, for the runtimes that do not read ONNX functions (OpenVINO); `attncal export --inlined`.
+INLINED_FILE = "model_inlined.onnx"
 EXTERNAL_DATA_FILE = "model.onnx_data"
 METADATA_FILE = "attncal.json"
 EXPORT_LOG_FILE = "attncal-export.log"  # what the libraries wrote during `attncal export` (attncal.console)
@@ -65,7 +69,8 @@ CONFIG_FILE = "config.json"
 PORTABLE_GRAPH = f"{ONNX_SUBDIR}/{ONNX_FILE}"
 OPTIMIZED_GRAPH = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
 NATIVE_GRAPH = f"{ONNX_SUBDIR}/{NATIVE_FILE}"
-GRAPH_FILES = (PORTABLE_GRAPH, OPTIMIZED_GRAPH, NATIVE_GRAPH)
+INLINED_GRAPH = f"{ONNX_SUBDIR}/{INLINED_FILE}"
+GRAPH_FILES = (PORTABLE_GRAPH, OPTIMIZED_GRAPH, NATIVE_GRAPH, INLINED_GRAPH)
 FORMAT_VERSION = 2
 SUPPORTED_FORMATS = (1, 2)
 DIGEST_KEY = "attncal.digest"
@@ -1088,6 +1093,7 @@ __all__ = [
     "graph_digest", "graph_files", "looks_like_export", "loader_files", "check_dir", "read_json",
     "check_external_data", "check_export_file", "GRAPH_FILE_LIMIT", "LOADER_FILE_LIMIT", "MAX_SEQ_LENGTH_LIMIT",
     "DIMENSION_LIMIT",
-    "ONNX_SUBDIR", "ONNX_FILE", "OPTIMIZED_FILE", "NATIVE_FILE", "NATIVE_GRAPH", "GRAPH_FILES", "EXTERNAL_DATA_FILE", "METADATA_FILE", "CONFIG_FILE",
+    "ONNX_SUBDIR", "ONNX_FILE", "OPTIMIZED_FILE", "NATIVE_FILE", "NATIVE_GRAPH", "INLINED_FILE", "INLINED_GRAPH",
+    "GRAPH_FILES", "EXTERNAL_DATA_FILE", "METADATA_FILE", "CONFIG_FILE",
     "PORTABLE_GRAPH", "OPTIMIZED_GRAPH", "FORMAT_VERSION", "SUPPORTED_FORMATS",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -307,7 +308,7 @@ def minilm_exports(tmp_path_factory):
     metas = {}
     for name, cal in (("uncal", False), ("cal", True)):
         metas[name] = export(default_model_path(), root / name,
-                             ExportOptions(calibrate=cal, exporter="torchscript"), quiet=True)
+                             ExportOptions(calibrate=cal, exporter="torchscript", inlined=True), quiet=True)
     return root, metas
 
 
@@ -320,7 +321,10 @@ def test_real_minilm_parity(minilm_exports):
     # the optimized graph, the calibrated attention op on the native graph, each parity-checked at export.
     assert metas["cal"]["calibrated_layers"] == [3, 4, 5] and metas["cal"]["op_type"] == "SoftmaxAllRowsCalibration"
     graphs = metas["cal"]["graphs"]
-    assert [g["placement"] for g in graphs.values()] == ["fused-softmax", "split", "projected-attention"]
+    assert [g["placement"] for g in graphs.values()] == ["fused-softmax", "fused-softmax", "split",
+                                                         "projected-attention"]
+    assert graphs["onnx/model_inlined.onnx"]["inlined"] == 3  # the portable graph's, inlined (--inlined)
+    assert "onnx/model_inlined.onnx" not in metas["uncal"]["graphs"]  # standard ONNX already
     assert all(g["parity"]["ok"] and g["parity"]["max_abs"] <= 1e-5 for g in graphs.values())
     # Split placement keeps every fused attention of the uncalibrated optimized graph (six layers).
     assert graphs["onnx/model_optimized.onnx"]["fused_attention"] == 6
@@ -345,6 +349,10 @@ def test_real_minilm_loads_in_optimum_and_sentence_transformers(minilm_exports, 
     res = np.load(tmp_path / "r.npz")
     ours = Encoder(out).encode(texts)
     assert np.abs(res["st"] - ours).max() <= 1e-5
+    # sentence-transformers' OpenVINO backend (where the openvino extra is installed) on the standard-ONNX graph:
+    # the calibrated export's onnx/model_inlined.onnx, the uncalibrated export's onnx/model.onnx.
+    if importlib.util.find_spec("openvino") is not None:
+        assert np.abs(res["st_openvino"] - ours).max() <= 1e-5
     m = res["attention_mask"][..., None]
     pooled = (res["optimum_hidden"] * m).sum(1) / m.sum(1)
     pooled /= np.linalg.norm(pooled, axis=1, keepdims=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
+from ..artifact import INLINED_GRAPH, NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, open_export
 from ..runtime.parity import check_parity
 from .common import CLIError
 
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--custom-op-library", default=None, help="run with this native attncal op library")
     p.add_argument("--no-native", dest="native", action="store_const", const=False, default=None,
                    help="use the ONNX function body even when the native library is built ($ATTNCAL_NATIVE=0)")
-    p.add_argument("--graph", choices=("all", "portable", "optimized", "native"), default="all",
+    p.add_argument("--graph", choices=("all", "portable", "optimized", "native", "inlined"), default="all",
                    help="which graph of the export to check (default: every graph it has; the native graph runs "
                         "with the native library where it is built, else with its ONNX function bodies)")
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     texts = read_texts(args.texts) if args.texts else None
-    files = {"portable": PORTABLE_GRAPH, "optimized": OPTIMIZED_GRAPH, "native": NATIVE_GRAPH}
+    files = {"portable": PORTABLE_GRAPH, "optimized": OPTIMIZED_GRAPH, "native": NATIVE_GRAPH, "inlined": INLINED_GRAPH}
     # Every graph the check will run is validated first: a damaged export is one line, before any work.
     meta = open_export(args.out, graphs="all" if args.graph == "all" else files[args.graph]).meta
     present = meta.get("graphs") or {}

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
                    help="do not write onnx/model_optimized.onnx (the ORT-optimized graph; written where ONNX "
                         "Runtime's transformer optimizer fuses every layer's attention)")
+    p.add_argument("--inlined", action="store_true",
+                   help="also write onnx/model_inlined.onnx: the portable graph with its ai.attncal functions inlined "
+                        "into standard ONNX, for runtimes that do not read ONNX functions (OpenVINO); checked like "
+                        "every graph; one more copy of the weights on disk")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--skip-check", action="store_true", help="do not run the parity check at export")
     p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         check=not args.skip_check,
         placement=args.placement,
         optimized=args.optimized,
+        inlined=args.inlined,
         quantize=args.quantize,
         int8_target=args.int8_target,
         memory_check=args.memory_check,

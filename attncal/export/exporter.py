@@ -35,6 +35,7 @@ import onnx_ir as ir
 from .. import console
 from ..artifact import (
     EXPORT_LOG_FILE,
+    INLINED_GRAPH,
     ONNX_FILE,
     ONNX_SUBDIR,
     OPTIMIZED_GRAPH,
@@ -53,6 +54,7 @@ from ..runtime.parity import check_parity
 from ..runtime.tokenizer import attest_tokenizer
 from ..versions import library_versions as _installed_versions
 from . import from_torch, optimized_graphs
+from .inline import INLINED_RUNTIME, function_calls, inline_functions
 from .errors import ExportError, ParityError  # noqa: F401  (public here)
 from .fp16 import METHOD as FP16_METHOD
 from .plan import (  # noqa: F401  (DEFAULT_OPSET, EXPORTERS, PLACEMENTS, ExportOptions: public here)
@@ -142,12 +144,33 @@ def _portable_graph(run: Run) -> None:
     run_passes(ir_model, passes.PORTABLE)
     write_graph(ir_model, run.tmp / ONNX_SUBDIR / ONNX_FILE, run.tmp / ".raw" / "stage", plan.estimate.weights,
                 full_check=True, passes=passes.staged(chunk_feed_forwards=False))
-    del ir_model
     result = run.result
+    functions = result is not None and bool(result.op_type)
     run.graphs[f"{ONNX_SUBDIR}/{ONNX_FILE}"] = {
-        "placement": plan.placement.portable if plan.placement else None, "runtime": "any ONNX runtime (standard ONNX"
-        + (", model-local function)" if result is not None and result.op_type else ")"),
+        "placement": plan.placement.portable if plan.placement else None,
+        "runtime": "ONNX Runtime (standard ONNX with model-local functions: a runtime that does not read ONNX "
+                   f"functions takes {INLINED_GRAPH})" if functions else INLINED_RUNTIME,
         "fused_attention": result.fused_attention if result else 0}
+    if plan.opts.inlined:
+        _inlined_graph(run, ir_model)
+    del ir_model
+
+
+def _inlined_graph(run: Run, ir_model) -> None:
+    """onnx/model_inlined.onnx: the portable graph (`ir_model`, which the portable graph's write left as it was)
+    with its functions inlined (attncal.export.inline), where it has any; else the portable graph is standard
+    ONNX already and the log says so."""
+    plan = run.plan
+    if not function_calls(ir_model):
+        run.log(f"note: no {INLINED_GRAPH}: {ONNX_SUBDIR}/{ONNX_FILE} calls no ONNX function (standard ONNX already)")
+        return
+    run.meter.step("inlined graph")
+    calls = inline_functions(ir_model)
+    run.progress(GRAPHS, f"inlined graph: {calls} function calls inlined into standard ONNX ({INLINED_GRAPH})")
+    write_graph(ir_model, run.tmp / INLINED_GRAPH, run.tmp / ".raw" / "stage-inlined", plan.estimate.weights,
+                full_check=True, passes=passes.staged(chunk_feed_forwards=False))
+    run.graphs[INLINED_GRAPH] = {"placement": plan.placement.portable, "inlined": calls, "runtime": INLINED_RUNTIME,
+                                 "fused_attention": run.result.fused_attention}
 
 
 def _quantize(run: Run) -> None:

@@ -73,7 +73,7 @@ class MemoryEstimate:
 
 
 def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp16: bool = False,
-             quantize: str | None = None) -> MemoryEstimate:
+             quantize: str | None = None, inlined: bool = False) -> MemoryEstimate:
     """The export's per-step peaks for a model whose weights are in `model_dir`, with these options."""
     w = float32_weight_bytes(model_dir)
     steps = {}
@@ -91,9 +91,10 @@ def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp
         steps[TORCHSCRIPT_STEP] = TORCHSCRIPT_INLINE_WEIGHTS
     fixed = {"parity check": PARITY_FIXED, "ONNX Runtime's optimizer": OPTIMIZER_CHILD, NATIVE_PLAIN_STEP: MASK_PROBE_FIXED}
     per = {k: int(RUNTIME_BASE + v * w + fixed.get(k, 0)) for k, v in steps.items()}
-    return MemoryEstimate(weights=w, steps=per, disk=int(DISK_WEIGHTS * w * (0.5 if fp16 else 1)),
+    disk = DISK_WEIGHTS * w * (0.5 if fp16 else 1) + (w if inlined else 0)  # the inlined graph: one more copy
+    return MemoryEstimate(weights=w, steps=per, disk=int(disk),
                           options=dict(model_dir=model_dir, exporter=exporter, optimized=optimized, check=check,
-                                       fp16=fp16, quantize=quantize))
+                                       fp16=fp16, quantize=quantize, inlined=inlined))
 
 
 def _gib(n: int) -> str:

@@ -45,6 +45,9 @@ class ExportOptions:
     check: bool = True
     placement: str = "auto"  # one of PLACEMENTS (attncal.graphs.placements)
     optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
+    # also write onnx/model_inlined.onnx, the portable graph's functions inlined (attncal.export.inline), where
+    # the portable graph has functions (a calibrated export, but --placement split); one more copy of the weights
+    inlined: bool = False
     quantize: str | None = None  # "int8": every written graph quantized (attncal.export.quantize)
     int8_target: str = "auto"  # the CPUs an int8 export is made for: one of INT8_TARGETS (attncal.export.quantize)
     memory_check: bool = True  # refuse before step 1 when the estimate exceeds the memory available (memory_plan)
@@ -165,7 +168,8 @@ class ExportPlan:
         out = Path(out).expanduser().resolve()
         _check_out_dir(out, opts.overwrite)
         estimate = memory_plan.estimate(info.path, exporter=opts.exporter, optimized=opts.optimized,
-                                        check=opts.check, fp16=opts.fp16, quantize=opts.quantize)
+                                        check=opts.check, fp16=opts.fp16, quantize=opts.quantize,
+                                        inlined=opts.inlined and opts.calibrate)
         if opts.memory_check:
             memory_plan.check_fits(estimate, out.parent, optimized=opts.optimized, check=opts.check)
         spec = _resolve_spec(info, opts.pooling_spec)

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import cpuinfo
 from ..artifact import (
+    INLINED_GRAPH,
     METADATA_FILE,
     NATIVE_GRAPH,
     ONNX_FILE,
@@ -33,7 +34,7 @@ from .chunking import Chunker, ChunkedEmbeddings, ChunkOptions
 from .landmarks import PoolingSpec
 from .tokenizer import TransformersTokenizer, load_tokenizer
 
-GRAPHS = ("auto", "portable", "optimized", "native")
+GRAPHS = ("auto", "portable", "optimized", "native", "inlined")
 _ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 
 load_metadata = read_metadata  # the validated attncal.json (ArtifactError when missing or damaged)
@@ -106,6 +107,12 @@ def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]
         if not has_opt:
             raise MissingArtifactError(out_dir / OPTIMIZED_GRAPH, "missing (export without --no-optimized, on a "
                                                                   "BERT-family model)")
+    if graph == "inlined":
+        if not (out_dir / INLINED_GRAPH).exists():
+            raise MissingArtifactError(out_dir / INLINED_GRAPH, "missing (a calibrated export with --inlined writes "
+                                                                "it; without functions, onnx/model.onnx is standard "
+                                                                "ONNX already)")
+        return INLINED_GRAPH
         return OPTIMIZED_GRAPH
     if graph == "auto" and has_native and native_graph_runs(library, providers):
         return NATIVE_GRAPH
@@ -154,10 +161,11 @@ def needs_right_padding(meta: dict, graph_file: str) -> bool:
 
 
 def graph_has_custom_op(meta: dict, graph_file: str) -> bool:
-    """Whether a graph of the export contains ai.attncal ops (every placement but split does)."""
+    """Whether a graph of the export contains ai.attncal ops (every placement but split does, unless inlined)."""
     graphs = meta.get("graphs")
     if isinstance(graphs, dict) and graph_file in graphs:
-        return graphs[graph_file].get("placement") not in (None, "split")
+        entry = graphs[graph_file]
+        return entry.get("placement") not in (None, "split") and not entry.get("inlined")
     return bool(meta.get("op_type"))
 
 

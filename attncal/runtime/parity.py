@@ -31,8 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..artifact import (NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, ArtifactError, config_int, external_data_name,
-                        open_export)
+from ..artifact import (INLINED_GRAPH, NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, ArtifactError, config_int,
+                        external_data_name, open_export)
 from ..calibration.config import CalibrationConfig
 from ..memory import available_bytes, float32_weight_bytes, release_freed_memory
 from ..modelinfo import choose_prompt, forward_kwargs
@@ -300,7 +300,7 @@ def check_parity(
     reference_cache: dict | None = None,
     memory_budget: int | None = None,
 ) -> ParityReport:
-    """Embeddings of the export's `graph` ("auto", "portable", "optimized", "native" or a file such as
+    """Embeddings of the export's `graph` ("auto", "portable", "optimized", "native", "inlined" or a file such as
     "onnx/model_optimized.onnx") against the PyTorch reference.  `reference_cache`: a dict the caller
     keeps across calls on the same export (the exporter checks up to three graphs), so the PyTorch
     reference is computed once.  `batch_size`: the largest batch; `memory_budget`: bytes of attention
@@ -324,7 +324,8 @@ def check_parity(
         raise FileNotFoundError(
             f"reference model {source} not found; pass --reference with the source model directory"
         )
-    graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized", NATIVE_GRAPH: "native"}.get(graph, graph)
+    graph = {PORTABLE_GRAPH: "portable", OPTIMIZED_GRAPH: "optimized", NATIVE_GRAPH: "native",
+             INLINED_GRAPH: "inlined"}.get(graph, graph)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     max_len = meta.get("max_seq_length")
     spec = pooling_spec_of(meta, out)

@@ -4,9 +4,17 @@ Usage: python run_loaders.py EXPORT_DIR TEXTS_JSON OUT_NPZ [GRAPH_FILE]
 
 GRAPH_FILE: the graph under onnx/ to load (default model.onnx), as a user names it to optimum (`file_name`)
 and to sentence-transformers (`model_kwargs={"file_name": ...}`).
+
+Where openvino is installed, sentence-transformers' backend="openvino" (optimum-intel) loads the export's
+standard-ONNX graph too: onnx/model_inlined.onnx where the export has it, else onnx/model.onnx.  It looks for
+openvino*.xml files, so the graph is named with `export: False` (without it, it would export the model from
+PyTorch weights, which an export directory does not hold), and float32 inference is asked for: OpenVINO
+computes in bfloat16 by default on CPUs that have it.
 """
 
+import importlib.util
 import json
+import os
 import sys
 
 import numpy as np
@@ -30,7 +38,14 @@ def main() -> None:
     st = SentenceTransformer(out_dir, backend="onnx", device="cpu",
                              model_kwargs={"file_name": f"onnx/{graph_file}"} if graph_file != "model.onnx" else None)
     st_emb = st.encode(texts, convert_to_numpy=True, normalize_embeddings=False)
-    np.savez(result_file, optimum_hidden=hidden, attention_mask=batch["attention_mask"], st=st_emb)
+    results = dict(optimum_hidden=hidden, attention_mask=batch["attention_mask"], st=st_emb)
+    if importlib.util.find_spec("openvino") is not None:
+        inlined = os.path.exists(f"{out_dir}/onnx/model_inlined.onnx")
+        ov = SentenceTransformer(out_dir, backend="openvino", device="cpu", model_kwargs={
+            "file_name": "onnx/model_inlined.onnx" if inlined else "onnx/model.onnx", "export": False,
+            "ov_config": {"INFERENCE_PRECISION_HINT": "f32"}})
+        results["st_openvino"] = ov.encode(texts, convert_to_numpy=True, normalize_embeddings=False)
+    np.savez(result_file, **results)
 
 
 if __name__ == "__main__":
