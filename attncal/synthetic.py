@@ -112,6 +112,7 @@ def make_config(
         intermediate_size=intermediate or 2 * hidden,
         vocab_size=rows,
         pad_token_id=v["[PAD]"],
+        attn_implementation="eager",
     )
     if arch == "bert":
         cfg = BertConfig(**common, max_position_embeddings=max_positions)
@@ -123,7 +124,7 @@ def make_config(
     elif arch == "distilbert":
         cfg = DistilBertConfig(vocab_size=rows, dim=hidden, n_layers=layers, n_heads=heads,
                                hidden_dim=intermediate or 2 * hidden, max_position_embeddings=max_positions,
-                               pad_token_id=v["[PAD]"])
+                               pad_token_id=v["[PAD]"], attn_implementation="eager")
     elif arch == "t5":
         # The T5 encoder as sentence-t5 / GTR use it: relative position bias (few buckets, so a tiny model's
         # bias varies across the test lengths), no score scaling, gated-GELU feed-forward.
@@ -131,7 +132,7 @@ def make_config(
                        num_layers=layers, num_heads=heads, relative_attention_num_buckets=buckets or 8,
                        relative_attention_max_distance=max_distance or 64, feed_forward_proj="gated-gelu", pad_token_id=v["[PAD]"],
                        eos_token_id=v["[EOS]"], use_cache=False,
-                       architectures=["T5EncoderModel"])
+                       architectures=["T5EncoderModel"], attn_implementation="eager")
     elif arch == "gemma3_text":
         # EmbeddingGemma: bidirectional attention, alternating sliding-window and global layers, GQA.
         cfg = Gemma3TextConfig(
@@ -164,7 +165,6 @@ def make_config(
             bos_token_id=v["[CLS]"],
             eos_token_id=v["[SEP]"],
         )
-    cfg._attn_implementation = "eager"
     return cfg
 
 

@@ -265,28 +265,22 @@ def base_model_of(model: nn.Module) -> nn.Module:
     )
 
 
-def _configs(base: nn.Module) -> list:
-    """Every distinct config object in the model (encoder-only wrappers such as T5EncoderModel may hold copies),
-    so that an attention implementation set on the model reaches every attention module."""
-    seen: dict[int, Any] = {}
-    for m in base.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            seen.setdefault(id(cfg), cfg)
-    return list(seen.values())
+def set_attn_implementation(base: nn.Module, name: str) -> tuple[nn.Module, str | None]:
+    """Switch `base` (a transformers PreTrainedModel) to the attention implementation `name` through its public
+    `set_attn_implementation`, which reaches every sub-model's config (T5's encoder stack holds a copy); returns
+    what to pass to `restore_attn_implementation`.  A model that does not dispatch its attention through
+    transformers' AttentionInterface keeps its own (transformers says so in its log); it computes its softmax
+    itself, which the softmax path hooks."""
+    previous = base.config._attn_implementation
+    if name != previous:
+        base.set_attn_implementation(name)
+    return base, previous
 
 
-def set_attn_implementation(base: nn.Module, name: str | None) -> list[tuple[Any, str | None]]:
-    """Set `name` on every config of `base`; returns what to pass to `restore_attn_implementation`."""
-    saved = [(cfg, cfg._attn_implementation) for cfg in _configs(base)]
-    for cfg, _ in saved:
-        cfg._attn_implementation = name
-    return saved
-
-
-def restore_attn_implementation(saved: list[tuple[Any, str | None]]) -> None:
-    for cfg, name in saved:
-        cfg._attn_implementation = name
+def restore_attn_implementation(saved: tuple[nn.Module, str | None]) -> None:
+    base, previous = saved
+    if previous is not None and base.config._attn_implementation != previous:
+        base.set_attn_implementation(previous)
 
 
 class _ProbeRecord:
@@ -542,7 +536,7 @@ class CalibrationPatch:
         self._modules = mods
         self._active = False
         self._hooks: list[Any] = []
-        self._saved_impl: list[tuple[Any, str | None]] = []
+        self._saved_impl: tuple[nn.Module, str | None] | None = None
         _register()
         for i, mod in enumerate(mods):
             mod._attncal_state = _ModuleState(  # type: ignore[attr-defined]
@@ -597,7 +591,8 @@ class CalibrationPatch:
         for mod in self._modules:
             if hasattr(mod, "_attncal_state"):
                 del mod._attncal_state
-        restore_attn_implementation(self._saved_impl)
+        if self._saved_impl is not None:
+            restore_attn_implementation(self._saved_impl)
         self._active = False
 
     def __enter__(self) -> "CalibrationPatch":
