@@ -113,6 +113,14 @@ def _stream(tensor) -> int | None:
     return torch.cuda.current_stream().cuda_stream if tensor.is_cuda else None
 
 
+def _contiguous(**tensors) -> None:
+    """The launchers take data pointers of dense row-major tensors: a strided view (a head slice, say) would be read
+    as if it were one (on the GPU `.to("cuda")` copies it densely; a CPU tensor passes as it is)."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} is not contiguous: pass .contiguous()")
+
+
 def _check(lib, rc: int, name: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{name} failed ({rc}): {lib.attncal_cuda_last_error().decode()}")
@@ -123,6 +131,7 @@ def launch(lib, probs, out, mask, p, workspace=None, softmax: bool = False) -> N
     probs [B,H,Q,K], mask int64 [B,K], `p` the AttncalParams (params_of); out may be probs (in place)."""
     B, H, Q, K = probs.shape
     stream = _stream(probs)
+    _contiguous(probs=probs, out=out, mask=mask)
     fn = lib.attncal_cuda_softmax_calibrate if softmax else lib.attncal_cuda_calibrate
     rc = fn(DTYPE_CODE[dtype_name(probs.dtype)], probs.data_ptr(), out.data_ptr(), mask.data_ptr(), B, H, Q, K,
             ctypes.byref(p), None if workspace is None else workspace.data_ptr(), stream)
@@ -147,6 +156,7 @@ def attention_launch(lib, q, k, v, mask, out, rc, num_heads: int, scale: float, 
     B, S_q, hidden = q.shape
     S_k = k.shape[1]
     stream = _stream(q)
+    _contiguous(q=q, k=k, v=v, mask=mask, out=out, relative_bias=relative_bias)
     p = params_of(rc)
     # Every geometry field, defaults included: params_of leaves the fields of attributes the calibration op does
     # not take at 0, and a window bound of 0 is a window (the default is -1).
