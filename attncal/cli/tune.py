@@ -1,10 +1,11 @@
 """Should I calibrate this model on my documents, and how? Sweep, decide with intervals, check general retrieval.
 
 Examples:
-  attncal tune MODEL --docs my-docs/ -o tune-out/          # the paper's 24 configurations on your documents
+  attncal tune MODEL --docs my-docs/ -o tune-out/          # a grid fitted to the model and your documents
   attncal tune MODEL --data my-posq -o tune-out/ --general example --shuffled
   attncal tune default --example -o tune-out/              # the real-prose set the demo builds
   attncal tune MODEL --docs my-docs/ --grid grid.yaml --max-begin-loss 0.01 --export -o tune-out/
+  attncal tune MODEL --docs other-docs/ --grid tune-out/candidate.yaml --confirm-only -o held-out/
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and (with --export) the exports")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--grid", default=None,
-                   help="a preset (paper: the paper's 24 configurations, the default; default: the published "
-                   "default alone; strengths: the default at four strengths) or a YAML file of configurations "
-                   "(the format of attncal eval --configs)")
+                   help="a preset (fitted, the default: baskets 1/8, 1/4, 1/2 of the typical passage, λ 0.25-1, "
+                   "last layer and last half, the variants that differ for the model's pooling; paper: the paper's "
+                   "24; default: the published default alone; strengths: the default at four strengths) or a YAML "
+                   "file of configurations (the format of attncal eval --configs)")
     p.add_argument("--baselines", default="", help="comma-separated baselines: sea (Segment Embed Average)")
     rule = p.add_argument_group("the recommendation rule")
     rule.add_argument("--max-begin-loss", type=float, default=None,
@@ -63,10 +65,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rule.add_argument("--tie-margin", type=float, default=None,
                       help="configurations whose ΔHM is within this of the best tie; the lowest PSI wins (default "
                       "0.001)")
+    rule.add_argument("--accept-general-loss", type=float, default=None, metavar="D",
+                      help="with --general: a significant general-retrieval loss of at most D nDCG@10 (point "
+                      "estimate) does not block the recommendation; the decision names the trade (default 0)")
+    rule.add_argument("--min-queries", type=int, default=None, metavar="N",
+                      help="queries per position group each part needs before tune decides (default 60: a "
+                      "held-out ΔHM interval of about ±0.02); fewer is refused with how many more documents would do")
+    rule.add_argument("--confirm-only", action="store_true",
+                      help="the grid was chosen elsewhere (e.g. another run's OUT/candidate.yaml): score it on all "
+                      "the documents, every one held out, with no selection")
     rule.add_argument("--bootstrap", type=int, default=None, metavar="N",
                       help="paired bootstrap resamples of the queries (default 1000)")
-    rule.add_argument("--seed", type=int, default=0, help="seed of the bootstrap, the set's queries and the "
-                      "shuffled sentences (default 0)")
+    rule.add_argument("--seed", type=int, default=0, help="seed of the split by document, the bootstrap, the "
+                      "set's queries and the shuffled sentences (default 0)")
     gen = p.add_argument_group("do no harm on general retrieval")
     gen.add_argument("--general", metavar="DATA",
                      help="a BEIR-layout set (corpus.jsonl, queries.jsonl, qrels/) to score the recommendation and "
@@ -120,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     opts = TuneOptions(configs=configs, labels=labels, grid=grid, baselines=baselines,
                        max_begin_loss=given("max_begin_loss", d.max_begin_loss),
                        tie_margin=given("tie_margin", d.tie_margin), n_resamples=given("bootstrap", d.n_resamples),
+                       accept_general_loss=given("accept_general_loss", d.accept_general_loss),
+                       min_queries=given("min_queries", d.min_queries), confirm_only=args.confirm_only,
                        seed=args.seed, top_k=args.top_k, batch_size=args.batch_size, max_length=args.max_length,
                        cache_dir=None if args.no_cache else args.cache,
                        cache_budget_gib=given("cache_budget", d.cache_budget_gib), general=args.general,
@@ -146,8 +159,17 @@ def _tune_example(args: argparse.Namespace, opts, posq_options) -> dict:
 
 def _print(results: dict, out: Path) -> None:
     rec = results["recommendation"]
+    b = results["bootstrap"]
+    print(f"selection part, family-wise {100 * b['selection_level']:.4g} % intervals "
+          f"({results['grid']['distinct']} distinct of {results['grid']['configurations']} grid rows):")
     sys.stdout.write(delta_table(results["rows"], tuple(results["groups"]), rec["recommended"]))
     print()
+    e = results.get("expected_effect")
+    if e and e["held_out"] is not None:
+        d = e["held_out"]
+        ci = d["ci"] or [float("nan")] * 2
+        print(f"expected effect of {e['label']} (held out): ΔHM {d['delta']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
+    print(rec["bias"]["text"])
     if rec["recommended"]:
         print(f"recommendation: calibrate with {rec['recommended']}: {rec['reason']}")
     else:

@@ -20,7 +20,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .metrics import harmonic_mean, psi
 
 LEVEL = 0.95
 
@@ -62,9 +61,22 @@ def draw_resamples(query_groups: Sequence[str], groups: Sequence[str], n_resampl
 def resampled_stats(values: np.ndarray, resamples: Resamples) -> np.ndarray:
     """[n_resamples, groups + 2]: each resample's group means, then its HM and PSI."""
     means = np.stack([values[idx].mean(axis=1) for idx in resamples.indices], axis=1)
-    hm = [harmonic_mean(list(row)) for row in means]
-    ps = [psi(list(row)) for row in means]
-    return np.column_stack([means, hm, ps])
+    return np.column_stack([means, _harmonic_means(means), _psis(means)])
+
+
+def _harmonic_means(rows: np.ndarray) -> np.ndarray:
+    """`metrics.harmonic_mean` of each row, vectorised (0 where a value is 0): thousands of resamples per
+    configuration at family-wise levels."""
+    with np.errstate(divide="ignore"):
+        inv = np.sum(1.0 / rows, axis=1)
+    return np.where(np.any(rows == 0, axis=1), 0.0, rows.shape[1] / inv)
+
+
+def _psis(rows: np.ndarray) -> np.ndarray:
+    """`metrics.psi` of each row, vectorised (NaN where every value is 0)."""
+    top = rows.max(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(top > 0, 1.0 - rows.min(axis=1) / top, np.nan)
 
 
 def _interval(diffs: np.ndarray, level: float) -> list[float] | None:

@@ -1,8 +1,10 @@
 """The report of `attncal tune`: report.md, results.json and two plots.
 
-report.md leads with the decision and the rule that made it, then the table every configuration is
-judged by (scores, then the deltas with their paired intervals and each one's verdict), the general
-retrieval check, what the sweep cost, and the commands that reproduce the run and take the manual path.
+report.md leads with the decision, the expected effect (the candidate's ΔHM on the documents it was not
+chosen on, the in-sample one beside it) and the rule; then the split, the bias's direction, the grid
+(how many distinct configurations were compared, which rows change nothing or coincide), the selection
+part's table at the family-wise level, the held-out table, the general retrieval check, what the sweeps
+cost, and the commands that reproduce the run and take the manual path.
 """
 
 from __future__ import annotations
@@ -72,13 +74,14 @@ def _general_section(g: dict | None, level: float) -> str:
 def _cost_section(results: dict) -> str:
     t = results["sweep"]
     rows = [r for r in results["rows"] if r.get("run")]
+    held = [r for r in (results.get("held_out") or []) if r.get("run") and r["kind"] != "uncalibrated"]
     lines = ["\n## What the sweep cost\n\n"]
     if t["factor"] is not None:
-        lines.append(f"Encoding the corpus for all {len(rows) - 1} configurations and the uncalibrated model took "
-                     f"{t['encode_s']:.1f} s, **{t['factor']:.2f}x** one uncalibrated encode "
-                     f"({t['uncalibrated_pass_s']:.1f} s, measured in the same run); in CPU time "
-                     f"{t['encode_cpu_s']:.1f} s, {t['factor_cpu']:.2f}x ({t['uncalibrated_pass_cpu_s']:.1f} s). "
-                     f"The whole run took {results['seconds']:.1f} s.\n\n")
+        lines.append(f"Encoding the passages for all {len(rows) - 1} grid rows on the selection part, the candidate "
+                     f"on the confirmation part and the uncalibrated model on both took {t['encode_s']:.1f} s, "
+                     f"**{t['factor']:.2f}x** one uncalibrated encode of all passages ({t['uncalibrated_pass_s']:.1f} "
+                     f"s, measured in the same run); in CPU time {t['encode_cpu_s']:.1f} s, {t['factor_cpu']:.2f}x "
+                     f"({t['uncalibrated_pass_cpu_s']:.1f} s). The whole run took {results['seconds']:.1f} s.\n\n")
     else:
         lines.append(f"Encoding took {t['encode_s']:.1f} s; part of it came from the caches, so it is not compared "
                      "with an uncalibrated encode.\n\n")
@@ -86,12 +89,14 @@ def _cost_section(results: dict) -> str:
     lines.append(f"The model has {t['layers']} layers; configurations start at layer"
                  f"{'s' if len(t['start_layers']) != 1 else ''} {', '.join(map(str, t['start_layers'])) or '-'} "
                  f"{how}.\n\n"
-                 "| configuration | passages calibrated | layers run | seconds | CPU seconds | how |\n"
-                 "|---|---|---|---|---|---|\n")
-    for r in rows:
-        run = r["run"]
-        lines.append(f"| {r['label']} | {run['passages_calibrated']} | {run['layers_run']} | {fmt(run['seconds'])} | "
-                     f"{fmt(run['cpu_seconds'])} | {run['source']} |\n")
+                 "| part | configuration | passages calibrated | layers run | seconds | CPU seconds | how |\n"
+                 "|---|---|---|---|---|---|---|\n")
+    first = "selection" if results.get("held_out") is not None else "all"
+    for part, rs in ((first, rows), ("confirmation", held)):
+        for r in rs:
+            run = r["run"]
+            lines.append(f"| {part} | {r['label']} | {run['passages_calibrated']} | {run['layers_run']} | "
+                         f"{fmt(run['seconds'])} | {fmt(run['cpu_seconds'])} | {run['source']} |\n")
     return "".join(lines)
 
 
@@ -154,29 +159,99 @@ def encode_command(export: dict, out: str | Path) -> str:
     return f"attncal encode {Path(out) / export['calibrated']['dir']} --input CORPUS.jsonl --output INDEX/"
 
 
+def _split_section(results: dict) -> str:
+    sp = results["split"]
+    ds = results["dataset"]
+    parts = sp["parts"]
+    out = ["\n## Documents: selection and confirmation\n\n"]
+    if sp["confirm_only"]:
+        out.append(f"`--confirm-only`: the grid was chosen elsewhere, so all {ds['documents']} documents are held "
+                   "out and nothing is selected here; each configuration's interval is family-wise over the "
+                   "configurations scored.\n\n")
+    else:
+        out.append(f"The {ds['documents']} documents were split by document (seed {sp['seed']}; a document's passages "
+                   "and queries are all in one part): the configurations are compared and the candidate chosen on "
+                   "the selection part, and the candidate alone is scored on the confirmation part.\n\n")
+    counts = sp["minimum"]["queries_per_group"]
+    out.append("| part | documents | passages | " + " | ".join(f"{HEADERS.get(g, g)} queries" for g in results["groups"])
+               + " |\n|" + "---|" * (3 + len(results["groups"])) + "\n")
+    for name, p in parts.items():
+        out.append(f"| {name} | {len(p['documents'])} | {p['passages']} | "
+                   + " | ".join(str(counts[name][g]) for g in results["groups"]) + " |\n")
+    out.append(f"\nA decision needs at least {sp['minimum']['min_queries_per_group']} queries per position group in "
+               f"each part: {sp['minimum']['why']}.\n")
+    return "".join(out)
+
+
+def _grid_section(results: dict) -> str:
+    g = results["grid"]
+    b = results["bootstrap"]
+    out = [f"\n## The grid: {g['configurations']} rows, {g['distinct']} distinct configurations compared\n\n"]
+    if g.get("typical_content_tokens"):
+        out.append(f"The typical passage holds {g['typical_content_tokens']} tokens of content; the baskets are 1/8, "
+                   "1/4 and 1/2 of it.\n\n")
+    if g["no_op"]:
+        out.append(f"No-op rows (they change no passage of the selection part, so they are the uncalibrated model): "
+                   f"{', '.join(f'`{x}`' for x in g['no_op'])}.\n\n")
+    if g["same_as"]:
+        out.append("Rows that give the same embeddings as an earlier one (counted once): "
+                   + ", ".join(f"`{k}` = `{v}`" for k, v in g["same_as"].items()) + ".\n\n")
+    out.append(f"The selection part's intervals are family-wise: {b['family_wise']}, each at "
+               f"{100 * b['selection_level']:.4g} % ({b['selection_resamples']} resamples).\n")
+    return "".join(out)
+
+
+def _held_out_section(results: dict) -> str:
+    rows = results.get("held_out")
+    if not rows or len(rows) < 2:
+        return ""
+    groups = tuple(results["groups"])
+    return (f"\n## Held out: the candidate on the confirmation part ({100 * results['bootstrap']['level']:g} %)\n\n"
+            + delta_table(rows, groups, results["recommendation"]["recommended"]) + "\n"
+            + scores_table(rows, groups))
+
+
+def _expected_line(results: dict) -> str:
+    e = results.get("expected_effect")
+    if not e:
+        return ""
+    b = results["bootstrap"]
+    if e["held_out"] is None:
+        return (f"\nThe closest candidate, `{e['label']}`, was not run on the held-out documents; in sample "
+                f"(selection part, family-wise {100 * b['selection_level']:.4g} %) its ΔHM is {with_ci(e['in_sample'])}.\n")
+    where = "on all documents (held out: chosen elsewhere)" if e["in_sample"] is None else \
+        "on the documents it was not chosen on"
+    line = f"\n**Expected effect** of `{e['label']}` {where}: ΔHM {with_ci(e['held_out'])} ({100 * b['level']:g} %)"
+    if e["in_sample"] is not None:
+        line += (f"; in sample, on the selection part: {with_ci(e['in_sample'])} (family-wise "
+                 f"{100 * b['selection_level']:.4g} %)")
+    return line + ".\n"
+
+
 def markdown(results: dict, out_name: str, set_dir: Path | None) -> str:
     groups = tuple(results["groups"])
     rec = results["recommendation"]
     ds = results["dataset"]
     b = results["bootstrap"]
     head = (f"# attncal tune: {results['model']} on {ds['name']}\n\n"
-            f"{ds['passages']} passages, {ds['queries']} queries ("
+            f"{ds['documents']} documents, {ds['passages']} passages, {ds['queries']} queries ("
             + ", ".join(f"{HEADERS.get(g, g)} {n}" for g, n in ds["queries_per_group"].items())
-            + f"); {results['grid']['configurations']} configurations"
+            + f"); {results['grid']['configurations']} grid rows"
             + (f" ({results['grid']['description']})" if results["grid"]["description"] else "")
-            + f" and the uncalibrated model. Exact top-{results['top_k']} search, nDCG@10 per position group "
-            "(binary relevance), HM = harmonic mean of the groups, PSI = 1 − min/max. Intervals: paired bootstrap, "
-            f"{b['resamples']} resamples of the queries within their group, seed {b['seed']}, "
-            f"{100 * b['level']:g} %.\n\n")
+            + f", {results['grid']['distinct']} distinct, and the uncalibrated model. Exact top-{results['top_k']} "
+            "search within each part, nDCG@10 per position group (binary relevance), HM = harmonic mean of the "
+            "groups, PSI = 1 − min/max. Intervals: paired bootstrap, resamples of the queries within their group, "
+            f"seed {b['seed']}.\n\n")
     if rec["decision"] == DECIDE:
         verdict = f"## Recommendation: calibrate with `{rec['recommended']}`\n\n{rec['reason']}.\n"
-        if rec.get("general_flag"):
-            verdict += f"\n**Flagged on general retrieval:** {rec['general_flag']}.\n"
     else:
         verdict = f"## Recommendation: do not calibrate\n\n{rec['reason']}.\n"
-    text = [head, verdict, f"\nThe rule: {rec['rule']}.\n",
-            "\n## Deltas against the uncalibrated model\n\n", delta_table(results["rows"], groups, rec["recommended"]),
-            "\n## Scores\n\n", scores_table(results["rows"], groups),
+    text = [head, verdict, _expected_line(results), f"\n{rec['bias']['text'][0].upper()}{rec['bias']['text'][1:]}.\n",
+            f"\nThe rule: {rec['rule']}.\n", _split_section(results), _grid_section(results),
+            f"\n## Deltas against the uncalibrated model ({'all documents' if results['split']['confirm_only'] else 'selection part'}, "
+            f"family-wise {100 * b['selection_level']:.4g} %)\n\n",
+            delta_table(results["rows"], groups, rec["recommended"]),
+            "\n## Scores\n\n", scores_table(results["rows"], groups), _held_out_section(results),
             _general_section(results.get("general"), b["level"]),
             truncation_section(results["dataset"]["truncation"], results["rows"], groups),
             _cost_section(results), _export_section(results, out_name), _reproduce(results, set_dir)]
@@ -212,9 +287,10 @@ def plot_delta_hm(rows: list[dict], recommended: str | None, level: float, path:
                     markersize=12 if r["label"] == recommended else 6, color=colour, capsize=3)
     ax.axvline(0.0, color="black", lw=0.8)
     ax.set_yticks(ys, [r["label"] for r in rs], fontsize=7)
-    ax.set_xlabel(f"ΔHM against the uncalibrated model ({100 * level:g} % paired bootstrap interval)")
-    ax.set_title("green: qualifies, orange: significant gain that costs the first group too much, blue: no "
-                 f"significant gain; {'star: recommended' if recommended else 'nothing recommended'}", fontsize=8)
+    ax.set_xlabel(f"ΔHM against the uncalibrated model ({100 * level:.4g} % paired bootstrap interval)")
+    ax.set_title("selection part, family-wise intervals; green: qualifies, orange: significant gain that costs the "
+                 f"first group too much, blue: no significant gain; {'star: recommended' if recommended else 'nothing recommended'}",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -253,12 +329,15 @@ def write_report(tmp: Path, out: Path, results: dict, opts, set_dir: Path | None
     rec = results["recommendation"]
     results["plots"] = {}
     if opts.plots:
-        plot_delta_hm(results["rows"], rec["recommended"], results["bootstrap"]["level"], tmp / PLOT_DELTA)
+        b = results["bootstrap"]
+        plot_delta_hm(results["rows"], rec["recommended"], b["selection_level"], tmp / PLOT_DELTA)
         results["plots"]["ΔHM per configuration"] = PLOT_DELTA
         pick = rec["recommended"] or rec["closest"]
+        held = results.get("held_out") or []
+        rows, level = ((held, b["level"]) if any(r["label"] == pick for r in held)
+                       else (results["rows"], b["selection_level"]))
         if pick is not None:
-            plot_groups(results["rows"], tuple(results["groups"]), pick, results["bootstrap"]["level"],
-                        tmp / PLOT_GROUPS)
+            plot_groups(rows, tuple(results["groups"]), pick, level, tmp / PLOT_GROUPS)
             results["plots"]["nDCG@10 per position group"] = PLOT_GROUPS
     (tmp / REPORT).write_text(markdown(results, str(out), set_dir), encoding="utf-8")
     (tmp / RESULTS).write_text(json.dumps(results, indent=2, default=json_default), encoding="utf-8")
