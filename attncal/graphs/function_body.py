@@ -45,9 +45,11 @@ MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
 class _Builder:
     """Appends nodes with fresh output names; a thin convenience over onnx.helper."""
 
-    def __init__(self) -> None:
+    def __init__(self, parent: "_Builder | None" = None) -> None:
+        """parent: the builder of the graph this one's subgraph sits in; the names continue its count, so a
+        subgraph's values never shadow the outer graph's."""
         self.nodes: list[onnx.NodeProto] = []
-        self._ids = itertools.count()
+        self._ids = parent._ids if parent is not None else itertools.count()
 
     def op(self, op_type: str, *inputs: str, n_out: int = 1, **attrs) -> str:
         outs = [f"t{next(self._ids)}_{op_type}" for _ in range(n_out)]
@@ -293,8 +295,7 @@ class _OwnKey:
         content = b.op("And", self.on, b.op("Not", b.op("Or", own_first, own_last)))
         self.extra_t = b.op("Cast", content, to=f32)
         # The own key zeroed in calibrated rows: [Q,K] diagonal and the calibrated rows.
-        then = _Builder()
-        then._ids = b._ids
+        then = _Builder(b)
         diag = then.op("Equal", then.op("Unsqueeze", pos, b.axes(-1)), then.op("Unsqueeze", pos, b.axes(0)))
         zeroed = then.op("Where", then.op("And", then.op("Unsqueeze", diag, b.axes(0, 1)), row_active), self.zero_f, x)
         self.x_mass = self._if(then, zeroed, x)
@@ -314,8 +315,7 @@ class _OwnKey:
         if not self.all_rows:
             return out
         b = self.b
-        then = _Builder()
-        then._ids = b._ids
+        then = _Builder(b)
         # The value other rows keep at their own key: x·M there, M = coef·P_ext[q] (as `out` computed it).
         m_at = then.op("ReduceSum", then.op("Mul", coef, then.op("Unsqueeze", P_ext, b.axes(1))), b.axes(-1),
                        keepdims=1)
