@@ -63,7 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that also computes the projections (float32 only)")
     p.add_argument("--no-optimized", dest="optimized", action="store_false",
                    help="do not write onnx/model_optimized.onnx (the ORT-optimized graph; written where ONNX "
-                        "Runtime's transformer optimizer fuses every layer's attention)")
+                        "Runtime's transformer optimizer fuses every layer's attention) nor the native graph "
+                        "onnx/model_optimized_native.onnx, which is made from it or, for a model without it, in its "
+                        "place")
     p.add_argument("--inlined", action="store_true",
                    help="also write onnx/model_inlined.onnx: the portable graph with its ai.attncal functions inlined "
                         "into standard ONNX, for runtimes that do not read ONNX functions (OpenVINO); checked like "
