@@ -1,10 +1,14 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Each creates .venv if missing and installs what it needs (CPU torch first,
-# from `pip install torch==2.13.0`, so no dependency can pull a CUDA build).
+# Each creates .venv if missing and installs what it needs (CPU torch first, so no dependency can pull a
+# CUDA build).  PyPI's Linux wheel of torch is the CUDA build; the CPU build, torch 2.13.0+cpu (the one the
+# committed results record), comes from PyTorch's CPU index, which pip prefers for the same version (a local
+# version label sorts after the plain one).  TORCH_INDEX= (empty) installs from pip's configured indexes alone.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH  := torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 # `make test` installs the checkout editable (pure Python; the tests build the native library into
 # build/plugins); `make demo` installs the platform wheel, native library inside, as `pip install .` gives users.
 # Each stamp says which install .venv holds, so switching between the two reinstalls.
@@ -26,7 +30,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml tests/loaders/requirements.txt tests/lowest/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test,export,eval,demo,serving,docs,openvino]'
 	$(PY) -m pip install -q --no-deps --upgrade --target $(OVERLAY) -r tests/loaders/requirements.txt
 	$(PY) -m pip install -q --no-deps --upgrade --target $(LOWEST) -r tests/lowest/requirements.txt
@@ -54,7 +58,7 @@ cross-tools:
 # body, and `attncal demo` prints which one ran.
 $(DEMO_STAMP): pyproject.toml $(wildcard plugins/*.txt plugins/*/*.h plugins/*/*.cc plugins/*/*.cu plugins/*/*.cmake plugins/*/*/*.h plugins/*/*/*.cuh plugins/*/*/*.cc plugins/*/*/*.cu plugins/*/*/*.def)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q '.[demo]' || { \
 	  echo "attncal: building the native kernel library failed (above); installing without it: the demo uses the ONNX function body"; \
 	  $(PY) -m pip install -q '.[demo]' -C wheel.cmake=false; }
