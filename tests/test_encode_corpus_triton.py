@@ -47,3 +47,21 @@ def test_triton_engine_retries_then_fails_loudly(monkeypatch):
     assert sleeps == [0.5, 1.0, 2.0]
     with pytest.raises(TritonEngineError, match="not reachable|not ready"):
         eng.check(32)
+
+
+def test_triton_engine_writes_dimensions_and_precision(exports, encoders, server, tmp_path):  # noqa: F811
+    """--dimensions / --precision on the Triton engine: the client applies them to the server's float embeddings
+    with the functions `Encoder.output` runs, so the bits equal the Encoder's wherever the server's floats and the
+    Encoder's (equal to 1e-5) lie on the same side of a bit's threshold."""
+    texts = [synthetic_text(40 + 5 * i, seed=200 + i) for i in range(30)]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"id": f"t{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    encode_corpus(exports["cal"], src, tmp_path / "out", engine="triton", url=server.grpc_url, model_name="cal",
+                  dimensions=16, precision="ubinary", batch_size=8, show_progress=False)
+    ids, got = read_embeddings(tmp_path / "out")
+    enc = encoders["cal"]
+    floats = enc.encode(texts, batch_size=8, dimensions=16)
+    want = enc.encode(texts, batch_size=8, dimensions=16, precision="ubinary")
+    assert ids == [f"t{i}" for i in range(30)] and got.shape == (30, 2) and got.dtype == np.uint8
+    bits = np.unpackbits(got, axis=1) != np.unpackbits(want, axis=1)
+    assert not (bits & (np.abs(floats) > 1e-4)).any()

@@ -5,10 +5,15 @@ JSONL/CSV/Parquet in, Parquet shards and a manifest out; local paths or object-s
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from ..corpus import encode_corpus
 from ..corpus.ray_engine import RayEngineError
 from ..corpus.triton import TritonEngineError
+from ..messages import first_line
+from ..runtime.chunking import BY, DEFAULT_SIZE, METHODS
+from ..runtime.precision import PRECISIONS
 from .common import CLIError
 
 
@@ -44,6 +49,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="S3-compatible endpoint for s3:// URIs, e.g. http://minio:9000 (default: $AWS_ENDPOINT_URL, "
                         "else AWS); Ray workers get it with the job")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    g = p.add_argument_group("chunks, dimensions and precision (docs/long-documents.md)")
+    g.add_argument("--chunks", choices=METHODS, default=None,
+                   help="one row per chunk of each text, with its character span and window: naive (each chunk "
+                        "encoded alone), late (the text encoded once, in max-length windows; each chunk the mean of "
+                        "its tokens' states), landmark (an LMK export: each chunk's landmark state); local, ray")
+    g.add_argument("--chunk-size", type=int, default=None, metavar="G",
+                   help=f"tokens per chunk (naive, late; default {DEFAULT_SIZE}, or what one model call holds where "
+                        "that is less); with --chunk-by sentence, the most tokens of the sentences packed into one chunk")
+    g.add_argument("--chunk-by", choices=BY, default="tokens", help="cut chunks at G tokens or at sentence ends "
+                                                                    "(default %(default)s)")
+    g.add_argument("--chunk-overlap", type=int, default=0, metavar="O",
+                   help="naive: each chunk's text also holds the O tokens before it; late: each window after the "
+                        "first opens with the O tokens before its first chunk, as context (default 0)")
+    g.add_argument("--dimensions", type=int, default=None, metavar="N",
+                   help="keep the first N dimensions (Matryoshka), normalised again where the model normalises")
+    g.add_argument("--precision", choices=PRECISIONS, default="float32",
+                   help="embedding precision, as sentence-transformers' quantize_embeddings: int8 / uint8 with "
+                        "per-dimension ranges from a seeded corpus sample (recorded in the manifest, reused by "
+                        "--resume), binary / ubinary one bit per dimension (default %(default)s)")
+    g.add_argument("--ranges", default=None, metavar="FILE",
+                   help="int8 / uint8: the ranges to use, from the manifest.json of an earlier run (its "
+                        "output.ranges) or a JSON [[minimums], [maximums]]; needed with --engine ray")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,13 +78,30 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--model names a served model and needs --engine triton")
     if args.engine != "ray" and args.ray_address is not None:
         raise CLIError("--ray-address needs --engine ray")
+    ranges = _read_ranges(args.ranges) if args.ranges else None
     try:
         result = encode_corpus(args.out, args.input, args.output, text_field=args.text_field, id_field=args.id_field,
                                batch_size=args.batch_size, max_length=args.max_length, workers=args.workers,
                                engine=args.engine, resume=args.resume, on_error=args.on_error, url=args.url,
                                model_name=args.model, ray_address=args.ray_address, shard_size=args.shard_size,
-                               window=args.window, s3_endpoint=args.s3_endpoint, show_progress=not args.quiet)
+                               window=args.window, s3_endpoint=args.s3_endpoint, show_progress=not args.quiet,
+                               chunks=args.chunks, chunk_size=args.chunk_size, chunk_by=args.chunk_by,
+                               chunk_overlap=args.chunk_overlap, dimensions=args.dimensions, precision=args.precision,
+                               ranges=ranges)
     except (TritonEngineError, RayEngineError) as exc:
         raise CLIError(str(exc), code=1) from None
     print(result.summary())
     return 0
+
+
+def _read_ranges(path: str) -> list:
+    """int8 ranges from a manifest.json (its output.ranges) or a JSON [[minimums], [maximums]] file."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"--ranges {path}: {first_line(exc)}") from None
+    if isinstance(data, dict):
+        data = (data.get("output") or {}).get("ranges")
+        if data is None:
+            raise CLIError(f"--ranges {path}: the manifest records no int8 / uint8 ranges")
+    return data

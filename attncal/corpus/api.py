@@ -31,16 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from ..artifact import METADATA_FILE, PORTABLE_GRAPH, config_int, load_onnx_checked, read_metadata
+from ..runtime.chunking import ChunkOptions, check_export
 from ..runtime.encoder import planned_graph
+from ..runtime.precision import (RANGE_SAMPLE, RANGE_SEED, SCALAR, check_dimensions, check_precision, check_ranges,
+                                 declared_dimensions, ranges_of, sample_rows)
 from ..versions import DISTRIBUTION, installed
 from .inputs import (BadRow, CorpusInputError, InputFile, Piece, fingerprint, plan_pieces, read_chunks, rebase,
                      resolve_inputs)
-from .local import LocalEngine, windows
+from .local import LocalEngine, load_encoder, windows
 from .progress import Progress
 from .ray_engine import RayEngine
-from .shards import (FORMAT, MANIFEST, OUTPUT_OPTIONS, PIECES, SEQUENTIAL, SKIP_FILE, ShardWriter, config_hash,
-                     load_manifest, remove_temporaries, remove_unlisted, save_manifest, shard_name)
+from .shards import (FORMAT, MANIFEST, OUTPUT_DEFAULTS, OUTPUT_OPTIONS, PIECES, SEQUENTIAL, SKIP_FILE, ShardWriter,
+                     config_hash, load_manifest, remove_temporaries, remove_unlisted, save_manifest, shard_name)
 from .storage import Location, StorageError, check_bucket, explain, fetch_tree, is_uri
 from .triton import TritonEngine
 
@@ -200,7 +205,7 @@ def _prepare_output(out: Location, resume: bool, manifest_new: dict) -> tuple[di
         raise ValueError(f"cannot resume {out}: the input files changed since the run started (their names, sizes "
                          "or modification times differ)")
     for name in OUTPUT_OPTIONS:
-        if existing["options"].get(name) != manifest_new["options"][name]:
+        if existing["options"].get(name, OUTPUT_DEFAULTS.get(name)) != manifest_new["options"][name]:
             raise ValueError(f"cannot resume {out}: {name} was {existing['options'].get(name)!r}, now "
                              f"{manifest_new['options'][name]!r}")
     if existing.get("layout") != manifest_new["layout"]:
@@ -211,6 +216,7 @@ def _prepare_output(out: Location, resume: bool, manifest_new: dict) -> tuple[di
     for s in existing["shards"]:
         if s["file"] not in names:
             raise ValueError(f"cannot resume {out}: complete shard {s['file']} listed in {MANIFEST} is missing")
+    existing.setdefault("output", manifest_new["output"])  # a run of before `output`: float32 rows, same options
     existing["engine"] = manifest_new["engine"]
     existing["runs"] = existing.get("runs", 1) + 1
     return existing, False
@@ -238,6 +244,13 @@ def encode_corpus(
     s3_endpoint: str | None = None,
     providers: Sequence[str] | None = None,
     show_progress: bool = True,
+    chunks: str | None = None,
+    chunk_size: int | None = None,
+    chunk_by: str = "tokens",
+    chunk_overlap: int = 0,
+    dimensions: int | None = None,
+    precision: str = "float32",
+    ranges=None,
 ) -> EncodeResult:
     """Encode every valid row of `input` with the export `model` into Parquet shards under `output`.
 
@@ -247,12 +260,21 @@ def encode_corpus(
     requests (triton) or Encoder actors (ray).  Raises `ValueError` / `FileNotFoundError` /
     `FileExistsError` (subclasses included: `CorpusInputError`, `storage.StorageError`) for bad
     input or an unreachable location; bad input leaves no output behind.
+
+    `chunks` (naive, late, landmark; `chunk_size`, `chunk_by`, `chunk_overlap`) writes one row per chunk
+    (`attncal.runtime.chunking`); `dimensions` and `precision` are `Encoder.output`'s.  int8 / uint8 take
+    `ranges` [2, dimensions] where given, else (local, triton) the ranges of a seeded sample of the corpus
+    (`attncal.runtime.precision.RANGE_SAMPLE` rows, seed `RANGE_SEED`); the manifest records them, and
+    `--resume` reuses them.
     """
     t_start = time.perf_counter()
     opts = {"text_field": text_field, "id_field": id_field, "shard_size": shard_size, "batch_size": batch_size,
             "window": window, "max_length": max_length, "on_error": on_error}
     _check_options(opts, engine, workers)
+    stored = _output_options(chunks, chunk_size, chunk_by, chunk_overlap, dimensions, precision, ranges, engine)
+    opts.update(dimensions=dimensions, precision=precision, chunks=stored["chunks"])
     export, meta = _export(model, s3_endpoint)
+    stored["normalize"] = bool(meta.get("normalize"))
     limit = meta.get("max_seq_length")
     if max_length is not None:
         if engine == "triton":
@@ -279,6 +301,7 @@ def encode_corpus(
         "config_hash": digest,
         "input": {"fingerprint": fingerprint(files), "files": [_file_entry(f) for f in files]},
         "options": opts, "engine": {"name": engine, "workers": workers},
+        "output": stored,
         "layout": PIECES if engine == "ray" else SEQUENTIAL, "rows": None, "skipped": None,
         "skip_file": SKIP_FILE, "skip_list": [], "shards": [], "runs": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -288,6 +311,58 @@ def encode_corpus(
                               show_progress, t_start)
     return _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, engine, workers, url,
                               model_name, providers, show_progress, t_start)
+
+
+def _output_options(chunks, chunk_size, chunk_by, chunk_overlap, dimensions, precision, ranges, engine) -> dict:
+    """The manifest's `output` (dimensions, precision, ranges, chunks), checked as far as it can be without the
+    export (`_check_output` does the rest)."""
+    check_precision(precision)
+    spec = None
+    if chunks is not None:
+        spec = ChunkOptions(chunks, chunk_size, chunk_by, chunk_overlap).to_dict()
+        if engine == "triton":
+            raise ValueError("chunks need the model's token states, which the served ensemble does not return: use "
+                             "--engine local or ray")
+    elif chunk_size is not None or chunk_by != "tokens" or chunk_overlap:
+        raise ValueError("--chunk-size, --chunk-by and --chunk-overlap need --chunks")
+    if ranges is not None and precision not in SCALAR:
+        raise ValueError(f"ranges apply to int8 / uint8, not {precision}")
+    r = None if ranges is None else np.asarray(ranges, dtype=np.float32).tolist()
+    return {"dimensions": dimensions, "precision": precision, "ranges": r, "ranges_sample": None, "chunks": spec}
+
+
+def _check_output(output: dict, local: Path | None, dim: int) -> None:
+    """`output` against the export at `local` (None: a remote export, whose declared Matryoshka dimensions the
+    actors check) and its embedding width `dim`."""
+    check_dimensions(output["dimensions"], dim, declared_dimensions(local) if local is not None else None)
+    if output["ranges"] is not None:
+        check_ranges(output["ranges"], output["dimensions"] or dim, output["precision"])
+
+
+def _sample_ranges(local: Path, files, opts: dict, total: int, output: dict, providers) -> None:
+    """int8 / uint8 ranges from a seeded sample of the valid rows (`attncal.runtime.precision.sample_rows`),
+    encoded by the local Encoder as every engine encodes them, into `output`."""
+    picked = sample_rows(total, RANGE_SAMPLE, RANGE_SEED)
+    want, texts, row = set(picked.tolist()), [], 0
+    for f in files:
+        for c in read_chunks(f, opts["text_field"], opts["id_field"]):
+            texts += [t for k, t in enumerate(c.texts, row) if k in want]
+            row += len(c.ids)
+    enc = load_encoder(str(local), None, opts["max_length"], providers)
+    if output["chunks"] is not None:
+        got = enc.encode_chunks(texts, ChunkOptions(**output["chunks"]), batch_size=opts["batch_size"], errors=[])
+        emb = enc.output(got.vectors, output["dimensions"])
+    else:
+        emb = enc.encode(texts, opts["batch_size"], dimensions=output["dimensions"])
+    output["ranges"] = ranges_of(emb).tolist()
+    output["ranges_sample"] = {"rows": len(texts), "size": RANGE_SAMPLE, "seed": RANGE_SEED,
+                               "vectors": int(len(emb))}
+
+
+def _unchunked(manifest: dict) -> list[dict]:
+    """The rows of a chunked run left out of chunking (on_error skip), as skip-list entries."""
+    return [{"id": u["id"], "error": u["error"], "stage": "chunking"}
+            for sh in manifest["shards"] for u in sh.get("unchunked", ())]
 
 
 def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, engine, workers, url, model_name,
@@ -302,10 +377,17 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
         raise CorpusInputError("the input has no valid rows" + (f" ({len(sc.bad)} bad)" if sc.bad else ""))
     local = _local_export(export, digest)
     dim = _dimension(local, meta)
+    _check_output(fresh["output"], local, dim)
+    if opts["chunks"] is not None:
+        check_export(ChunkOptions(**opts["chunks"]), local, meta, opts["max_length"])
     fresh["model"]["dimension"] = dim
     fresh["input"]["files"] = sc.files
     fresh.update(rows=sc.rows, skipped=len(sc.bad), skip_list=[b.to_dict() for b in sc.bad])
     manifest, _ = _prepare_output(out, resume, fresh)
+    if fresh["output"]["ranges"] is not None and manifest["output"]["ranges"] != fresh["output"]["ranges"]:
+        raise ValueError(f"cannot resume {out}: its int8 ranges differ from the ranges given")
+    if manifest["output"]["precision"] in SCALAR and manifest["output"]["ranges"] is None:
+        _sample_ranges(local, files, opts, sc.rows, manifest["output"], providers)
     done_rows = sum(s["rows"] for s in manifest["shards"])
     if manifest["complete"]:
         return EncodeResult(str(out), engine, done_rows, 0, len(sc.bad), len(manifest["shards"]),
@@ -314,7 +396,9 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
     rows = ((c.ids, c.texts) for f in files for c in read_chunks(f, text_field, id_field))
     batches = windows(rows, done_rows, shard_size, opts["window"])
     if engine == "local":
+        chunk_spec = None if opts["chunks"] is None else {**opts["chunks"], "skip": opts["on_error"] == "skip"}
         eng = LocalEngine(str(local), batch_size=opts["batch_size"], workers=workers, max_length=opts["max_length"],
+                          chunks=chunk_spec,
                           providers=providers)
         stream = eng.encode(batches)
     else:
@@ -323,11 +407,12 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
         stream = eng.encode(batches)
     manifest["engine"] = eng.describe()
 
-    def record(name: str, n: int) -> None:
-        manifest["shards"].append({"file": name, "rows": n, "first_row": done_rows + writer.rows_done - n})
+    def record(name: str, n: int, **extra) -> None:
+        manifest["shards"].append({"file": name, "rows": n, "first_row": done_rows + writer.rows_done - n, **extra})
         save_manifest(out, manifest)
 
-    writer = ShardWriter(out, shard_size, dim, shard_name, record, first=len(manifest["shards"]))
+    writer = ShardWriter(out, shard_size, dim, shard_name, record, first=len(manifest["shards"]),
+                         output=manifest["output"])
     progress = Progress(sc.rows, done_rows, show_progress)
     try:
         try:
@@ -342,6 +427,11 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
         if done_rows + writer.rows_written != sc.rows:
             raise RuntimeError(f"engine {engine} returned {done_rows + writer.rows_written} rows, expected {sc.rows}")
         writer.finish()
+        unchunked = _unchunked(manifest)
+        if unchunked:
+            skip = manifest["skip_list"] + unchunked
+            out.child(SKIP_FILE).write_bytes("".join(json.dumps(b) + "\n" for b in skip).encode())
+            manifest.update(skip_list=skip, skipped=len(skip))
         manifest["complete"] = True
         save_manifest(out, manifest)
     except OSError as exc:
@@ -355,7 +445,7 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
     graph = None
     if engine != "triton":
         graph = planned_graph(local, providers)
-    return EncodeResult(str(out), engine, done_rows + writer.rows_done, progress.rows, len(sc.bad),
+    return EncodeResult(str(out), engine, done_rows + writer.rows_done, progress.rows, manifest["skipped"],
                         len(manifest["shards"]), progress.elapsed, progress.tokens if progress.tokens_known else None,
                         done_rows, manifest, graph)
 
@@ -422,8 +512,9 @@ def _complete(manifest: dict, pieces: list[Piece], done: dict[int, dict]) -> lis
     _listed(manifest, pieces, done)
     for d in manifest["pieces"]:
         d["skipped"] = len(d.pop("bad"))
-    manifest.update(rows=sum(d["rows"] for d in done.values()), skipped=len(skip),
-                    skip_list=[b.to_dict() for b in skip])
+    unchunked = _unchunked(manifest)
+    manifest.update(rows=sum(d["rows"] for d in done.values()), skipped=len(skip) + len(unchunked),
+                    skip_list=[b.to_dict() for b in skip] + unchunked)
     return skip
 
 
@@ -432,6 +523,10 @@ def _encode_pieces(export, digest, files, out, fresh, resume, opts, workers, ray
     """The ray engine: the driver plans and commits; the actors read, encode and write (see the
     module docstring and `ray_engine`)."""
     manifest, is_new = _prepare_output(out, resume, fresh)
+    if manifest["output"]["precision"] in SCALAR and manifest["output"]["ranges"] is None:
+        raise ValueError(f"{manifest['output']['precision']} with the ray engine needs ranges (the driver reads no "
+                         "row of the corpus): pass the ranges of an earlier run (its manifest's output.ranges) or "
+                         "Encoder.quantization_ranges")
     done: dict[int, dict] = {d["piece"]: d for d in manifest.get("pieces", [])}
     done_rows = sum(d["rows"] for d in done.values())
     if manifest["complete"]:
@@ -442,7 +537,7 @@ def _encode_pieces(export, digest, files, out, fresh, resume, opts, workers, ray
     eng = RayEngine(export, digest, out=out, batch_size=opts["batch_size"], window=opts["window"],
                     shard_size=opts["shard_size"], text_field=opts["text_field"], id_field=opts["id_field"],
                     on_error=opts["on_error"], workers=workers, max_length=opts["max_length"], address=ray_address,
-                    num_cpus=ray_num_cpus)
+                    num_cpus=ray_num_cpus, output=manifest["output"])
     written = False  # this run has written a manifest
     progress = None
     try:
@@ -455,6 +550,7 @@ def _encode_pieces(export, digest, files, out, fresh, resume, opts, workers, ray
                 raise ValueError(f"cannot resume {out}: the input's pieces differ from the interrupted run's")
             if manifest["model"]["dimension"] not in (None, info["dimension"]):
                 raise ValueError(f"cannot resume {out}: the export's dimension changed")
+            _check_output(manifest["output"], Path(export.url) if export.is_local else None, info["dimension"])
             manifest.update(plan=plan, engine=eng.describe())
             manifest["model"]["dimension"] = info["dimension"]
             _listed(manifest, pieces, done)
@@ -487,7 +583,7 @@ def _encode_pieces(export, digest, files, out, fresh, resume, opts, workers, ray
         missing = [s["file"] for s in manifest["shards"] if s["file"] not in names]
         if missing:
             raise RuntimeError(f"shard {missing[0]} of a finished piece is missing from {out}")
-        out.child(SKIP_FILE).write_bytes("".join(json.dumps(b.to_dict()) + "\n" for b in skip).encode())
+        out.child(SKIP_FILE).write_bytes("".join(json.dumps(b) + "\n" for b in manifest["skip_list"]).encode())
         manifest["complete"] = True
         save_manifest(out, manifest)
         remove_unlisted(out, manifest)

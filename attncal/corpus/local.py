@@ -19,7 +19,9 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from ..runtime.chunking import ChunkedEmbeddings, ChunkError, ChunkOptions
 from ..runtime.encoder import Encoder
+from .inputs import CorpusInputError
 
 Window = tuple[list[str], list[str]]  # (ids, texts)
 
@@ -62,11 +64,40 @@ def windows(chunks: Iterable[Window], skip: int, shard_size: int, window: int) -
         yield buf_ids, buf_texts
 
 
-def load_encoder(export_dir: str, threads: int | None, max_length: int | None, providers=None):
+def load_encoder(export_dir: str, threads: int | None, max_length: int | None, providers=None,
+                 chunks: dict | None = None):
+    """The Encoder of a run; with `chunks` (the manifest's `chunks`), its `ChunkRows`."""
     enc = Encoder(export_dir, providers=providers, intra_op_threads=threads)
     if max_length is not None:
         enc.max_length = max_length
-    return enc
+    return enc if chunks is None else ChunkRows(enc, chunks)
+
+
+class ChunkRows:
+    """An Encoder that gives each row its chunks (`Encoder.encode_chunks`) for `encode_window`: `chunks` is the
+    run's chunk options with `skip` (on_error skip: a row that cannot be chunked gets no chunk row and is
+    listed, instead of stopping the run)."""
+
+    def __init__(self, encoder: Encoder, chunks: dict) -> None:
+        self.encoder = encoder
+        self.options = ChunkOptions(**{k: chunks[k] for k in ("method", "size", "by", "overlap")})
+        self.skip = bool(chunks.get("skip"))
+
+    def __getattr__(self, name):  # dimension, graph_file, ...: the Encoder's
+        return getattr(self.encoder, name)
+
+    def encode(self, texts: list[str], batch_size: int) -> tuple[ChunkedEmbeddings, int]:
+        """The chunks of one window's texts, float32 (the shard writer applies dimensions and precision);
+        the result's `errors`: (index, one line) of each text left out.  A ChunkError without `skip`."""
+        errors: list | None = [] if self.skip else None
+        got = self.encoder.encode_chunks(texts, self.options, batch_size=batch_size, errors=errors)
+        got.errors = errors or []
+        return got, got.tokens
+
+
+def row_error(exc: ChunkError, ids: list[str]) -> CorpusInputError:
+    """A window's ChunkError as the bad row it names (by its id)."""
+    return CorpusInputError(f"row {ids[exc.index]!r}: {exc.message} (pass --on-error skip to leave such rows out)")
 
 
 class Cancelled(Exception):
@@ -79,6 +110,8 @@ def encode_window(encoder, texts: list[str], batch_size: int,
 
     `cancelled` is asked before each batch, so a stop request waits for one batch, not a whole window
     (a window is thousands of texts)."""
+    if isinstance(encoder, ChunkRows):
+        return encoder.encode(texts, batch_size)
     lengths = encoder.token_lengths(texts)
     order = np.argsort(lengths, kind="stable")[::-1]
     out = np.empty((len(texts), encoder.dimension), dtype=np.float32)
@@ -102,23 +135,32 @@ def tokenizer_threads(threads: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
 
 
-def _init_worker(export_dir: str, threads: int, max_length: int | None, providers) -> None:
+def _init_worker(export_dir: str, threads: int, max_length: int | None, providers, chunks=None) -> None:
     tokenizer_threads(threads)
     global _WORKER_ENCODER
-    _WORKER_ENCODER = load_encoder(export_dir, threads, max_length, providers)
+    _WORKER_ENCODER = load_encoder(export_dir, threads, max_length, providers, chunks)
 
 
 def _work(texts: list[str], batch_size: int) -> tuple[np.ndarray, int]:
     return encode_window(_WORKER_ENCODER, texts, batch_size)
 
 
+def _result(fut, ids: list[str]):
+    try:
+        return fut.result()
+    except ChunkError as exc:
+        raise row_error(exc, ids) from None
+
+
 class LocalEngine:
     name = "local"
 
     def __init__(self, export_dir: str, *, batch_size: int, workers: int = 1, max_length: int | None = None,
-                 providers=None) -> None:
+                 providers=None, chunks: dict | None = None) -> None:
+        """`chunks`: the run's chunk options (`ChunkRows`), None for one vector per row."""
         self.export_dir, self.batch_size, self.workers = str(export_dir), batch_size, workers
         self.max_length, self.providers = max_length, providers
+        self.chunks = chunks
         self.threads = max(1, available_cores() // workers)
 
     def describe(self) -> dict:
@@ -127,24 +169,28 @@ class LocalEngine:
     def encode(self, windows: Iterable[Window]) -> Iterator[tuple[list[str], np.ndarray, int | None]]:
         if self.workers == 1:
             # ORT's default thread count (all cores), exactly like a bare Encoder
-            enc = load_encoder(self.export_dir, None, self.max_length, self.providers)
+            enc = load_encoder(self.export_dir, None, self.max_length, self.providers, self.chunks)
             for ids, texts in windows:
-                emb, tokens = encode_window(enc, texts, self.batch_size)
+                try:
+                    emb, tokens = encode_window(enc, texts, self.batch_size)
+                except ChunkError as exc:
+                    raise row_error(exc, ids) from None
                 yield ids, emb, tokens
             return
         with ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                 initargs=(self.export_dir, self.threads, self.max_length, self.providers)) as pool:
+                                 initargs=(self.export_dir, self.threads, self.max_length, self.providers,
+                                           self.chunks)) as pool:
             pending: deque = deque()
             try:
                 for ids, texts in windows:
                     pending.append((ids, pool.submit(_work, texts, self.batch_size)))
                     while len(pending) >= 2 * self.workers:
                         done_ids, fut = pending.popleft()
-                        emb, tokens = fut.result()
+                        emb, tokens = _result(fut, done_ids)
                         yield done_ids, emb, tokens
                 while pending:
                     done_ids, fut = pending.popleft()
-                    emb, tokens = fut.result()
+                    emb, tokens = _result(fut, done_ids)
                     yield done_ids, emb, tokens
             finally:
                 for _, fut in pending:

@@ -38,9 +38,10 @@ import time
 from collections import Counter, deque
 from typing import Iterator
 
+from ..runtime.chunking import ChunkError
 from . import shards
 from .inputs import InputFile, Piece, lines_before, parquet_layout, read_piece
-from .local import available_cores, encode_window, load_encoder, tokenizer_threads, windows
+from .local import available_cores, encode_window, load_encoder, row_error, tokenizer_threads, windows
 from .shards import ShardWriter, piece_shard_name
 from .storage import Location, fetch_tree
 
@@ -67,7 +68,7 @@ class _PieceWorker:
             tokenizer_threads(spec["threads"])
             export: Location = spec["export"]
             local = export.url if export.is_local else str(fetch_tree(export, spec["digest"]))
-            self.encoder = load_encoder(local, spec["threads"], spec["max_length"])
+            self.encoder = load_encoder(local, spec["threads"], spec["max_length"], chunks=spec.get("chunks"))
         except Exception as exc:  # noqa: BLE001 - raised again by ready()
             self.error = exc
 
@@ -108,13 +109,17 @@ class _PieceWorker:
                 yield ch.ids, ch.texts
 
         writer = ShardWriter(out, s["shard_size"], self.encoder.dimension, lambda j: piece_shard_name(index, j),
-                             lambda name, n: shards.append({"file": name, "rows": n}))
+                             lambda name, n, **extra: shards.append({"file": name, "rows": n, **extra}),
+                             output=s.get("output"))
         tokens = 0
         try:
             for ids, texts in windows(rows(), 0, s["shard_size"], s["window"]):
                 if state["failed"]:
                     break
-                emb, t = encode_window(self.encoder, texts, s["batch_size"], _cancel_requested)
+                try:
+                    emb, t = encode_window(self.encoder, texts, s["batch_size"], _cancel_requested)
+                except ChunkError as exc:
+                    raise row_error(exc, ids) from None
                 tokens += t
                 writer.write(ids, emb)
             if not state["failed"]:
@@ -150,6 +155,12 @@ def _last_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+def _chunks_of(output: dict | None, on_error: str) -> dict | None:
+    """The chunk options of a run's `output` as `load_encoder` takes them (None: one vector per row)."""
+    chunks = (output or {}).get("chunks")
+    return None if chunks is None else {**chunks, "skip": on_error == "skip"}
+
+
 class RayEngine:
     """The actor pool and its scheduling; a context manager (Ray is started, or joined, on entry)."""
 
@@ -158,13 +169,16 @@ class RayEngine:
     def __init__(self, export: Location, digest: str, *, out: Location, batch_size: int, window: int,
                  shard_size: int, text_field: str, id_field: str, on_error: str, workers: int = 1,
                  max_length: int | None = None, address: str | None = None, num_cpus: int | None = None,
-                 cpus_per_worker: int | None = None) -> None:
+                 cpus_per_worker: int | None = None, output: dict | None = None) -> None:
+        """`output`: the manifest's (dimensions, precision, ranges, chunks), which each actor applies."""
         self.workers, self.address = workers, address
         self.num_cpus = num_cpus if num_cpus is not None else (None if address else available_cores())
         self.cpus_per_worker = cpus_per_worker
         self.spec = {"export": export, "digest": digest, "out": out, "batch_size": batch_size, "window": window,
                      "shard_size": shard_size, "text_field": text_field, "id_field": id_field,
-                     "on_error": on_error, "max_length": max_length, "fault_hook": shards.FAULT_HOOK}
+                     "on_error": on_error, "max_length": max_length, "fault_hook": shards.FAULT_HOOK,
+                     "output": output,
+                     "chunks": _chunks_of(output, on_error)}
         self._started = False
         self._starting: dict = {}  # ready() ref -> actor
         self._idle: list = []
