@@ -8,8 +8,8 @@ are there; an `attncal.json` claiming absurd sizes; a tokenizer or graph file fa
 
 Every entry point that applies (`Encoder`, `attncal inspect`, `attncal check`, `attncal triton-repo`, the
 digest and copy readers of attncal.artifact, the int8 quantizer's block reader) must refuse it with one line
-naming the file and the entry, within `SECONDS`, having opened none of the case's targets.  "Not opened" is
-proved two ways: every path Python opens (`open`, `io.open`, `os.open`) is recorded, and the targets outside
+naming the file and the entry, having read at most `READ_LIMIT` bytes and opened none of the case's targets.
+"Not opened" is proved two ways: every path Python opens (`open`, `io.open`, `os.open`) is recorded, and the targets outside
 the export are FIFOs, which a watcher thread sees being opened by anyone, ONNX Runtime's C++ included (a
 reader's open blocks until a writer comes; the watcher's non-blocking open as a writer succeeds only then,
 records it and lets the reader go on, so a regression fails instead of hanging).
@@ -42,7 +42,10 @@ from attncal.serving.repository import RepoOptions, build_repository, validate_r
 from test_artifact import tiny_export
 from test_corruption import _cli
 
-SECONDS = 1.0  # a refusal reads nothing large: it is a few stat calls and the parse of a small graph
+# A refusal reads the tiny export's own small files (graph, attncal.json, config, tokenizer) and nothing of a
+# hostile target, which is gigabytes: the entry points read 125 B to 109 kB each (75 refusals, kernel's rchar,
+# 2026-12-07); 1 MiB is ten times the most and a thousandth of the smallest target.
+READ_LIMIT = 2**20
 TB = 10**12
 _REAL_OS_OPEN = os.open  # the watcher's, untouched by the recording
 
@@ -213,19 +216,26 @@ def _recording_opens():
         yield seen
 
 
-def _refused(call: Callable[[], str], targets: list[Path]) -> tuple[str, float]:
-    """Run `call` (it refuses and returns its one-line message); assert it opened none of `targets` and took
-    under SECONDS; returns (message, seconds)."""
+def _bytes_read() -> int:
+    """The bytes this process has read through read(2) and its kin so far, every thread and library included
+    (the kernel's `rchar` in /proc/self/io)."""
+    text = Path("/proc/self/io").read_text()
+    return int(re.search(r"^rchar: (\d+)$", text, re.MULTILINE).group(1))
+
+
+def _refused(call: Callable[[], str], targets: list[Path]) -> tuple[str, int]:
+    """Run `call` (it refuses and returns its one-line message); assert it opened none of `targets` and read
+    at most READ_LIMIT bytes; returns (message, bytes read)."""
     with _watch_fifos(targets) as fifo_opened, _recording_opens() as seen:
-        t0 = time.perf_counter()
+        before = _bytes_read()
         message = call()
-        seconds = time.perf_counter() - t0
+        read = _bytes_read() - before
     real = {os.path.realpath(p) for p in targets}
     opened = [p for p in seen if os.path.realpath(p) in real]
     assert not fifo_opened and not opened, f"opened {fifo_opened or opened}"
     assert "\n" not in message, message
-    assert seconds < SECONDS, f"{seconds:.2f} s: {message}"
-    return message, seconds
+    assert read <= READ_LIMIT, f"read {read:,} bytes: {message}"
+    return message, read
 
 
 def _raises(call: Callable[[], object]) -> Callable[[], str]:
@@ -404,6 +414,20 @@ def test_the_untampered_export_passes_every_reader(external, tmp_path, capsys):
     load_onnx_checked(tmp_path / "copy" / "model.onnx", require_digest=True)
     open_export(d)
     capsys.readouterr()
+
+
+def test_the_read_limit_sees_a_large_read(tmp_path):
+    """A refusal that read more than READ_LIMIT bytes fails, whoever read them."""
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (2 * READ_LIMIT))
+
+    def reads_it() -> str:
+        big.read_bytes()
+        return "refused"
+
+    assert _refused(lambda: "refused", [])[1] <= READ_LIMIT
+    with pytest.raises(AssertionError, match="read .* bytes: refused"):
+        _refused(reads_it, [])
 
 
 def test_the_fifo_watcher_sees_a_reader(outside):
