@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from attncal.runtime.chunking import ChunkOptions
+from attncal.runtime.precision import normalise
 from attncal.runtime.encoder import Encoder
 from attncal.synthetic import synthetic_text
 from support.chunk_exports import CALIBRATION, MAX_LENGTH, chunk_export
@@ -122,8 +123,6 @@ def test_sentence_chunks_end_at_sentence_ends(tmp_path_factory):
 
 
 def test_landmark_chunks_are_the_landmark_states(tmp_path_factory):
-    from attncal.runtime.chunking import _normalise
-
     enc = Encoder(chunk_export(tmp_path_factory, every=8)[0], providers=CPU)
     short, long = synthetic_text(30, seed=4), synthetic_text(300, seed=5)
     got = enc.encode_chunks([short, long], "landmark")
@@ -131,9 +130,9 @@ def test_landmark_chunks_are_the_landmark_states(tmp_path_factory):
     hidden, emb = enc.run(feeds)
     marks = np.flatnonzero(feeds["input_ids"][0] == enc.pooling_spec.token_id)
     assert len(marks) == len(got.vectors[got.of(0)]) > 1
-    np.testing.assert_allclose(got.vectors[got.of(0)], _normalise(hidden[0, marks]), atol=1e-6)
+    np.testing.assert_allclose(got.vectors[got.of(0)], normalise(hidden[0, marks]), atol=1e-6)
     # the whole-text embedding of an LMK export is the mean of these landmark states
-    np.testing.assert_allclose(_normalise(hidden[0, marks].mean(0, keepdims=True)), emb, atol=1e-6)
+    np.testing.assert_allclose(normalise(hidden[0, marks].mean(0, keepdims=True)), emb, atol=1e-6)
     assert got.window[got.of(1)].max() >= 2 and len(got.vectors[got.of(1)]) == int(np.ceil(
         len(enc._chunker._texts([long])[0].ids) / 8))
 

@@ -41,11 +41,11 @@ from typing import Sequence
 import numpy as np
 
 from .landmarks import SENTENCE, Template, sentence_ends
+from .precision import normalise
 
 METHODS = ("naive", "late", "landmark")
 BY = ("tokens", "sentence")
 DEFAULT_SIZE = 128
-_NORM_EPS = 1e-12
 
 
 class ChunkError(ValueError):
@@ -123,11 +123,6 @@ class _Text:
     chunks: list[tuple[int, int]] = field(default_factory=list)  # token ranges (own tokens)
 
 
-def _normalise(x: np.ndarray) -> np.ndarray:
-    norm = np.sqrt((x * x).sum(-1, keepdims=True, dtype=np.float32))
-    return x / np.maximum(norm, np.float32(_NORM_EPS))
-
-
 def check_options(options: ChunkOptions, budget: int | None, max_length: int | None, spec) -> None:
     """ValueError (one line) for chunk options an export cannot run: `budget` content tokens per model call
     (`Chunker.budget`, None: no max length), `spec` its landmark pooling (a PoolingSpec, or None)."""
@@ -188,9 +183,13 @@ class Chunker:
 
     # -- tokens and chunks -------------------------------------------------------------------------
 
+    def _plain(self, texts: list[str], add_special_tokens: bool, offsets: bool) -> list:
+        with self.encoder._tokenizer_lock:  # HF fast tokenizers are not safe to call concurrently
+            return self._encode(texts, add_special_tokens, offsets)
+
     def _texts(self, texts: Sequence[str]) -> list[_Text]:
         out = []
-        for i, (text, (ids, types, offsets)) in enumerate(zip(texts, self._encode(list(texts), False, True))):
+        for i, (text, (ids, types, offsets)) in enumerate(zip(texts, self._plain(list(texts), False, True))):
             if not text.strip():
                 raise ChunkError(i, "is empty")
             keep = [k for k, t in enumerate(ids) if t not in self.special]
@@ -290,7 +289,7 @@ class Chunker:
     def _prompt_ids(self, prompt: str | None) -> list[int]:
         if not prompt:
             return []
-        (ids, _, _), = self._encode([prompt], False, False)
+        (ids, _, _), = self._plain([prompt], False, False)
         return [x for x in ids if x not in self.special]
 
     def _late_windows(self, t: _Text, options: ChunkOptions, budget: int | None):
@@ -386,7 +385,7 @@ class Chunker:
         dim = self.encoder.dimension
         vectors = np.stack([r[5] for r in records]).astype(np.float32) if records else np.zeros((0, dim), np.float32)
         if self.encoder.normalize and len(vectors):
-            vectors = _normalise(vectors)
+            vectors = normalise(vectors)
         cols = [np.array([r[j] for r in records], dtype=np.int64) for j in range(5)]
         return ChunkedEmbeddings(*cols, vectors=vectors, tokens=tokens, windows=windows)
 
@@ -416,11 +415,18 @@ class Chunker:
                 pieces.append(t.text[s:e])
                 meta.append((t.index, k, k, s, e))
         if pieces and self.encoder.max_length is not None:  # a chunk's own text may tokenize otherwise
-            n_prompt = len(self._prompt_ids(prompt))
-            for (ids, _, _), m in zip(self._encode(pieces, True, False), meta):
-                if len(ids) + n_prompt > self.encoder.max_length:
-                    raise ChunkError(m[0], f"chunk {m[1]} tokenizes to {len(ids)} tokens on its own, more than the "
-                                           f"max length {self.encoder.max_length}; use a smaller chunk size")
+            n_prompt, limit = len(self._prompt_ids(prompt)), self.encoder.max_length
+            failed: set[int] = set()
+            for (ids, _, _), m in zip(self._plain(pieces, True, False), meta):
+                if len(ids) + n_prompt > limit and m[0] not in failed:
+                    exc = ChunkError(m[0], f"chunk {m[1]} tokenizes to {len(ids)} tokens on its own, more than the max "
+                                           f"length {limit}; use a smaller chunk size")
+                    if errors is None:
+                        raise exc
+                    errors.append((m[0], str(exc)))
+                    failed.add(m[0])
+            keep = [j for j, m in enumerate(meta) if m[0] not in failed]
+            pieces, meta = [pieces[j] for j in keep], [meta[j] for j in keep]
         vectors = (self.encoder.encode(pieces, batch_size, prompt=prompt or "") if pieces
                    else np.zeros((0, self.encoder.dimension), np.float32))
         lengths = self.encoder.token_lengths(pieces) if pieces else []

@@ -80,10 +80,13 @@ def truncate(emb: np.ndarray, dimensions: int | None, normalize: bool) -> np.nda
     if dimensions is None or dimensions == emb.shape[-1]:
         return emb
     out = np.ascontiguousarray(emb[..., :dimensions])
-    if normalize:
-        norm = np.sqrt((out * out).sum(-1, keepdims=True, dtype=np.float32))
-        out = out / np.maximum(norm, np.float32(_NORM_EPS))
-    return out
+    return normalise(out) if normalize else out
+
+
+def normalise(x: np.ndarray) -> np.ndarray:
+    """Each row over max(its L2 norm, 1e-12), in float32: the exported graph's normalisation."""
+    norm = np.sqrt((x * x).sum(-1, keepdims=True, dtype=np.float32))
+    return x / np.maximum(norm, np.float32(_NORM_EPS))
 
 
 def check_ranges(ranges, width: int, precision: str) -> np.ndarray:
