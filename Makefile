@@ -24,7 +24,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test bench-core plugins gpu-check serving-env cross-tools install wheel clean
+.PHONY: demo test bench-core plugins gpu-check simt-tsan serving-env cross-tools install wheel clean
 
 install: $(STAMP)
 
@@ -94,6 +94,11 @@ gpu-check: $(STAMP)
 	@mkdir -p results
 	$(PY) -m pytest -q -m gpu -rs tests/gpu --junitxml=results/gpu_tests.xml; status=$$?; \
 	$(PY) benchmarks/gpu_check.py --json results/gpu_check.json || status=1; exit $$status
+
+# The CUDA simulator's kernels (tests/simt) under ThreadSanitizer, at small shapes: opt-in, it takes minutes; the
+# test fails on any report.  `make test` runs the simulator without it.
+simt-tsan: $(STAMP)
+	SIMT_TSAN=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/simt/test_simt_tsan.py
 
 bench-core: $(STAMP)
 	$(PY) benchmarks/calibration_overhead.py

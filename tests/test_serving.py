@@ -36,6 +36,9 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 MAX_LEN = 64
 MAX_BATCH = 16
+# The "held" model's dynamic batcher waits this long for a preferred batch (4, 8 or 16 requests): 4 requests
+# sent at once are one batch of 4 unless one of them is this late, so its batching does not depend on timing.
+HOLD_US = 30_000_000
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,6 +83,7 @@ def repo(exports, tmp_path_factory):
     path = tmp_path_factory.mktemp("serving") / "repo"
     build_repository(exports["cal"], path, RepoOptions(name="cal", max_batch=MAX_BATCH, max_queue_delay_us=5000))
     build_repository(exports["raw"], path, RepoOptions(name="raw", max_batch=MAX_BATCH, max_queue_delay_us=5000))
+    build_repository(exports["cal"], path, RepoOptions(name="held", max_batch=MAX_BATCH, max_queue_delay_us=HOLD_US))
     return path
 
 
@@ -401,6 +405,7 @@ def test_load_dynamic_batching(server, encoders):
         finally:
             c.close()
 
+    before = {m: _inference_stats(server, m) for m in ("cal-encoder", "raw-encoder")}
     t0 = time.monotonic()
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(clients)]
     for t in threads:
@@ -411,18 +416,62 @@ def test_load_dynamic_batching(server, encoders):
     assert not any(t.is_alive() for t in threads), "load clients did not finish in time"
     assert errors == [] and wrong == []
     assert sum(done) == clients * per_client
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        sizes = {}
-        for m in ("cal-encoder", "raw-encoder"):
-            stats = c.get_inference_statistics(model_name=m, as_json=True)["model_stats"][0]
-            sizes[m] = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats["batch_stats"]}
-    finally:
-        c.close()
+    sent = {"cal-encoder": sum(1 for k in range(clients) for r in range(per_client) if (k + r) % 2),
+            "raw-encoder": sum(1 for k in range(clients) for r in range(per_client) if not (k + r) % 2)}
+    sizes = {}
+    for m, (requests, batches) in before.items():
+        after_requests, after_batches = _inference_stats(server, m)
+        sizes[m] = {size: n - batches.get(size, 0) for size, n in after_batches.items() if n > batches.get(size, 0)}
+        # The server's own account: every request ran once, in batches of at most MAX_BATCH (how many it
+        # batched together depends on the scheduler; test_dynamic_batcher_batches_queued_requests decides that).
+        assert after_requests - requests == sent[m], (m, after_requests - requests, sent[m])
+        assert sum(size * n for size, n in sizes[m].items()) == sent[m], (m, sizes[m])
+        assert max(sizes[m]) <= MAX_BATCH, (m, sizes[m])
     print(f"\nload: {sum(done)} requests in {elapsed:.1f} s ({sum(done) / elapsed:.0f} req/s); "
           f"encoder batch sizes {sizes}")
-    for m, hist in sizes.items():
-        assert max(hist) > 1, f"{m} never batched: {hist}"
+
+
+def _inference_stats(server, model: str) -> tuple[int, dict[int, int]]:
+    """(requests the server has run on `model`, {batch size: executions of that size}) from its statistics."""
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        stats = c.get_inference_statistics(model_name=model, as_json=True)["model_stats"][0]
+    finally:
+        c.close()
+    return (int(stats.get("inference_count", 0)),
+            {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])})
+
+
+def test_dynamic_batcher_batches_queued_requests(server, encoders):
+    """Four requests sent at once to the "held" model, whose batcher waits HOLD_US for a preferred batch of 4:
+    the server's statistics show them run as one batch of 4, each answer the Encoder's."""
+    texts = [f"request {k}: " + "word " * (3 + 5 * k) for k in range(4)]
+    expected = encoders["cal"].encode(texts)
+    _, before = _inference_stats(server, "held-encoder")
+    barrier = threading.Barrier(len(texts))
+    got: dict[int, np.ndarray] = {}
+
+    def send(k: int) -> None:
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            inp = grpcclient.InferInput("text", [1, 1], "BYTES")
+            inp.set_data_from_numpy(np.array([[texts[k].encode()]], dtype=object))
+            barrier.wait(timeout=30)
+            got[k] = c.infer("held", [inp], client_timeout=2 * HOLD_US / 1e6).as_numpy("sentence_embedding")[0]
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=send, args=(k,), daemon=True) for k in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=2 * HOLD_US / 1e6 + 30)
+    assert sorted(got) == list(range(len(texts)))
+    for k, emb in got.items():
+        assert np.abs(emb - expected[k]).max() <= TOL
+    _, after = _inference_stats(server, "held-encoder")
+    new = {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
+    assert new == {4: 1}, f"the held model ran {new} (batch size: executions), not one batch of 4"
 
 
 def test_faults_get_errors_and_server_keeps_serving(server, encoders):
