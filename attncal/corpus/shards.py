@@ -32,6 +32,7 @@ import numpy as np
 
 from ..artifact import METADATA_FILE
 from ..runtime import precision as _precision
+from ..runtime.chunking import ChunkedEmbeddings
 from .storage import TEMP_SUFFIX, Location, explain
 
 MANIFEST = "manifest.json"
@@ -237,8 +238,6 @@ class ShardWriter:
                 self._commit()
 
     def _write_chunks(self, ids: list[str], chunks) -> None:
-        from ..runtime.chunking import ChunkedEmbeddings  # lazy: runtime imports onnxruntime
-
         if not isinstance(chunks, ChunkedEmbeddings) or chunks.vectors.shape[1:] != (self.dim,):
             raise RuntimeError(f"engine returned {type(chunks).__name__} for a chunked run of dimension {self.dim}")
         failed = dict(chunks.errors)

@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .landmarks import SENTENCE, Template, sentence_ends
+from ..modelinfo import choose_prompt, read_prompts
+from .landmarks import SENTENCE, PoolingSpec, Template, sentence_ends
 from .precision import normalise
+from .tokenizer import load_tokenizer
 
 METHODS = ("naive", "late", "landmark")
 BY = ("tokens", "sentence")
@@ -150,12 +153,6 @@ def resolved_size(options: ChunkOptions, budget: int | None) -> int:
 def check_export(options: ChunkOptions, export_dir, meta: dict, max_length: int | None = None) -> None:
     """`check_options` for the export at `export_dir` (attncal.json `meta`) without loading its graph: what
     `attncal encode` checks before it writes anything.  `max_length`: the run's (None: the export's)."""
-    from pathlib import Path
-
-    from ..modelinfo import choose_prompt, read_prompts
-    from .landmarks import PoolingSpec
-    from .tokenizer import load_tokenizer
-
     limit = max_length or meta.get("max_seq_length")
     base = load_tokenizer(Path(export_dir), meta.get("tokenizer"), limit, meta.get("padding_side", "right"))
     encode, _, _ = base.plain()
