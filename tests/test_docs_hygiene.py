@@ -35,7 +35,7 @@ INTERNAL = re.compile("|".join([
     rf"project's {_S}s",
     rf"\b{_S} [0-9]+\b",
     r"\b(yesterday|tomorrow)\b",
-    r"\btoday('s)?\b",
+    r"(?<!\.)\btoday('s)?\b",  # not date.today()
     r"closing note of",
 ]), re.IGNORECASE)
 
