@@ -13,6 +13,7 @@ from ..corpus.ray_engine import RayEngineError
 from ..corpus.triton import TritonEngineError
 from ..messages import first_line
 from ..runtime.chunking import BY, DEFAULT_SIZE, METHODS
+from ..runtime.encoder import DEFAULT_MAX_BATCH_TOKENS
 from ..runtime.precision import PRECISIONS
 from .common import CLIError
 
@@ -28,7 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output directory (local path or URI) for shards and manifest.json")
     p.add_argument("--text-field", default="text", help="field holding the passage (default %(default)s)")
     p.add_argument("--id-field", default="id", help="field holding the id, written as a string (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=32, help="texts per model call (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="texts per model call, at most (default %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, metavar="N",
+                   help="local, ray: at most N padded tokens per model call (texts x the longest), which bounds its "
+                        "memory; long texts go fewer at a time (default %(default)s; the triton server batches "
+                        "by its own settings)")
     p.add_argument("--max-length", type=int, default=None, help="truncate to N tokens (default: the export's)")
     p.add_argument("--workers", type=int, default=1,
                    help="local: worker processes; triton: concurrent requests; ray: Encoder actors (default 1)")
@@ -81,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     ranges = _read_ranges(args.ranges) if args.ranges else None
     try:
         result = encode_corpus(args.out, args.input, args.output, text_field=args.text_field, id_field=args.id_field,
-                               batch_size=args.batch_size, max_length=args.max_length, workers=args.workers,
+                               batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
+                               max_length=args.max_length, workers=args.workers,
                                engine=args.engine, resume=args.resume, on_error=args.on_error, url=args.url,
                                model_name=args.model, ray_address=args.ray_address, shard_size=args.shard_size,
                                window=args.window, s3_endpoint=args.s3_endpoint, show_progress=not args.quiet,

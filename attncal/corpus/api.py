@@ -35,7 +35,7 @@ import numpy as np
 
 from ..artifact import METADATA_FILE, PORTABLE_GRAPH, config_int, load_onnx_checked, read_metadata
 from ..runtime.chunking import ChunkOptions, check_export
-from ..runtime.encoder import planned_graph
+from ..runtime.encoder import DEFAULT_MAX_BATCH_TOKENS, planned_graph
 from ..runtime.precision import (RANGE_SAMPLE, RANGE_SEED, SCALAR, check_dimensions, check_precision, check_ranges,
                                  declared_dimensions, ranges_of, sample_rows)
 from ..versions import DISTRIBUTION, installed
@@ -166,8 +166,9 @@ def _file_entry(f: InputFile) -> dict:
 
 
 def _check_options(opts: dict, engine: str, workers: int) -> None:
-    for name in ("batch_size", "shard_size", "window"):
-        if not isinstance(opts[name], int) or opts[name] < 1:
+    for name in ("batch_size", "shard_size", "window", "max_batch_tokens"):
+        if (name != "max_batch_tokens" or opts[name] is not None) and (
+                isinstance(opts[name], bool) or not isinstance(opts[name], int) or opts[name] < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {opts[name]!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
@@ -230,6 +231,7 @@ def encode_corpus(
     text_field: str = "text",
     id_field: str = "id",
     batch_size: int = 32,
+    max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
     max_length: int | None = None,
     workers: int = 1,
     engine: str = "local",
@@ -269,7 +271,8 @@ def encode_corpus(
     """
     t_start = time.perf_counter()
     opts = {"text_field": text_field, "id_field": id_field, "shard_size": shard_size, "batch_size": batch_size,
-            "window": window, "max_length": max_length, "on_error": on_error}
+            "max_batch_tokens": max_batch_tokens if engine != "triton" else None, "window": window,
+            "max_length": max_length, "on_error": on_error}
     _check_options(opts, engine, workers)
     stored = _output_options(chunks, chunk_size, chunk_by, chunk_overlap, dimensions, precision, ranges, engine)
     opts.update(dimensions=dimensions, precision=precision, chunks=stored["chunks"])
@@ -399,7 +402,7 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
         chunk_spec = None if opts["chunks"] is None else {**opts["chunks"], "skip": opts["on_error"] == "skip"}
         eng = LocalEngine(str(local), batch_size=opts["batch_size"], workers=workers, max_length=opts["max_length"],
                           chunks=chunk_spec,
-                          providers=providers)
+                          providers=providers, max_batch_tokens=opts["max_batch_tokens"])
         stream = eng.encode(batches)
     else:
         eng = TritonEngine(url, model_name, batch_size=opts["batch_size"], concurrency=workers)
@@ -537,7 +540,7 @@ def _encode_pieces(export, digest, files, out, fresh, resume, opts, workers, ray
     eng = RayEngine(export, digest, out=out, batch_size=opts["batch_size"], window=opts["window"],
                     shard_size=opts["shard_size"], text_field=opts["text_field"], id_field=opts["id_field"],
                     on_error=opts["on_error"], workers=workers, max_length=opts["max_length"], address=ray_address,
-                    num_cpus=ray_num_cpus, output=manifest["output"])
+                    num_cpus=ray_num_cpus, max_batch_tokens=opts["max_batch_tokens"], output=manifest["output"])
     written = False  # this run has written a manifest
     progress = None
     try:

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from ..runtime.chunking import ChunkedEmbeddings, ChunkError, ChunkOptions
-from ..runtime.encoder import Encoder
+from ..runtime.encoder import Encoder, length_batches
 from .inputs import CorpusInputError
 
 Window = tuple[list[str], list[str]]  # (ids, texts)
@@ -105,20 +105,20 @@ class Cancelled(Exception):
 
 
 def encode_window(encoder, texts: list[str], batch_size: int,
-                  cancelled: Callable[[], bool] | None = None) -> tuple[np.ndarray, int]:
-    """(embeddings [n, D] in input order, number of tokens) of one window, batches sorted by length.
+                  cancelled: Callable[[], bool] | None = None,
+                  max_batch_tokens: int | None = None) -> tuple[np.ndarray, int]:
+    """(embeddings [n, D] in input order, number of tokens) of one window, batches sorted by length and cut
+    as `Encoder.encode` cuts them (`attncal.runtime.encoder.length_batches`).
 
     `cancelled` is asked before each batch, so a stop request waits for one batch, not a whole window
     (a window is thousands of texts)."""
     if isinstance(encoder, ChunkRows):
         return encoder.encode(texts, batch_size)
     lengths = encoder.token_lengths(texts)
-    order = np.argsort(lengths, kind="stable")[::-1]
     out = np.empty((len(texts), encoder.dimension), dtype=np.float32)
-    for i in range(0, len(texts), batch_size):
+    for idx in length_batches(lengths, batch_size, max_batch_tokens):
         if cancelled is not None and cancelled():
             raise Cancelled
-        idx = order[i : i + batch_size]
         _, emb = encoder.run(encoder.tokenize([texts[j] for j in idx]))
         out[idx] = emb
     return out, int(sum(lengths))
@@ -141,8 +141,8 @@ def _init_worker(export_dir: str, threads: int, max_length: int | None, provider
     _WORKER_ENCODER = load_encoder(export_dir, threads, max_length, providers, chunks)
 
 
-def _work(texts: list[str], batch_size: int) -> tuple[np.ndarray, int]:
-    return encode_window(_WORKER_ENCODER, texts, batch_size)
+def _work(texts: list[str], batch_size: int, max_batch_tokens: int | None) -> tuple[np.ndarray, int]:
+    return encode_window(_WORKER_ENCODER, texts, batch_size, max_batch_tokens=max_batch_tokens)
 
 
 def _result(fut, ids: list[str]):
@@ -156,15 +156,17 @@ class LocalEngine:
     name = "local"
 
     def __init__(self, export_dir: str, *, batch_size: int, workers: int = 1, max_length: int | None = None,
-                 providers=None, chunks: dict | None = None) -> None:
+                 providers=None, max_batch_tokens: int | None = None, chunks: dict | None = None) -> None:
         """`chunks`: the run's chunk options (`ChunkRows`), None for one vector per row."""
         self.export_dir, self.batch_size, self.workers = str(export_dir), batch_size, workers
+        self.max_batch_tokens = max_batch_tokens
         self.max_length, self.providers = max_length, providers
         self.chunks = chunks
         self.threads = max(1, available_cores() // workers)
 
     def describe(self) -> dict:
-        return {"name": self.name, "workers": self.workers, "threads_per_worker": self.threads}
+        return {"name": self.name, "workers": self.workers, "threads_per_worker": self.threads,
+                "max_batch_tokens": self.max_batch_tokens}
 
     def encode(self, windows: Iterable[Window]) -> Iterator[tuple[list[str], np.ndarray, int | None]]:
         if self.workers == 1:
@@ -172,7 +174,7 @@ class LocalEngine:
             enc = load_encoder(self.export_dir, None, self.max_length, self.providers, self.chunks)
             for ids, texts in windows:
                 try:
-                    emb, tokens = encode_window(enc, texts, self.batch_size)
+                    emb, tokens = encode_window(enc, texts, self.batch_size, max_batch_tokens=self.max_batch_tokens)
                 except ChunkError as exc:
                     raise row_error(exc, ids) from None
                 yield ids, emb, tokens
@@ -183,7 +185,7 @@ class LocalEngine:
             pending: deque = deque()
             try:
                 for ids, texts in windows:
-                    pending.append((ids, pool.submit(_work, texts, self.batch_size)))
+                    pending.append((ids, pool.submit(_work, texts, self.batch_size, self.max_batch_tokens)))
                     while len(pending) >= 2 * self.workers:
                         done_ids, fut = pending.popleft()
                         emb, tokens = _result(fut, done_ids)

@@ -117,7 +117,8 @@ class _PieceWorker:
                 if state["failed"]:
                     break
                 try:
-                    emb, t = encode_window(self.encoder, texts, s["batch_size"], _cancel_requested)
+                    emb, t = encode_window(self.encoder, texts, s["batch_size"], _cancel_requested,
+                                          s.get("max_batch_tokens"))
                 except ChunkError as exc:
                     raise row_error(exc, ids) from None
                 tokens += t
@@ -169,7 +170,8 @@ class RayEngine:
     def __init__(self, export: Location, digest: str, *, out: Location, batch_size: int, window: int,
                  shard_size: int, text_field: str, id_field: str, on_error: str, workers: int = 1,
                  max_length: int | None = None, address: str | None = None, num_cpus: int | None = None,
-                 cpus_per_worker: int | None = None, output: dict | None = None) -> None:
+                 cpus_per_worker: int | None = None, max_batch_tokens: int | None = None,
+                 output: dict | None = None) -> None:
         """`output`: the manifest's (dimensions, precision, ranges, chunks), which each actor applies."""
         self.workers, self.address = workers, address
         self.num_cpus = num_cpus if num_cpus is not None else (None if address else available_cores())
@@ -177,7 +179,7 @@ class RayEngine:
         self.spec = {"export": export, "digest": digest, "out": out, "batch_size": batch_size, "window": window,
                      "shard_size": shard_size, "text_field": text_field, "id_field": id_field,
                      "on_error": on_error, "max_length": max_length, "fault_hook": shards.FAULT_HOOK,
-                     "output": output,
+                     "max_batch_tokens": max_batch_tokens, "output": output,
                      "chunks": _chunks_of(output, on_error)}
         self._started = False
         self._starting: dict = {}  # ready() ref -> actor

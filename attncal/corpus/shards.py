@@ -40,8 +40,8 @@ SKIP_FILE = "skipped.jsonl"
 FORMAT = 2
 SEQUENTIAL, PIECES = "sequential", "pieces"
 # Options that decide the bytes of the output: a resume must use the same ones.
-OUTPUT_OPTIONS = ("text_field", "id_field", "shard_size", "batch_size", "window", "max_length", "on_error",
-                  "dimensions", "precision", "chunks")
+OUTPUT_OPTIONS = ("text_field", "id_field", "shard_size", "batch_size", "max_batch_tokens", "window", "max_length",
+                  "on_error", "dimensions", "precision", "chunks")
 OUTPUT_DEFAULTS = {"precision": "float32"}  # what a manifest written before an option existed meant by its absence
 _READ_ATTEMPTS = 5
 # Fault injection for the tests, None otherwise: called as FAULT_HOOK(stage, name) in the process that writes

@@ -36,6 +36,10 @@ from .tokenizer import TransformersTokenizer, load_tokenizer
 
 GRAPHS = ("auto", "portable", "optimized", "native", "inlined")
 _ORT_NATIVE_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
+# `attncal encode`'s token budget per batch (`length_batches`): 32 texts of 512 tokens, so no batch of a model of
+# up to 512 tokens holds more than the count batching of 32 texts held at its worst, and short texts go in
+# larger batches.
+DEFAULT_MAX_BATCH_TOKENS = 32 * 512
 
 load_metadata = read_metadata  # the validated attncal.json (ArtifactError when missing or damaged)
 
@@ -326,6 +330,7 @@ class Encoder:
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
+        max_batch_tokens: int | None = None,
         dimensions: int | None = None,
         precision: str = "float32",
         ranges=None,
@@ -334,6 +339,8 @@ class Encoder:
 
         `prompt_name` / `prompt` put a prompt before every text as sentence-transformers does (EmbeddingGemma's
         "query" / "document"); without them the model's default prompt applies, if it has one.
+        `max_batch_tokens` bounds each batch's padded tokens (texts x its longest), so its working memory, as
+        well as its count (`batch_size`): see `length_batches`.
         `dimensions`, `precision` and `ranges` are `output`'s (Matryoshka truncation, int8 / binary ...).
         Safe to call from several threads at once: tokenizer calls are serialised, ONNX Runtime
         sessions run concurrently."""
@@ -343,17 +350,13 @@ class Encoder:
         text_prompt = choose_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt)
         if text_prompt:
             texts = [text_prompt + t for t in texts]
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         from tqdm.auto import tqdm
 
-        order = np.arange(len(texts))
-        if sort_by_length and texts:
-            lengths = self.token_lengths(texts)
-            order = np.argsort(lengths, kind="stable")[::-1]
+        lengths = self.token_lengths(texts) if texts and (sort_by_length or max_batch_tokens is not None) else None
+        batches = length_batches(lengths if lengths is not None else [0] * len(texts), batch_size, max_batch_tokens,
+                                 sort_by_length)
         out = np.zeros((len(texts), self.dimension), dtype=np.float32)
-        for i in tqdm(range(0, len(texts), batch_size), desc="encode (onnx)", disable=not show_progress, unit="batch"):
-            idx = order[i : i + batch_size]
+        for idx in tqdm(batches, desc="encode (onnx)", disable=not show_progress, unit="batch"):
             _, emb = self.run(self.tokenize([texts[j] for j in idx]))
             out[idx] = emb
         return self.output(out, dimensions, precision, ranges)
