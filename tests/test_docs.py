@@ -109,9 +109,9 @@ _GENERATED = re.compile(r"<!-- generated: (\S+) by docs/generate.py -->.*?<!-- e
 HISTORY_PAGES = {"performance-log.md", "changelog.md"}
 # Pages whose figures do not all carry their commit yet; the list may only shrink.
 FIGURES_NOT_YET_STAMPED = {
-    "README.md", "development.md", "evaluation.md", "export-format.md", "large-models.md", "native-kernels.md",
-    "op-contract.md", "performance.md", "placements.md", "pooling.md", "quantization.md", "reindexing.md",
-    "status.md", "threat-model.md", "tuning.md"}
+    "README.md", "development.md", "evaluation.md", "large-models.md", "native-kernels.md",
+    "performance.md", "pooling.md", "quantization.md", "reindexing.md",
+    "status.md", "tuning.md"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,8 +380,11 @@ def test_name_check_sees_what_does_not_exist():
 
 # -- figures and claims --------------------------------------------------------------------------------------
 
-FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:ns|µs|us|ms|s|min|KiB|MiB|GiB|KB|MB|GB|×|%|req/s|rows/s|"
-                    r"tokens/s|texts/s|GFLOP/s)(?![\w/])(?!\s*(?:confidence|bootstrap|interval|CI\b))")
+# A number with a unit of time (seconds with a space: "1s" is a plural), memory, throughput, a ratio (× not
+# followed by a number: "2 × 255" is a product) or a percentage (not a confidence level).
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?(?:ns|µs|us|ms|min|KiB|MiB|GiB|KB|MB|GB|%|req/s|rows/s|"
+                    r"tokens/s|texts/s|GFLOP/s)|\ss|\s?×(?!\s*\d))(?![\w/])"
+                    r"(?!\s*(?:confidence|bootstrap|interval|CI\b))")
 _COMMIT = re.compile(r"\bcommits? `?[0-9a-f]{7,40}\b")
 _DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 CLAIM = re.compile(r"(?<!not )(?<!never )\b(tested|checked|verified)\b", re.IGNORECASE)
@@ -489,7 +492,8 @@ def test_figures_carry_commit_and_date():
 def test_figure_check_needs_the_stamp_in_the_section():
     text = ("# A\n\nIt takes 12.5 ms.\n\n## B\n\nMeasured at commit 1a2b3c4 on 2026-12-07: 3.1 s.\n\n"
             "Then 40 MiB.\n\n## C\n\n| x | t |\n|---|---:|\n| a | 7 ms |\n\n"
-            "<!-- not measured: a limit -->\nAt most 60 s.\n\nA `--seq 512` option, 3 layers, a 95 % confidence interval.\n")
+            "<!-- not measured: a limit -->\nAt most 60 s.\n\nA `--seq 512` option, 3 layers, a 95 % confidence interval, "
+            "1s and 0s, 2 × 255 × 64.\n")
     assert [p.split(":")[1] for p in figure_problems(text, "p")] == ["3", "15"]
 
 
