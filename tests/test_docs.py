@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_generated_docs import _resolve as resolve_dotted
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -292,20 +293,11 @@ def _make_targets() -> set[str]:
 
 
 def _resolves(dotted: str) -> bool:
-    import importlib
-
-    parts = dotted.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for name in parts[i:]:
-            if not hasattr(obj, name):
-                return False
-            obj = getattr(obj, name)
-        return True
-    return False
+    try:
+        resolve_dotted(dotted)
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def _path_exists(word: str) -> bool:
