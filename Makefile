@@ -1,13 +1,14 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Each creates .venv if missing and installs what it needs (CPU torch first, so no dependency can pull a
-# CUDA build).  PyPI's Linux wheel of torch is the CUDA build; the CPU build, torch 2.13.0+cpu (the one the
-# committed results record), comes from PyTorch's CPU index, which pip prefers for the same version (a local
-# version label sorts after the plain one).  TORCH_INDEX= (empty) installs from pip's configured indexes alone.
+# Each creates .venv if missing and installs what it needs: `pip install torch==2.13.0` first, so no dependency
+# can pull another build.  Which build that is depends on pip's indexes: one that serves torch 2.13.0+cpu (the
+# build the committed results record) gives the CPU build; PyPI's Linux wheel is the CUDA build.  On such a
+# machine, TORCH_INDEX=https://download.pytorch.org/whl/cpu adds PyTorch's CPU index, which pip then prefers for
+# the same version (a local version label sorts after the plain one).
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 TORCH  := torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 # `make test` installs the checkout editable (pure Python; the tests build the native library into
 # build/plugins); `make demo` installs the platform wheel, native library inside, as `pip install .` gives users.
