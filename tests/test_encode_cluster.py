@@ -37,6 +37,12 @@ OPTS = dict(batch_size=8, window=64, shard_size=100, show_progress=False, on_err
 ROWS_JSONL, ROWS_PARQUET = 1000, 400
 PAD = 8000  # bytes of an unused column per row: corpus bytes the driver must not read, at no encoding cost
 TESTS = Path(__file__).resolve().parent
+# The driver's peak resident growth over the multi-node run is its own working set (Ray's client, the plan, the
+# manifest), not a share of the data: 1.26 to 1.32 MiB in 4 runs here and 1.46 MiB on a loaded machine
+# (2026-12-07), and 1.4 MiB on a corpus of 2,560 MiB (benchmarks/ray_cluster.py --factor 10, 2026-12-03).
+# The limit is twice the most, and below the embeddings alone (4.3 MB): a driver that held them, or the corpus,
+# fails.
+DRIVER_PEAK_GROWTH = 3 * 2**20
 
 
 def _policy(*statements: dict) -> str:
@@ -388,4 +394,5 @@ def test_multi_node_cluster_driver_reads_nothing_and_survives_a_node(s3, export,
     assert not [k for k in keys(s3, "cluster/") if k.rsplit("/", 1)[-1].startswith(".")]
     print(f"driver: read {counters['read']:,} B, peak RSS +{counters['peak_growth']:,} B; corpus {corpus.bytes:,} B, "
           f"embeddings {emb.nbytes:,} B")
-    assert counters["read"] < 0.01 * corpus.bytes and counters["peak_growth"] < 0.1 * (corpus.bytes + emb.nbytes)
+    assert emb.nbytes > DRIVER_PEAK_GROWTH  # holding the embeddings would fail the memory check below
+    assert counters["read"] < 0.01 * corpus.bytes and counters["peak_growth"] < DRIVER_PEAK_GROWTH
