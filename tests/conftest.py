@@ -74,7 +74,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 LONGEST_FILES_FIRST = ("test_export.py", "test_split_placement.py", "test_wheel.py", "test_large_export.py",
                        "test_row_placement.py", "test_calibrated_attention_kernel.py", "test_serving_architectures.py",
                        "test_calibration_math.py", "test_encode_cluster.py", "test_encode_corpus.py",
-                       "test_landmark_pooling.py", "test_landmark_rows.py", "test_lowest_versions.py")
+                       "test_docs.py", "test_landmark_pooling.py", "test_landmark_rows.py", "test_lowest_versions.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
