@@ -30,7 +30,7 @@ from attncal.calibration.oracle import attention_reference
 from gpu.test_calibrated_attention_cuda import (ATTN_TOL, DTYPES, assert_within, check_empty_shapes,
                                                 check_geometry_refusals, check_masked_items_and_padding_rows,
                                                 check_nan_rules, run_both)
-from support.cases import mark_rows, random_config, row_set_config
+from support.cases import calibrated_rows, mark_rows, random_config, row_set_config
 from support.cuda import attention_launch
 from support.masks import mixed_mask
 from support.oracle_loop import attention_oracle_errors, kv_heads, random_geometry, random_relative_bias, relative_table
@@ -40,8 +40,12 @@ from . import build
 
 pytestmark = pytest.mark.simt
 
-CASES = 20  # random cases (each run by both launchers)
-GEOMETRY_CASES = 10
+# A launch holds a batch of cases: every (item, head, query row) of its output is checked against the oracle.  The
+# random loop runs until CASES of its rows were calibrated rows and at least LAUNCHES launches ran, each by both
+# launchers (the tiled kernel and the per-row kernel).
+CASES = 2000
+LAUNCHES = 100
+GEOMETRY_CASES = 60
 HEADS = [4, 8, 12, 16, 32, 40, 64, 72, 96, 128]
 
 
@@ -67,12 +71,13 @@ def small_attention_case(rng: random.Random, marked: bool = False):
     return rc, B, N, S_q, S_k, D, D_v, scale, exact, dead, mask
 
 
-def run_random(lib, n_cases: int, seed: int, marked: bool = False) -> dict:
+def run_random(lib, n_cases: int, seed: int, marked: bool = False, launches: int = LAUNCHES) -> dict:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     worst = dict.fromkeys(DTYPES, 0.0)
     seen = dict.fromkeys((*DTYPES, "pooled", "mean", "q1", "empty_item", "holes", "dead", "exact", "scalar_loads",
                           "hd64", "hd128", "multi_tile"), 0)
-    for _ in range(n_cases):
+    n_launches = n_rows = n_cal = 0
+    while n_cal < n_cases or n_launches < launches:
         rc, B, N, S_q, S_k, D, D_v, scale, exact, dead, mask = small_attention_case(rng, marked)
         name = rng.choice(list(DTYPES))
         q, k, v = random_qkv(gen, B, S_q, S_k, N, D, D_v, DTYPES[name], temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
@@ -85,6 +90,10 @@ def run_random(lib, n_cases: int, seed: int, marked: bool = False) -> dict:
         err = assert_within(outs, ref, bound, f"{name} case ({rc}, B={B}, N={N}, S_q={S_q}, S_k={S_k}, D={D}, "
                                               f"D_v={D_v}, scale={scale}, dead={dead}, mask={mask.tolist()})")
         worst[name] = max(worst[name], err)
+        n_launches += 1
+        n_rows += B * N * S_q
+        rows = calibrated_rows(mask, rc)
+        n_cal += N * int(rows.sum() if S_q == S_k else rows.any(1).sum())
         seen[name] += 1
         seen["mean" if rc.all_rows else "pooled"] += 1
         seen["q1"] += S_q == 1 and S_k > 1
@@ -97,8 +106,8 @@ def run_random(lib, n_cases: int, seed: int, marked: bool = False) -> dict:
         seen["hd64"] += max(D, D_v) <= 64
         seen["hd128"] += 64 < max(D, D_v) <= 128
         seen["multi_tile"] += S_k > 64
-    print(f"\nsimt calibrated attention{' marked rows' if marked else ''}: {n_cases} cases (tiled and per-row "
-          f"kernel each), max abs err (tiled) {worst} (bounds {ATTN_TOL} + score rounding), {seen}")
+    print(f"\nsimt calibrated attention{' marked rows' if marked else ''}: {n_launches} launches (tiled and per-row "
+          f"kernel each), {n_rows} rows checked, {n_cal} of them calibrated, max abs err (tiled) {worst} (bounds {ATTN_TOL} + score rounding), {seen}")
     if not marked:  # the marked-row sets take the all-rows op and self-attention (their own test's assertion)
         assert min(seen.values()) > 0, seen
     return worst, seen
@@ -109,7 +118,7 @@ def test_tiled_and_per_row_kernels_match_the_oracle(sim):
 
 
 def test_marked_rows_match_the_oracle(sim):
-    _, seen = run_random(sim, CASES // 4, 210, marked=True)
+    _, seen = run_random(sim, CASES // 4, 210, marked=True, launches=LAUNCHES // 4)
     assert min(seen[k] for k in (*DTYPES, "holes", "exact")) > 0, seen
 
 
