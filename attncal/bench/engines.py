@@ -4,6 +4,13 @@ An engine is prepared once (models loaded, sessions created) and then runs
 one batch of token ids per call.  Everything model-related is shared through
 `Workspace`, which holds the source model and the exports the engines need,
 built once per bench run.
+
+The peers (`OWN_PROCESS`: OpenVINO and sentence-transformers on PyTorch) run in a process of their own
+during the timed rounds (`make_engine(..., own_process=True)`): their thread pools (OpenVINO's, PyTorch's
+OpenMP) would otherwise share the bench's process with ONNX Runtime's, and a pool that spins after its run
+takes cores from the next engine's.  The rounds still alternate: each call sends the batch to the engine's
+process and waits for it to finish, so its time includes one round trip through a pipe (the batch's token
+ids out, a status back).
 """
 
 from __future__ import annotations
@@ -11,8 +18,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
+import traceback
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -20,8 +32,8 @@ from typing import Callable
 import numpy as np
 
 from .. import export  # the callable package: a call loads the exporter (attncal/export/__init__.py)
-from ..artifact import (ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, ArtifactError, config_int, open_export, read_metadata,
-                        save_onnx_proto, write_metadata)
+from ..artifact import (INLINED_GRAPH, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, PORTABLE_GRAPH, ArtifactError,
+                        config_int, open_export, read_metadata, save_onnx_proto, write_metadata)
 from ..calibration.config import CalibrationConfig
 from ..export.plan import ExportOptions
 from ..runtime import oplib
@@ -30,7 +42,18 @@ from ..runtime.landmarks import PoolingSpec, place
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
            "ort-opt-cal", "ort-opt-split", "ort-opt-native", "ort-native", "ort-cal-lib", "ort-fused", "ort-fused-lib",
-           "ort-split", "ort-row", "ort-int8", "ort-cal-int8", "ort-pooled", "ort-opt-pooled")
+           "ort-split", "ort-row", "ort-int8", "ort-cal-int8", "ort-pooled", "ort-opt-pooled", "openvino",
+           "openvino-cal")
+# The peers that run in a process of their own during the timed rounds (module docstring):
+#   openvino:     the uncalibrated export's portable graph (standard ONNX) in OpenVINO, compiled as
+#                 sentence-transformers' OpenVINO backend compiles it (optimum-intel: PERFORMANCE_HINT LATENCY),
+#                 with float32 inference (OpenVINO's default is bfloat16 on CPUs that have it) and `threads`
+#                 inference threads; the optional `openvino` extra
+#   openvino-cal: the calibrated export's inlined graph (`attncal export --inlined`, standard ONNX), the same way
+#   torch-sdpa:   sentence-transformers on PyTorch as users run it: SentenceTransformer(model) with its default
+#                 attention (SDPA), uncalibrated; where torch is installed (the export extra)
+OWN_PROCESS = ("openvino", "openvino-cal", "torch-sdpa")
+_OPENVINO_ENGINES = {"openvino": ("uncal", PORTABLE_GRAPH), "openvino-cal": ("inlined", INLINED_GRAPH)}
 
 # engine -> (export directory, graph of that export, calibrated?, native library policy)
 #   ort / ort-opt:   the uncalibrated export's portable / ORT-optimized graph
@@ -75,7 +98,7 @@ _ORT_ENGINES = {
 MEM_PATTERN = {"+mempattern": True, "+nomempattern": False}
 _EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the workspace's placement)
     "uncal": None, "cal": "softmax", "fused": "fused-softmax", "opt-cal": "bench", "split": "split", "row": "row",
-    "uncal-int8": None, "opt-cal-int8": "bench", "pooled": None,
+    "uncal-int8": None, "opt-cal-int8": "bench", "pooled": None, "inlined": "auto",
 }
 _INT8_EXPORTS = ("uncal-int8", "opt-cal-int8")
 DEFAULT_ENGINES = ("torch", "torch-cal", "torch-naive", "ort", "ort-cal", "ort-opt", "ort-opt-cal", "ort-cal-lib",
@@ -112,6 +135,13 @@ def _is_ort_engine(name: str) -> bool:
     return _split(name)[0] in _ORT_ENGINES
 
 
+def _export_of(name: str) -> str | None:
+    """The workspace export engine `name` runs (None for the PyTorch engines)."""
+    if name in _OPENVINO_ENGINES:
+        return _OPENVINO_ENGINES[name][0]
+    return _ort_engine(name)[0] if _is_ort_engine(name) else None
+
+
 class EngineUnavailable(RuntimeError):
     """The engine cannot run here (e.g. the native op library is not built); the bench notes and skips it."""
 
@@ -144,7 +174,8 @@ class Workspace:
 def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict[str, str]:
     """Create the exports the selected engines need (once; reused when present). Returns notes."""
     notes: dict[str, str] = {}
-    needed = {_ort_engine(e)[0] for e in engines if _is_ort_engine(e)}
+    needed = {_ort_engine(e)[0] for e in engines if _is_ort_engine(e)} | \
+             {_OPENVINO_ENGINES[e][0] for e in engines if e in _OPENVINO_ENGINES}
     for name in sorted(needed):
         if name == "pooled" and ws.pooling_spec is None:
             notes.update({e: "needs --pooling lmk, multi-cls or mean-every" for e in engines
@@ -162,14 +193,19 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
                              calibrate=placement is not None, check=False,
                              overwrite=True, placement=placement or "auto",
                              optimized=name in ("uncal", "opt-cal", "pooled", *_INT8_EXPORTS),
-                             quantize="int8" if name in _INT8_EXPORTS else None, pooling_spec=spec)
+                             quantize="int8" if name in _INT8_EXPORTS else None, pooling_spec=spec,
+                             inlined=name == "inlined")
         try:
             export(ws.model, ws.export_dir(name), opts, quiet=quiet)
         except ValueError as exc:  # e.g. row placement with mean pooling
             for e in engines:
-                if _is_ort_engine(e) and _ort_engine(e)[0] == name:
+                if _export_of(e) == name:
                     notes[e] = str(exc)
     for e in engines:
+        if e in _OPENVINO_ENGINES and e not in notes and \
+                not (ws.export_dir(_export_of(e)) / _OPENVINO_ENGINES[e][1]).exists():
+            notes[e] = (f"no {INLINED_GRAPH}: the calibrated export's portable graph calls no ONNX function "
+                        "(attncal-export.log says why)")
         if _is_ort_engine(e) and e not in notes:
             name, graph, _ = _ort_engine(e)
             if graph == "optimized" and not (ws.export_dir(name) / "onnx" / "model_optimized.onnx").exists():
@@ -234,17 +270,25 @@ def optimize_export(src: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], object]:
-    """A callable running one batch (numpy int64 feeds) on engine `name`."""
+def make_engine(name: str, ws: Workspace, *, own_process: bool = False
+                ) -> Callable[[dict[str, np.ndarray]], object]:
+    """A callable running one batch (numpy int64 feeds) on engine `name`; with `own_process`, an engine of
+    `OWN_PROCESS` runs in a process of its own (`OwnProcessEngine`), the others here."""
+    if own_process and name in OWN_PROCESS:
+        return OwnProcessEngine(name, ws)
+    if name in _OPENVINO_ENGINES:
+        return _openvino_engine(name, ws)
+    if name == "torch-sdpa":
+        return _sentence_transformers_engine(ws)
     if name.startswith("torch"):
         import torch
 
         from ..calibration.encode import TorchEncoder  # lazy: torch (the export extra), not needed by ORT engines
 
         torch.set_num_threads(ws.threads)
-        sdpa = name.endswith("sdpa")  # torch-sdpa / torch-cal-sdpa: SDPA attention, split calibration
+        sdpa = name.endswith("sdpa")  # torch-cal-sdpa: SDPA attention, split calibration
         enc = TorchEncoder(ws.model, attn_implementation="sdpa" if sdpa else "eager")
-        config = None if name in ("torch", "torch-sdpa") else ws.config
+        config = None if name == "torch" else ws.config
         impl = {"torch-naive": "naive", "torch-cal-sdpa": "split"}.get(name, "efficient")
         names = set(enc.tokenizer.model_input_names)
 
@@ -277,6 +321,127 @@ def make_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], o
 
     run_ort.encoder = enc  # type: ignore[attr-defined]  # for tests and inspection
     return run_ort
+
+
+def _openvino_engine(name: str, ws: Workspace) -> Callable[[dict[str, np.ndarray]], object]:
+    """Engine `openvino` / `openvino-cal` (`OWN_PROCESS`): the export's standard-ONNX graph in OpenVINO."""
+    try:
+        import openvino as ov  # lazy: the optional openvino extra
+    except ImportError:
+        raise EngineUnavailable("openvino is not installed (pip install 'attncal[openvino]')") from None
+    export_name, graph = _OPENVINO_ENGINES[name]
+    path = ws.export_dir(export_name)
+    if not (path / graph).exists():
+        raise EngineUnavailable(f"no {graph} in the export at {path}")
+    open_export(path, graphs=graph)  # the graph's digest and external data checked before OpenVINO reads it
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(str(path / graph)), "CPU", {
+        "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": ws.threads, "INFERENCE_PRECISION_HINT": "f32"})
+    request = compiled.create_infer_request()
+    names = {p.get_any_name() for p in compiled.inputs}
+
+    def run_openvino(feeds: dict[str, np.ndarray]):
+        return request.infer({k: v for k, v in feeds.items() if k in names})
+
+    run_openvino.compiled = compiled  # type: ignore[attr-defined]  # for tests and inspection
+    return run_openvino
+
+
+def _sentence_transformers_engine(ws: Workspace) -> Callable[[dict[str, np.ndarray]], object]:
+    """Engine `torch-sdpa` (`OWN_PROCESS`): sentence-transformers on PyTorch with its defaults (SDPA attention)."""
+    import torch
+    from sentence_transformers import SentenceTransformer  # lazy: the export extra, not needed by the ORT engines
+
+    torch.set_num_threads(ws.threads)
+    model = SentenceTransformer(str(ws.model), device="cpu")
+    names = set(model.tokenizer.model_input_names)
+
+    def run_sentence_transformers(feeds: dict[str, np.ndarray]):
+        with torch.inference_mode():
+            out = model.forward({k: torch.from_numpy(v) for k, v in feeds.items() if k in names})
+        return out["sentence_embedding"]
+
+    run_sentence_transformers.model = model  # type: ignore[attr-defined]  # for tests and inspection
+    return run_sentence_transformers
+
+
+class OwnProcessEngine:
+    """Engine `name` in a process of its own (module docstring): a fresh interpreter (`python -m
+    attncal.bench.engines`, so no thread pool of this process is copied and no main script is imported again)
+    builds it with `make_engine`; each call sends the batch over a pipe and returns once that process has run
+    it.  The process ends with this object (or `close`)."""
+
+    def __init__(self, name: str, ws: Workspace) -> None:
+        self.name = name
+        self._conn, child = multiprocessing.Pipe()
+        self._proc = subprocess.Popen([sys.executable, "-m", "attncal.bench.engines", "--serve", str(child.fileno()),
+                                       name, ws.to_json()], pass_fds=(child.fileno(),))
+        child.close()
+        self._closer = weakref.finalize(self, _stop_engine, self._conn, self._proc)
+        kind, detail = self._receive()
+        if kind != "ready":
+            self.close()
+            raise (EngineUnavailable if kind == "unavailable" else RuntimeError)(detail)
+
+    def _receive(self) -> tuple[str, object]:
+        try:
+            return self._conn.recv()
+        except EOFError:
+            code = self._proc.wait()
+            raise RuntimeError(f"engine {self.name}: its process ended (exit code {code})") from None
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> None:
+        self._conn.send(feeds)
+        kind, detail = self._receive()
+        if kind != "ok":
+            raise RuntimeError(f"engine {self.name} failed in its process:\n{detail}")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _serve_engine(conn, name: str, ws_json: str) -> None:
+    """The body of an `OwnProcessEngine`'s process: build the engine, then run each batch received until None."""
+    ws = Workspace.from_json(ws_json)
+    try:
+        run = make_engine(name, ws)
+    except EngineUnavailable as exc:
+        conn.send(("unavailable", str(exc)))
+        return
+    except Exception:  # noqa: BLE001 - reported to the bench's process, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            feeds = conn.recv()
+        except EOFError:
+            return
+        if feeds is None:
+            return
+        try:
+            run(feeds)
+            conn.send(("ok", None))
+        except Exception:  # noqa: BLE001 - reported to the bench's process, which raises it
+            conn.send(("error", traceback.format_exc()))
+
+
+def _stop_engine(conn, proc) -> None:
+    """End an `OwnProcessEngine`'s process: asked first, then terminated if it does not end."""
+    try:
+        conn.send(None)
+    except (OSError, ValueError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.wait()
+    conn.close()
 
 
 def interleaved_session_options(export: Path) -> "onnxruntime.SessionOptions":  # noqa: F821 (imported lazily)
@@ -315,3 +480,10 @@ def make_feeds(batch: int, seq: int, vocab: int = 100, seed: int = 0) -> dict[st
         "attention_mask": np.ones((batch, seq), dtype=np.int64),
         "token_type_ids": np.zeros((batch, seq), dtype=np.int64),
     }
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--serve":  # an OwnProcessEngine's process
+    from multiprocessing.connection import Connection
+
+    os.environ["OMP_NUM_THREADS"] = str(Workspace.from_json(sys.argv[4]).threads)  # before PyTorch is imported
+    _serve_engine(Connection(int(sys.argv[2])), sys.argv[3], sys.argv[4])

@@ -145,7 +145,7 @@ def run_bench(
     runners = {}
     for e in engines:
         try:
-            runners[e] = make_engine(e, ws)
+            runners[e] = make_engine(e, ws, own_process=True)  # the peers in their own processes
         except EngineUnavailable as exc:
             notes[e] = str(exc)
     shapes = [(s, b) for s in seqs for b in batches]
