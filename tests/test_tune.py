@@ -373,13 +373,36 @@ def test_tune_on_a_posq_set_with_the_general_check(tiny, posq_set, tmp_path):
     assert g["rows"][1]["passages_calibrated"] > 0
     sweep = res["sweep"]
     assert sweep["resumed"] and sweep["factor"] > 0 and len(sweep["parts"]) == 2
-    assert sweep["uncalibrated_pass_s"] == pytest.approx(sum(p["uncalibrated_pass_s"] for p in sweep["parts"]), abs=2e-3)
+    parts_s = sum(p["uncalibrated_pass_s"] for p in sweep["parts"])
+    assert sweep["uncalibrated_pass_s"] == pytest.approx(parts_s, abs=2e-3)
     report = (out / "report.md").read_text()
-    for part in ("## Recommendation", "The rule:", "## Documents: selection and confirmation", "distinct configurations",
+    for part in ("## Recommendation", "The rule:", "## Documents: selection and confirmation",
+                 "distinct configurations",
                  "## General retrieval", "sentences shuffled", res["command"], "attncal export",
                  "## What the sweep cost", res["recommendation"]["bias"]["text"][1:]):
         assert part in report, part
     assert (out / "delta_hm.png").stat().st_size > 0 and (out / "groups.png").stat().st_size > 0
+
+
+def test_tune_on_the_example_set_splits_by_document(tiny, tmp_path):
+    """--example end to end: the real-prose set, split by its documents, decided with the held-out check."""
+    out = tmp_path / "example"
+    assert _main([tiny["bert"], "--example", "-o", out, "--grid", "default", "--bootstrap", "200", "--no-cache",
+                  "--no-plots", "--max-passages", "100", "--max-length", "192", "--min-queries", "10"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    parts = res["split"]["parts"]
+    sel, conf = set(parts["selection"]["documents"]), set(parts["confirmation"]["documents"])
+    assert sel and conf and not sel & conf and len(sel | conf) == res["dataset"]["documents"] > 2
+    passages = [json.loads(x) for x in (out / "set" / "passages.jsonl").read_text().splitlines()]
+    assert {f"doc:{p['doc']}" for p in passages} == sel | conf  # every passage's document is in one part
+    for counts in res["split"]["minimum"]["queries_per_group"].values():
+        assert min(counts.values()) >= 10
+    rec = res["recommendation"]
+    assert rec["decision"] in ("calibrate", "do not calibrate") and rec["reason"]
+    assert rec["bias"]["ci"][0] <= rec["bias"]["delta"] <= rec["bias"]["ci"][1]
+    if rec["candidate"] is not None:  # the candidate ran on the held-out documents, and the report leads with it
+        assert [r["label"] for r in res["held_out"]] == ["uncalibrated", rec["candidate"]]
+        assert "**Expected effect**" in (out / "report.md").read_text()
 
 
 def test_export_of_the_recommendation(tiny, posq_set, tmp_path, monkeypatch, capsys):
@@ -487,7 +510,8 @@ def _tune_error(tiny, posq_set, out) -> str:
 def _stable(res: dict) -> dict:
     """results.json without what differs between two runs of the same thing: clocks and cache paths."""
     keep = ("split", "recommendation", "expected_effect", "grid", "bootstrap", "dataset")
-    rows = [{k: r.get(k) for k in ("label", "scores", "delta", "verdict")} for r in res["rows"] + (res["held_out"] or [])]
+    rows = [{k: r.get(k) for k in ("label", "scores", "delta", "verdict")}
+            for r in res["rows"] + (res["held_out"] or [])]
     return {"rows": rows, **{k: res[k] for k in keep}}
 
 

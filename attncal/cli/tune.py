@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--grid", default=None,
                    help="a preset (fitted, the default: baskets 1/8, 1/4, 1/2 of the typical passage, λ 0.25-1, "
-                   "last layer and last half, the variants that differ for the model's pooling; paper: the paper's "
+                   "the last layer and the last two, the variants that differ for the model's pooling; paper: the "
+                   "paper's "
                    "24; default: the published default alone; strengths: the default at four strengths) or a YAML "
                    "file of configurations (the format of attncal eval --configs)")
     p.add_argument("--baselines", default="", help="comma-separated baselines: sea (Segment Embed Average)")

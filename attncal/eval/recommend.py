@@ -169,8 +169,8 @@ def verdict(row: dict, begin: str, rule: Rule) -> str:
 
 
 # --------------------------------------------------------------------------- the stages
-def select(rows: list[dict], groups: Sequence[str], rule: Rule) -> dict:
-    """The candidate among the selection part's distinct `rows` (label, scores.psi, delta at the family level)."""
+def select(rows: list[dict], groups: Sequence[str], rule: Rule, where: str = "the selection part") -> dict:
+    """The candidate among the distinct `rows` of `where` (label, scores.psi, delta at the family level)."""
     begin = groups[0]
     verdicts = {r["label"]: verdict(r, begin, rule) for r in rows}
     ok = [r for r in rows if verdicts[r["label"]] == "qualifies"]
@@ -182,13 +182,13 @@ def select(rows: list[dict], groups: Sequence[str], rule: Rule) -> dict:
             best = max(gains, key=lambda r: _d(r, "hm")["delta"])
             loss = -_d(best, f"group_{begin}")["delta"]
             reason = (f"calibrating with {best['label']} gains {_end(best, groups)} on the {groups[-1]} group and "
-                      f"loses {loss:.3f} on the {begin} group (selection part; ΔHM {_fmt_ci(_d(best, 'hm'))}), more "
+                      f"loses {loss:.3f} on the {begin} group ({where}; ΔHM {_fmt_ci(_d(best, 'hm'))}), more "
                       f"than --max-begin-loss {rule.max_begin_loss:g}: not recommended; --max-begin-loss "
                       f"{math.ceil(loss * 1000) / 1000:g} accepts that trade")
             return dict(out, candidate=None, closest=best["label"], reason=reason, trade_off="beginning")
         if defined:
             best = max(defined, key=lambda r: _d(r, "hm")["delta"])
-            reason = (f"no configuration raises HM significantly on the selection part once the number compared is "
+            reason = (f"no configuration raises HM significantly on {where} once the number compared is "
                       f"accounted for; the largest ΔHM, {best['label']}'s, is {_fmt_ci(_d(best, 'hm'))}")
             return dict(out, candidate=None, closest=best["label"], reason=reason, trade_off=None)
         return dict(out, candidate=None, closest=None, reason="no configuration has a defined ΔHM", trade_off=None)
@@ -202,7 +202,7 @@ def select(rows: list[dict], groups: Sequence[str], rule: Rule) -> dict:
     pick = min(tied, key=psi_of)  # min keeps the first of equal PSIs: grid order
     others = [r["label"] for r in tied if r is not pick]
     reason = (f"{pick['label']}: ΔHM {_fmt_ci(_d(pick, 'hm'))}, {begin} {_d(pick, f'group_{begin}')['delta']:+.3f} "
-              "on the selection part")
+              f"on {where}")
     if others:
         reason += (f"; it ties (ΔHM within {rule.tie_margin:g}) with {', '.join(others)}, and the lowest PSI, "
                    "then the grid order, chose it")

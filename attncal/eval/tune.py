@@ -8,9 +8,9 @@ four steps, and decides on evidence the choice was not made on:
    part (`attncal.eval.recommend.split_documents`); too few queries per position group in a part is a
    refusal that says how many more documents would do (`MIN_QUERIES_PER_GROUP`);
 3. a grid fitted to the model and the passages (by default: baskets of 1/8, 1/4 and 1/2 of the typical
-   passage, four strengths, two layer sets, the variants that differ for the model's pooling) swept on the
-   selection part with the uncalibrated model, sharing the uncalibrated layers below each configuration's
-   first calibrated one (`attncal.eval.sweep`);
+   passage, four strengths, the last layer and the last two, the variants that differ for the model's
+   pooling) swept on the selection part with the uncalibrated model, sharing the uncalibrated layers below
+   each configuration's first calibrated one (`attncal.eval.sweep`);
 4. the distinct configurations counted (equal embeddings are one configuration, an unchanged corpus none),
    their paired bootstrap intervals against the uncalibrated model at the family-wise level for that count,
    and the candidate chosen by the written rule (`attncal.eval.recommend`);
@@ -80,7 +80,6 @@ class GridContext:
 
 FITTED_FRACTIONS = (0.125, 0.25, 0.5)  # baskets, as shares of the typical passage's content
 FITTED_STRENGTHS = (0.25, 0.5, 0.75, 1.0)
-FITTED_LAYERS = ("last", "last-half")
 
 
 def typical_content(ctx: GridContext) -> int:
@@ -98,18 +97,27 @@ def distinct_variants(backend: TorchBackend) -> list[list[str]]:
     return list(groups.values())
 
 
+def fitted_layers(backend: TorchBackend) -> list:
+    """The last layer, and the last two: a calibrated layer costs about one and a half uncalibrated ones, so
+    24 configurations over at most three layers each stay within the sweep's budget (8 uncalibrated encodes
+    with the confirmation) on a 6-layer model; the last half of a deeper model would not."""
+    from ..calibration.patching import layer_blocks  # lazy: torch (the export extra), not needed to import eval
+
+    return ["last", [-2, -1]] if len(layer_blocks(backend.encoder.model).blocks) > 1 else ["last"]
+
+
 def fitted(ctx: GridContext) -> list[CalibrationConfig]:
     """Baskets of 1/8, 1/4 and 1/2 of the typical passage's content (so that most passages are calibrated by
-    every one), λ 0.25 / 0.5 / 0.75 / 1, the last layer and the last half: 24 configurations of the
-    published default variant, or of the variant it computes the same as for this pooling (uniform under mean
-    pooling).  Where the variants differ for this pooling, each other variant adds the middle basket at λ 0.5
-    and 1 on the last layer, which keeps the sweep within its cost budget."""
+    every one), λ 0.25 / 0.5 / 0.75 / 1, the last layer and the last two: 24 configurations of the published
+    default variant, or of the variant it computes the same as for this pooling (uniform under mean pooling).
+    Where the variants differ for this pooling, each other variant adds the middle basket at λ 0.5 and 1 on
+    the last layer."""
     typical = typical_content(ctx)
     baskets = sorted({max(2, round(typical * f)) for f in FITTED_FRACTIONS})
     classes = distinct_variants(ctx.backend)
     main = next(c for c in classes if "cls-soft" in c)[0]
     out = [CalibrationConfig(variant=main, strength=s, basket_size=b, layers=layers)
-           for layers, b, s in itertools.product(FITTED_LAYERS, baskets, FITTED_STRENGTHS)]
+           for layers, b, s in itertools.product(fitted_layers(ctx.backend), baskets, FITTED_STRENGTHS)]
     middle = baskets[len(baskets) // 2]
     for c in classes:
         if c[0] != main:
@@ -119,7 +127,7 @@ def fitted(ctx: GridContext) -> list[CalibrationConfig]:
 
 PRESETS = {
     "fitted": ("fitted to the model and the passages: baskets 1/8, 1/4, 1/2 of the typical passage's content, "
-               "λ 0.25 / 0.5 / 0.75 / 1, the last layer and the last half; variants only where they differ for "
+               "λ 0.25 / 0.5 / 0.75 / 1, the last layer and the last two; variants only where they differ for "
                "the model's pooling", fitted),
     "paper": ("the paper's 24: layers last / last half, basket 128 / 256, λ 0.5 / 1, uniform / cls-soft / cls-hard",
               _paper),
@@ -365,7 +373,8 @@ def check_enough(data: Dataset, parts: list[Part], n_documents: int, min_queries
     more = max(0, max(math.ceil((need - total[g]) * n_documents / max(total[g], 1)) for g in data.groups))
     where = "there are" if len(parts) == 1 else f"the {worst[0]} part has"
     raise ValueError(f"too little data to decide: {where} {worst[2]} {worst[1]} queries, fewer than the {min_queries} "
-                     f"per position group{' in each part' if len(parts) > 1 else ''} that {MIN_QUERIES_WHY.split(':')[0]}; "
+                     f"per position group{' in each part' if len(parts) > 1 else ''} that "
+                     f"{MIN_QUERIES_WHY.split(':')[0]}; "
                      f"about {max(more, 1)} more documents like these {n_documents} would give enough "
                      "(--min-queries N decides on wider intervals)")
 
@@ -439,7 +448,8 @@ def _grid_record(opts: TuneOptions, labels: list[str], runs: dict, same: dict[st
                  ctx: GridContext) -> dict:
     described = not opts.configs and opts.grid in PRESETS
     rec = {"name": opts.grid if not opts.configs else "custom", "configurations": len(labels),
-           "description": PRESETS[opts.grid][0] if described else None, "distinct": len(labels) - len(same) - len(no_op),
+           "description": PRESETS[opts.grid][0] if described else None,
+           "distinct": len(labels) - len(same) - len(no_op),
            "no_op": no_op, "same_as": same}
     if not opts.configs and opts.grid == "fitted":
         rec["typical_content_tokens"] = typical_content(ctx)
@@ -546,13 +556,14 @@ def _run(model, data: Dataset, opts: TuneOptions, backend: TorchBackend, hidden:
         r["run"] = result.runs.get(r["label"])
         r["distinct"] = (f"same as {same[r['label']]}" if r["label"] in same
                          else "no-op: changes no passage" if r["label"] in no_op else None)
-    chosen = select([r for r in rows if r["label"] in compared], data.groups, rule)
+    chosen = select([r for r in rows if r["label"] in compared], data.groups, rule,
+                    "the selection part" if select_part is not None else "these documents")
     for r in rows:
         r["verdict"] = chosen["verdicts"].get(r["label"]) or r["distinct"]
     candidate = chosen["candidate"]
     if select_part is None:  # confirm-only: every document is held out, the family-wise rows are the held-out ones
         held_rows, held_values, conf_result = rows, values, result
-        held = next((r for r in rows if r["label"] == candidate), None)
+        held = next((r for r in rows if r["label"] == (candidate or chosen["closest"])), None)
     else:
         conf_cfg = [config_of[candidate]] if candidate is not None else []
         conf_sweep = Sweep(backend, texts(confirm_part), conf_cfg, [candidate][:len(conf_cfg)], cache=cache,

@@ -173,7 +173,8 @@ def _split_section(results: dict) -> str:
                    "and queries are all in one part): the configurations are compared and the candidate chosen on "
                    "the selection part, and the candidate alone is scored on the confirmation part.\n\n")
     counts = sp["minimum"]["queries_per_group"]
-    out.append("| part | documents | passages | " + " | ".join(f"{HEADERS.get(g, g)} queries" for g in results["groups"])
+    out.append("| part | documents | passages | "
+               + " | ".join(f"{HEADERS.get(g, g)} queries" for g in results["groups"])
                + " |\n|" + "---|" * (3 + len(results["groups"])) + "\n")
     for name, p in parts.items():
         out.append(f"| {name} | {len(p['documents'])} | {p['passages']} | "
@@ -218,7 +219,8 @@ def _expected_line(results: dict) -> str:
     b = results["bootstrap"]
     if e["held_out"] is None:
         return (f"\nThe closest candidate, `{e['label']}`, was not run on the held-out documents; in sample "
-                f"(selection part, family-wise {100 * b['selection_level']:.4g} %) its ΔHM is {with_ci(e['in_sample'])}.\n")
+                f"(selection part, family-wise {100 * b['selection_level']:.4g} %) its ΔHM is "
+                f"{with_ci(e['in_sample'])}.\n")
     where = "on all documents (held out: chosen elsewhere)" if e["in_sample"] is None else \
         "on the documents it was not chosen on"
     line = f"\n**Expected effect** of `{e['label']}` {where}: ΔHM {with_ci(e['held_out'])} ({100 * b['level']:g} %)"
@@ -248,7 +250,8 @@ def markdown(results: dict, out_name: str, set_dir: Path | None) -> str:
         verdict = f"## Recommendation: do not calibrate\n\n{rec['reason']}.\n"
     text = [head, verdict, _expected_line(results), f"\n{rec['bias']['text'][0].upper()}{rec['bias']['text'][1:]}.\n",
             f"\nThe rule: {rec['rule']}.\n", _split_section(results), _grid_section(results),
-            f"\n## Deltas against the uncalibrated model ({'all documents' if results['split']['confirm_only'] else 'selection part'}, "
+            "\n## Deltas against the uncalibrated model "
+            f"({'all documents' if results['split']['confirm_only'] else 'selection part'}, "
             f"family-wise {100 * b['selection_level']:.4g} %)\n\n",
             delta_table(results["rows"], groups, rec["recommended"]),
             "\n## Scores\n\n", scores_table(results["rows"], groups), _held_out_section(results),
@@ -289,7 +292,8 @@ def plot_delta_hm(rows: list[dict], recommended: str | None, level: float, path:
     ax.set_yticks(ys, [r["label"] for r in rs], fontsize=7)
     ax.set_xlabel(f"ΔHM against the uncalibrated model ({100 * level:.4g} % paired bootstrap interval)")
     ax.set_title("selection part, family-wise intervals; green: qualifies, orange: significant gain that costs the "
-                 f"first group too much, blue: no significant gain; {'star: recommended' if recommended else 'nothing recommended'}",
+                 "first group too much, blue: no significant gain; "
+                 f"{'star: recommended' if recommended else 'nothing recommended'}",
                  fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
