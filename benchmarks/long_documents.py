@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -204,7 +205,8 @@ def main() -> None:
     result = {
         "command": "python benchmarks/long_documents.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k not in ("out", "work")),
-        "machine": {"cpu": _cpu(), "python": platform.python_version()},
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": {"cpu": _cpu(), "cpu_class": f"{_cpu()}, {os.cpu_count()} cores", "python": platform.python_version()},
         "date": time.strftime("%Y-%m-%d"),
         "model": "all-MiniLM-L6-v2 (embedded default)", "max_length": L,
         "set": {"passages": len(posq.passages), "queries": len(posq.queries),
@@ -212,6 +214,7 @@ def main() -> None:
         "chunking": {"size": args.chunk_size, "naive_overlap": args.overlap, "landmark_every": 64},
         "retrieval": evaluate(posq.passages, posq.queries, exports, args.chunk_size, args.overlap),
         "cost": cost(exports, args.repeats),
+        "dimension": enc.dimension,
         "index_bytes_per_vector": index_bytes(enc.dimension),
         "matryoshka_note": "all-MiniLM-L6-v2 is not trained for Matryoshka truncation: the 1/2 and 1/4 rows measure "
                            "the loss of plain truncation on the default model",
