@@ -121,7 +121,7 @@ def test_int8_refusals_and_tolerances(tmp_path):
         export(src, tmp_path / "a", ExportOptions(quantize="int4"), quiet=True)
     with pytest.raises(ValueError, match="--quantize int8 and --fp16 exclude each other"):
         export(src, tmp_path / "b", ExportOptions(quantize="int8", fp16=True), quiet=True)
-    with pytest.raises(ValueError, match="int8_target must be one of auto, vnni, portable, got 'arm'"):
+    with pytest.raises(ValueError, match="int8_target must be one of auto, vnni, avx2, portable, got 'arm'"):
         export(src, tmp_path / "c", ExportOptions(quantize="int8", int8_target="arm"), quiet=True)
     with pytest.raises(ValueError, match="--int8-target portable applies to int8 exports: add --quantize int8"):
         export(src, tmp_path / "d", ExportOptions(int8_target="portable"), quiet=True)
@@ -148,12 +148,12 @@ def test_int8_minilm_real_weights(tmp_path):
 # -- attncal's streamed quantizer against ONNX Runtime's quantize_dynamic ------------------------------------
 
 def _reference(src: Path, dst: Path, per_channel: bool = True, weights: str = quantize.WEIGHT_TYPE,
-               reduce_range: bool = quantize.REDUCE_RANGE) -> None:
+               reduce_range: bool = quantize.REDUCE_RANGE, exclude: tuple[str, ...] = ()) -> None:
     """ONNX Runtime's quantize_dynamic with the options attncal's int8 export stands for: per-channel weights of
-    the quantizer's type (QUInt8 by default), MatMul / Gemm / Attention, the weight nodes."""
+    the quantizer's type (QUInt8 by default), MatMul / Gemm / Attention, the weight nodes but `exclude`."""
     model = onnx.load(str(src), load_external_data=False)
     quantize._name_unnamed(model)
-    nodes = weight_nodes(model)
+    nodes = [n for n in weight_nodes(model) if n not in exclude]
     named = src.with_name(src.name + ".named.onnx")
     onnx.save(model, str(named))
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -421,26 +421,27 @@ def test_int8_graph_records_its_cpu_classes(xlmr_int8, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("here, auto", [(cpuinfo.AVX512_VNNI, "vnni"), (cpuinfo.AVX_VNNI, "vnni"),
-                                        (cpuinfo.AVX512, "portable"), (cpuinfo.AVX2, "portable"),
+                                        (cpuinfo.AVX512, "avx2"), (cpuinfo.AVX2, "avx2"),
                                         (cpuinfo.AARCH64, "portable"), (cpuinfo.OTHER, "portable")])
 def test_int8_targets_and_what_their_graphs_cover(here, auto, xlmr_int8, tmp_path, monkeypatch):
-    """auto is vnni on a VNNI CPU and portable elsewhere; a vnni graph (int8 weights) made and checked on a VNNI
-    CPU covers the VNNI classes alone, one made elsewhere covers its own class alone, and a portable one covers
-    every x86-64 class with AVX2 wherever it was made among them."""
+    """auto is vnni on a VNNI CPU, avx2 on the other AVX2 classes and portable elsewhere; a vnni graph (8-bit int8
+    weights) made and checked on a VNNI CPU covers the VNNI classes alone, one made elsewhere covers its own class
+    alone, and a portable (uint8) or avx2 (7-bit int8) one covers every x86-64 class with AVX2 wherever it was
+    made among them."""
     root, _ = xlmr_int8
     assert quantize.resolve_target("auto", here) == auto
     assert quantize.resolve_target("portable", here) == "portable" and quantize.resolve_target("vnni", here) == "vnni"
     monkeypatch.setattr(cpuinfo, "cpu_class", lambda: here)
     x86 = list(cpuinfo.VNNI_CLASSES + cpuinfo.PAIR_SUM_CLASSES)
     for target, covers in (("vnni", list(cpuinfo.VNNI_CLASSES) if here in cpuinfo.VNNI_CLASSES else [here]),
-                           ("portable", x86 if here in x86 else [here])):
+                           ("portable", x86 if here in x86 else [here]), ("avx2", x86 if here in x86 else [here])):
         got = tmp_path / target / "model.onnx"
         got.parent.mkdir()
         shutil.copyfile(root / "fp32" / "model.onnx", got)
-        quantize_graph(got, weights=quantize.TARGET_WEIGHTS[target])
+        quantize_graph(got, weights=quantize.TARGET_WEIGHTS[target], reduce_range=quantize.target_reduce_range(target))
         record = graph_record(got)
         assert record["weights"] == quantize.TARGET_WEIGHTS[target] and record["covers"] == covers, (target, record)
-    with pytest.raises(ValueError, match="int8 target must be one of auto, vnni, portable, got 'arm'"):
+    with pytest.raises(ValueError, match="int8 target must be one of auto, vnni, avx2, portable, got 'arm'"):
         quantize.resolve_target("arm", here)
 
 
@@ -458,3 +459,96 @@ def test_encoder_and_inspect_say_when_this_cpu_is_not_covered(xlmr_int8, monkeyp
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
     assert shown.count("this CPU: aarch64: WARNING") == 3
+
+
+# -- 7-bit weights with the most sensitive MatMuls in fp32 (the avx2 target) ---------------------------------
+
+def test_kept_nodes_equal_onnxruntime_quantizer_excluding_them(xlmr_int8, tmp_path):
+    """`keep_fp32` is quantize_dynamic's nodes_to_exclude: the same graph, the kept MatMuls fp32 on their float
+    weights; a name that is not a weight node is refused."""
+    root, meta = xlmr_int8
+    name = "model.onnx"
+    model = onnx.load(str(root / "fp32" / name), load_external_data=False)
+    quantize._name_unnamed(model)
+    keep = tuple(weight_nodes(model)[1:3])
+    assert all("MatMul" in n for n in keep)
+    _reference(root / "fp32" / name, tmp_path / "ref" / name, weights="int8", reduce_range=True, exclude=keep)
+    got = tmp_path / "got" / name
+    got.parent.mkdir()
+    shutil.copyfile(root / "fp32" / name, got)
+    assert quantize_graph(got, weights="int8", reduce_range=True, keep_fp32=keep) == \
+        meta["graphs"]["onnx/model.onnx"]["quantized_nodes"] - 2
+    _assert_same_graph(tmp_path / "ref" / name, got)
+    _assert_same_outputs(tmp_path / "ref" / name, got)
+    assert {n.name for n in onnx.load(str(got)).graph.node if n.op_type == "MatMul"} >= set(keep)
+    with pytest.raises(ValueError, match="nodes to keep in fp32 that are not weight nodes of the graph: \\['nope'\\]"):
+        quantize_graph(got, keep_fp32=["nope"])
+
+
+def _sensitive_chain(path: Path) -> None:
+    """x -> mm1 -> mm2 -> mm3 -> sentence_embedding, where mm2's input has one channel 500 times the others
+    that mm2's weight ignores: per-tensor uint8 activations leave mm2 a few levels for everything else, so mm2
+    alone carries most of the int8 drift, and it is not the largest weight."""
+    rng = np.random.default_rng(7)
+    w1 = rng.standard_normal((32, 48)).astype(np.float32)
+    w1[:, 0] *= 500.0
+    w2 = rng.standard_normal((48, 48)).astype(np.float32)
+    w2[0, :] = 0.0
+    w3 = rng.standard_normal((48, 96)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], name="mm1"),
+             helper.make_node("MatMul", ["h1", "w2"], ["h2"], name="mm2"),
+             helper.make_node("MatMul", ["h2", "w3"], ["sentence_embedding"], name="mm3")]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 32])],
+                              [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["n", 96])],
+                              [numpy_helper.from_array(w, n) for w, n in ((w1, "w1"), (w2, "w2"), (w3, "w3"))])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+
+
+def test_sensitivity_keeps_the_matmul_that_moves_the_embeddings(tmp_path):
+    path = tmp_path / "chain.onnx"
+    _sensitive_chain(path)
+    rng = np.random.default_rng(8)
+    feeds = [{"x": rng.standard_normal((16, 32)).astype(np.float32)} for _ in range(4)]
+    record = quantize.sensitivity(path, feeds, "int8", True, goal_p1=0.99999, max_share=0.34)
+    assert [r["node"] for r in record["ranking"]][0] == "mm2" and record["fp32_nodes"] == ["mm2"], record
+    assert record["candidates"] == 3 and record["texts"] == 64
+    assert record["chosen"]["mean_drift"] < record["all_int8"]["mean_drift"] / 3, record
+    assert record["chosen"]["p1_cosine"] > record["all_int8"]["p1_cosine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chain.onnx"]  # the probe graph and its data are gone
+    # The chosen drift is what the int8 graph with those nodes kept computes.
+    quantize_graph(path, weights="int8", reduce_range=True, keep_fp32=record["fp32_nodes"])
+    src = tmp_path / "fp32.onnx"
+    _sensitive_chain(src)
+    int8, fp32 = (ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]) for f in (path, src))
+    a, b = (np.concatenate([s.run(None, f)[0] for f in feeds]) for s in (int8, fp32))
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    assert float(np.percentile(cos, 1)) == pytest.approx(record["chosen"]["p1_cosine"], abs=2e-6)
+    # Nothing is kept where the goal holds with every MatMul quantized.
+    _sensitive_chain(path)
+    assert quantize.sensitivity(path, feeds, "int8", True, goal_p1=0.5)["fp32_nodes"] == []
+
+
+def test_avx2_target_records_its_choice_per_graph(tmp_path):
+    """--int8-target avx2: 7-bit int8 weights, each graph's sensitivity record in attncal.json, the kept nodes
+    fp32 in the graph, figures covering every x86-64 class."""
+    src = save_synthetic_model("bert", tmp_path / "m", seed=4, layers=2, max_positions=64)
+    meta = export(src, tmp_path / "out", ExportOptions(config=_INT8, quantize="int8", int8_target="avx2",
+                                                       exporter="torchscript", check=False), quiet=True)
+    q = meta["quantization"]
+    assert q["target"] == "avx2" and q["weights"] == "int8" and q["reduce_range"] and q["weight_range"] == [-64, 64]
+    assert "reduce_range" in q["method"] and cpuinfo.AVX2 in q["covers"] or q["covers"] == [q["cpu_class"]]
+    measured = meta["graphs"]["onnx/model_optimized_native.onnx"]["int8_sensitivity"]
+    assert measured["texts"] == quantize.SENSITIVITY_TEXTS and measured["goal_p1"] == quantize.SENSITIVITY_GOAL_P1
+    assert measured["chosen"]["p1_cosine"] >= measured["goal_p1"] or len(measured["fp32_nodes"]) == int(
+        quantize.SENSITIVITY_MAX_SHARE * measured["candidates"])
+    assert meta["graphs"]["onnx/model_optimized_native.onnx"]["quantized_nodes"] == \
+        measured["candidates"] - len(measured["fp32_nodes"])
+    for graph_file, entry in meta["graphs"].items():
+        s = entry["int8_sensitivity"]
+        assert s == measured or (s["measured_on"] == "onnx/model_optimized_native.onnx"
+                                 and set(s["fp32_nodes"]) <= set(measured["fp32_nodes"]))
+        model = onnx.load(str(tmp_path / "out" / graph_file))
+        kept = {n.name for n in model.graph.node if n.op_type in ("MatMul", "Attention")}
+        assert set(s["fp32_nodes"]) <= kept
+        q8 = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_quantized")]
+        assert q8 and all(a.dtype == np.int8 and int(np.abs(a).max()) <= 64 for a in q8)

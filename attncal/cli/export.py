@@ -41,10 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "activations per batch; attention core and calibration stay fp32), for CPU serving; parity "
                         "is then judged by cosine to the fp32 PyTorch reference (see attncal check). Excludes --fp16")
     p.add_argument("--int8-target", choices=INT8_TARGETS, default="auto",
-                   help="the CPUs an int8 export is for: vnni (int8 weights: exact and fastest on AVX-512 VNNI and "
-                        "AVX-VNNI CPUs, saturating on others), portable (uint8 weights: the same integers on every "
-                        "x86-64 CPU with AVX2, slower on VNNI CPUs), auto (default: vnni on a VNNI CPU, else "
-                        "portable)")
+                   help="the CPUs an int8 export is for: vnni (8-bit int8 weights: exact and fastest on AVX-512 VNNI "
+                        "and AVX-VNNI CPUs, saturating on others), avx2 (7-bit int8 weights, exact on every x86-64 "
+                        "CPU with AVX2; the MatMuls that move the embeddings most, measured at export, stay fp32), "
+                        "portable (uint8 weights: exact everywhere, slower), auto (default: vnni on a VNNI CPU, avx2 "
+                        "on other AVX2 CPUs, else portable)")
     p.add_argument("--max-length", type=int, default=None, help="override the model's max sequence length")
     p.add_argument("--exporter", choices=EXPORTERS, default="dynamo",
                    help="torch.onnx exporter (default %(default)s; torchscript is faster and suits ORT's fusions)")

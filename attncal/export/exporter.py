@@ -36,6 +36,7 @@ from .. import console
 from ..artifact import (
     EXPORT_LOG_FILE,
     INLINED_GRAPH,
+    NATIVE_GRAPH,
     ONNX_FILE,
     ONNX_SUBDIR,
     OPTIMIZED_GRAPH,
@@ -50,8 +51,9 @@ from ..artifact import (
 from ..graphs import passes, placements
 from ..graphs.pass_base import run_passes
 from ..memory import StepMeter, available_bytes, release_freed_memory
+from ..runtime import oplib
 from ..runtime.parity import check_parity
-from ..runtime.tokenizer import attest_tokenizer
+from ..runtime.tokenizer import attest_tokenizer, load_tokenizer
 from ..versions import library_versions as _installed_versions
 from . import from_torch, optimized_graphs
 from .inline import INLINED_RUNTIME, function_calls, inline_functions
@@ -67,7 +69,8 @@ from .plan import (  # noqa: F401  (DEFAULT_OPSET, EXPORTERS, PLACEMENTS, Export
     ExportOptions,
     ExportPlan,
 )
-from .quantize import TARGET_WEIGHTS, method, quantization_record, quantize_graph, resolve_target
+from .quantize import (TARGET_WEIGHTS, method, quantization_record, quantize_graph, resolve_target, sensitivity,
+                       sensitivity_feeds, target_reduce_range, weight_nodes_of)
 from .run import Run
 
 # The libraries whose versions attncal.json records: those the written graphs depend on.
@@ -180,14 +183,35 @@ def _quantize(run: Run) -> None:
     if opts.quantize is None:
         return
     target = resolve_target(opts.int8_target)
-    weights = TARGET_WEIGHTS[target]
+    weights, reduce_range = TARGET_WEIGHTS[target], target_reduce_range(target)
     run.meter.step("int8 quantization")
     run.progress(GRAPHS, f"quantizing every graph to {opts.quantize} for {target} CPUs ({weights} weights per "
-                 "channel, streamed dynamic quantization; attention core and calibration stay fp32)")
+                 f"channel{', 7-bit' if reduce_range else ''}, streamed dynamic quantization; attention core and "
+                 "calibration stay fp32)")
+    chosen: list[str] = []
+    if reduce_range:
+        # 7-bit weights: the MatMuls that move the embeddings most stay fp32, measured once, on the graph the
+        # Encoder runs on a CPU (native, else ORT-optimized, else portable); the other graphs keep the same
+        # nodes where they have them (the weight MatMuls carry torch's names in every graph).
+        plan = run.plan
+        measured = next(g for g in (NATIVE_GRAPH, OPTIMIZED_GRAPH, *run.graphs) if g in run.graphs)
+        feeds = sensitivity_feeds(load_tokenizer(run.tmp, None, plan.max_seq_length, plan.info.padding_side,
+                                                 plan.pooling_spec))
+        record = sensitivity(run.tmp / measured, feeds, weights, reduce_range,
+                             library=oplib.resolve_library(None, notice=False))
+        chosen = record["fp32_nodes"]
+        run.graphs[measured]["int8_sensitivity"] = record
+        run.log(f"{measured}: {len(chosen)} of {record['candidates']} weight MatMuls kept in fp32 (cosine p1 "
+                f"{record['chosen']['p1_cosine']:.4f} on {record['texts']} prose passages, "
+                f"{record['all_int8']['p1_cosine']:.4f} with every one quantized)")
     for graph_file, entry in run.graphs.items():
-        entry["quantized_nodes"] = quantize_graph(run.tmp / graph_file, weights=weights)
-    run.quantization = {"precision": opts.quantize, "method": method(weights), "target": target,
-                        **quantization_record(weights=weights)}
+        keep = [n for n in chosen if n in weight_nodes_of(run.tmp / graph_file)] if chosen else []
+        if reduce_range and "int8_sensitivity" not in entry:
+            entry["int8_sensitivity"] = {"measured_on": measured, "fp32_nodes": keep}
+        entry["quantized_nodes"] = quantize_graph(run.tmp / graph_file, weights=weights, reduce_range=reduce_range,
+                                                  keep_fp32=keep)
+    run.quantization = {"precision": opts.quantize, "method": method(weights, reduce_range), "target": target,
+                        **quantization_record(weights=weights, reduce_range=reduce_range)}
     for graph_file in run.graphs:  # the quantized graph's digest (the others carry theirs)
         stamp_onnx(run.tmp / graph_file)
 

@@ -71,12 +71,15 @@ import json
 import mmap
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from .. import cpuinfo
 from ..artifact import (GRAPH_INITIALIZER, MODEL_GRAPH, TENSOR_RAW_DATA, check_external_data, external_info,
                         field_header, set_external, write_graph_file)
+from ..runtime.encoder import length_batches
+from ..runtime.parity import builtin_texts
 from ..versions import warn_if_not_mirrored
 
 QUANTIZATIONS = ("int8",)
@@ -86,7 +89,10 @@ WEIGHT_TYPE = "uint8"  # the portable format: exact integer sums on every AVX2 /
 # The CPUs an int8 export is made for, and the weight format each gets (module doc).  "auto" is the target of the
 # exporting machine's class (`resolve_target`): exports are most often served on the kind of machine that made them,
 # and an export run elsewhere says so (attncal.cpuinfo.warn_if_uncovered).
-TARGET_WEIGHTS = {"vnni": "int8", "portable": "uint8"}
+TARGET_WEIGHTS = {"vnni": "int8", "avx2": "int8", "portable": "uint8"}
+# The targets whose weights are 7-bit (reduce_range), and so whose most sensitive MatMuls are kept in fp32
+# (`sensitivity`): int8 weights of |q| <= 64 add exactly in the int16 pair sums of AVX2 and AVX-512 (attncal.cpuinfo).
+REDUCED_TARGETS = ("avx2",)
 INT8_TARGETS = ("auto",) + tuple(TARGET_WEIGHTS)
 REDUCE_RANGE = False
 # The integer range each weight type's scale maps onto, full or reduced (quant_utils' ONNX_INT_TYPE_SYMMETRIC_RANGE,
@@ -100,6 +106,12 @@ _INLINE_BELOW = 1024  # raw tensor bytes kept in the structure (shape inference 
 _MS_DOMAIN = "com.microsoft"
 _PRODUCER = ("onnx.quantize", "0.1.0")  # what ONNX Runtime's quantizer writes as the producer
 _INFER_PROP = ("onnx.infer", "onnxruntime.quant")
+# The sensitivity measurement of 7-bit targets (`sensitivity`): texts, their words, the cosine p1 the choice of
+# fp32 nodes aims at on them (above the 0.99 budget on unseen prose, which runs lower), and the most nodes kept.
+SENSITIVITY_TEXTS = 16
+SENSITIVITY_WORDS = 256
+SENSITIVITY_GOAL_P1 = 0.993
+SENSITIVITY_MAX_SHARE = 0.25
 
 
 def weight_nodes(model) -> list[str]:
@@ -116,22 +128,42 @@ def weight_nodes(model) -> list[str]:
     return names
 
 
+def weight_nodes_of(path: Path) -> list[str]:
+    """`weight_nodes` of the graph file at `path`, read without its weights (unnamed nodes named as quantizing
+    names them)."""
+    model = _structure(Path(path))
+    _name_unnamed(model)
+    return weight_nodes(model)
+
+
 def resolve_target(target: str, here: str | None = None) -> str:
     """The int8 target `target` names on a machine of class `here` (default this one's): "auto" is "vnni" on a
-    VNNI CPU, where int8 weights add exactly and run fastest, and "portable" elsewhere."""
+    VNNI CPU, where 8-bit int8 weights add exactly and run fastest, "avx2" on an AVX2 or AVX-512 CPU without
+    VNNI, whose U8S8 kernels add 7-bit weights exactly, and "portable" elsewhere (ARM, x86-64 without AVX2),
+    whose kernels this project has not measured."""
     if target not in INT8_TARGETS:
         raise ValueError(f"int8 target must be one of {', '.join(INT8_TARGETS)}, got {target!r}")
     if target != "auto":
         return target
-    return "vnni" if (here or cpuinfo.cpu_class()) in cpuinfo.VNNI_CLASSES else "portable"
+    here = here or cpuinfo.cpu_class()
+    if here in cpuinfo.VNNI_CLASSES:
+        return "vnni"
+    return "avx2" if here in cpuinfo.PAIR_SUM_CLASSES else "portable"
 
 
-def method(weights: str) -> str:
+def target_reduce_range(target: str) -> bool:
+    """Whether a (resolved) target's weights are 7-bit."""
+    return target in REDUCED_TARGETS
+
+
+def method(weights: str, reduce_range: bool = REDUCE_RANGE) -> str:
     """The `method` line attncal.json records for int8 graphs with these weights."""
     weight_type = {"int8": "QInt8", "uint8": "QUInt8"}[weights]
+    reduced = ", reduce_range" if reduce_range else ""
+    kept = "; the most sensitive MatMuls in fp32 (nodes_to_exclude, `fp32_nodes`)" if reduce_range else ""
     return (f"attncal's streamed dynamic quantization, equal to onnxruntime.quantization.quantize_dynamic's "
-            f"({weight_type} weights per output channel, uint8 activations quantized per batch); attention core and "
-            "calibration in fp32")
+            f"({weight_type} weights per output channel{reduced}, uint8 activations quantized per batch{kept}); "
+            "attention core and calibration in fp32")
 
 
 def quantization_record(per_channel: bool = True, weights: str = WEIGHT_TYPE, reduce_range: bool = REDUCE_RANGE
@@ -146,10 +178,11 @@ def quantization_record(per_channel: bool = True, weights: str = WEIGHT_TYPE, re
 
 
 def quantize_graph(path: Path, per_channel: bool = True, weights: str = WEIGHT_TYPE,
-                   reduce_range: bool = REDUCE_RANGE) -> int:
+                   reduce_range: bool = REDUCE_RANGE, keep_fp32: Sequence[str] = ()) -> int:
     """Quantize the graph at `path` in place (written beside it, then renamed); returns how many nodes were
-    quantized.  A float32 data file beside it that the int8 graph no longer needs goes.  The graph's ONNX
-    metadata gains `quantization_record` under attncal.cpuinfo.INT8_RECORD_KEY."""
+    quantized.  The weight nodes named in `keep_fp32` stay fp32 (quantize_dynamic's nodes_to_exclude).  A
+    float32 data file beside it that the int8 graph no longer needs goes.  The graph's ONNX metadata gains
+    `quantization_record` under attncal.cpuinfo.INT8_RECORD_KEY."""
     warn_if_not_mirrored("onnxruntime", MIRRORS_ORT, "attncal's int8 quantizer reproduces quantize_dynamic")
     path = Path(path)
     model = _structure(path)
@@ -157,9 +190,12 @@ def quantize_graph(path: Path, per_channel: bool = True, weights: str = WEIGHT_T
     nodes = weight_nodes(model)
     if not nodes:
         raise ValueError(f"{path}: no MatMul/Gemm/Attention node with a weight initializer to quantize")
+    unknown = sorted(set(keep_fp32) - set(nodes))
+    if unknown:
+        raise ValueError(f"{path}: nodes to keep in fp32 that are not weight nodes of the graph: {unknown[:3]}")
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    q = _Quantizer(model, path.parent, set(nodes), per_channel, weights, reduce_range)
+    q = _Quantizer(model, path.parent, set(nodes) - set(keep_fp32), per_channel, weights, reduce_range)
     model, count = q.run()
     model.metadata_props.add(key=cpuinfo.INT8_RECORD_KEY, value=json.dumps(
         quantization_record(per_channel, weights, reduce_range), sort_keys=True))
@@ -178,6 +214,107 @@ def quantize_graph(path: Path, per_channel: bool = True, weights: str = WEIGHT_T
     finally:
         work.unlink(missing_ok=True)
     return count
+
+
+def sensitivity_texts(count: int = SENSITIVITY_TEXTS) -> list[str]:
+    """Real prose for the sensitivity measurement: windows of SENSITIVITY_WORDS words from the first Python
+    Language Reference topics (pydoc_data, in every CPython; sorted by name, two windows per topic), so the
+    last topics stay unseen for evaluations (benchmarks/int8_cpu_classes.py uses the last 48).  The parity
+    check's built-in texts where this Python has no pydoc_data."""
+    try:
+        from pydoc_data.topics import topics  # lazy: stdlib data, some distributions strip it
+    except ImportError:
+        return builtin_texts()
+    out = []
+    for name in sorted(topics):
+        words = topics[name].split()
+        out.extend(" ".join(words[i:i + SENSITIVITY_WORDS]) for i in range(0, min(len(words), 2 * SENSITIVITY_WORDS),
+                                                                            SENSITIVITY_WORDS))
+        if len(out) >= count:
+            break
+    return out[:count]
+
+
+def sensitivity_feeds(tokenizer, texts: Sequence[str] | None = None, batch: int = 16) -> list[dict]:
+    """`texts` (default `sensitivity_texts()`) tokenized by `tokenizer` (attncal.runtime.tokenizer's, called
+    on a list of texts) in batches of `batch`, longest first."""
+    texts = list(texts) if texts is not None else sensitivity_texts()
+    return [tokenizer([texts[j] for j in idx]) for idx in length_batches(tokenizer.token_lengths(texts), batch)]
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+
+
+def _drift(cos: np.ndarray) -> dict:
+    return {"p1_cosine": round(float(np.percentile(cos, 1)), 6), "min_cosine": round(float(cos.min()), 6),
+            "mean_drift": float(f"{float(np.mean(1.0 - cos)):.4g}")}
+
+
+def sensitivity(path: Path, feeds: Sequence[dict], weights: str = "int8", reduce_range: bool = True, *,
+                library: Path | None = None, goal_p1: float = SENSITIVITY_GOAL_P1,
+                max_share: float = SENSITIVITY_MAX_SHARE, per_channel: bool = True) -> dict:
+    """Which weight nodes of the fp32 graph at `path` to keep in fp32 when the others are quantized with these
+    options, measured on `feeds` (tokenized batches of real prose), and the drift measured with that choice.
+
+    One probe graph holds every weight node both quantized and in fp32, a bool input per node choosing
+    (ONNX Runtime's own integer kernels, so what the int8 graph computes on this CPU).  Each node's
+    contribution is the mean cosine drift (1 - cosine to the fp32 embeddings) it removes when it alone is
+    kept in fp32; nodes are taken by that gain per weight element (the fp32 multiplies each costs) until the
+    cosine p1 reaches `goal_p1` or `max_share` of the nodes are kept.  The record lists the kept nodes, the
+    drift with all quantized and with the choice, and the ranking's head."""
+    import onnxruntime as ort  # lazy: the exporter's runtime dependency, loaded by the step that needs it
+
+    path = Path(path)
+    model = _structure(path)
+    _name_unnamed(model)
+    nodes = weight_nodes(model)
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    cost = {n.name: int(np.prod(dims[n.input[1]])) for n in model.graph.node if n.name in set(nodes)}
+    q = _Quantizer(model, path.parent, set(nodes), per_channel, weights, reduce_range, probe=True)
+    m, _ = q.run()
+    switches = q.switches
+    probe, data = path.with_name(f".{path.name}.probe.onnx"), path.with_name(f".{path.name}.probe_data")
+    try:
+        with open(data, "wb") as f:
+            for t in m.graph.initializer:
+                fill = q.lazy.get(t.name)
+                if fill is not None:
+                    offset = f.tell()
+                    fill(f)
+                    set_external(t, data.name, offset, f.tell() - offset)
+        probe.write_bytes(m.SerializeToString())
+        so = ort.SessionOptions()
+        if library is not None:
+            so.register_custom_ops_library(str(library))
+        session = ort.InferenceSession(str(probe), so, providers=["CPUExecutionProvider"])
+        inputs = {i.name for i in session.get_inputs()}
+
+        def embed(fp32: set[str]) -> np.ndarray:
+            flags = {f"attncal_fp32_{k}": np.array(n in fp32) for k, n in enumerate(switches)}
+            return np.concatenate([session.run(["sentence_embedding"], {**{k: v for k, v in feed.items()
+                                                                          if k in inputs}, **flags})[0]
+                                   for feed in feeds])
+
+        reference = embed(set(switches))
+        base = _cosines(embed(set()), reference)
+        base_drift = float(np.mean(1.0 - base))
+        gain = {n: base_drift - float(np.mean(1.0 - _cosines(embed({n}), reference))) for n in switches}
+        ranking = sorted((n for n in switches if gain[n] > 0), key=lambda n: gain[n] / cost[n], reverse=True)
+        limit = int(max_share * len(switches))
+        kept, cos = [], base
+        for n in ranking:  # one node at a time, each step measured: the gains do not simply add up
+            if float(np.percentile(cos, 1)) >= goal_p1 or len(kept) >= limit:
+                break
+            kept.append(n)
+            cos = _cosines(embed(set(kept)), reference)
+    finally:
+        probe.unlink(missing_ok=True)
+        data.unlink(missing_ok=True)
+    return {"goal_p1": goal_p1, "texts": int(len(reference)), "candidates": len(switches), "fp32_nodes": kept,
+            "all_int8": _drift(base), "chosen": _drift(cos),
+            "ranking": [{"node": n, "drift_removed": float(f"{gain[n]:.4g}"), "weight_elements": cost[n]}
+                        for n in ranking[:8]]}
 
 
 def graph_record(path: Path) -> dict | None:
@@ -360,10 +497,13 @@ def _remade(node, graph) -> object:
 
 class _Quantizer:
     def __init__(self, model, base_dir: Path, nodes: set[str], per_channel: bool, weights: str,
-                 reduce_range: bool) -> None:
+                 reduce_range: bool, probe: bool = False) -> None:
         self.model, self.base_dir, self.nodes, self.per_channel = model, base_dir, nodes, per_channel
         self.weights, self.reduce_range = weights, reduce_range
         self.lazy: dict = {}  # initializer name -> writes its bytes to a file (computed when written)
+        # probe: each quantized node's fp32 original is kept beside it and a bool scalar input per node
+        # chooses between them (`sensitivity`); `switches` lists the nodes in the order of those inputs.
+        self.probe, self.switches = probe, []
 
     def run(self):
         opset = [o.version for o in self.model.opset_import if o.domain in ("", "ai.onnx")]
@@ -386,8 +526,11 @@ class _Quantizer:
         count = 0
         for node in g.node:
             before = len(self.new)
-            if node.name in self.nodes and node.op_type in _OP_TYPES and self._quantize(node):
+            if node.name in self.nodes and node.op_type in _OP_TYPES and self._quantize(
+                    self._renamed(node, "_int8") if self.probe else node):
                 count += 1
+                if self.probe:
+                    self._switch(node)
             else:
                 self._keep(node)
             for n in self.new[before:]:
@@ -407,6 +550,31 @@ class _Quantizer:
         _topological_sort(g)
         self.lazy = {t.name: self.lazy[t.name] for t in g.initializer if t.name in self.lazy}
         return m, count
+
+    @staticmethod
+    def _renamed(node, suffix: str):
+        """A copy of `node` whose outputs (and name) carry `suffix`."""
+        import onnx
+
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = node.name + suffix
+        del copy.output[:]
+        copy.output.extend(o + suffix if o else "" for o in node.output)
+        return copy
+
+    def _switch(self, node) -> None:
+        """Probe graphs: `node` in fp32 beside its quantized copy, and a Where per output choosing between them
+        by the bool scalar input `attncal_fp32_<k>`."""
+        import onnx
+        from onnx import helper
+
+        flag = f"attncal_fp32_{len(self.switches)}"
+        self.switches.append(node.name)
+        self.m.graph.input.append(helper.make_tensor_value_info(flag, onnx.TensorProto.BOOL, []))
+        self._add([self._renamed(node, "_fp32")])  # on the float weight, as a node left unquantized reads it
+        self._add([helper.make_node("Where", [flag, o + "_fp32", o + "_int8"], [o], f"{node.name}_switch_{i}")
+                   for i, o in enumerate(node.output) if o])
 
     # -- the rewrite of Gemm (ONNX Runtime's dynamic mode does it to every Gemm before quantizing) -----------
 
