@@ -1,45 +1,51 @@
-"""int8 weight formats on two CPU classes: cosine to the fp32 calibrated export, and time against fp32.
+"""int8 targets on two CPU classes: cosine to the fp32 calibrated embeddings, and time against fp32 uncalibrated.
 
-all-MiniLM-L6-v2, calibrated with default options.  Each int8 candidate is `attncal export --quantize int8`
-with the quantizer's weight format set (equal to onnxruntime's quantize_dynamic with the same options):
+all-MiniLM-L6-v2 (the default model), calibrated with default options, exported once per `--int8-target`:
 
-* `int8-u8u8`: uint8 weights per channel, asymmetric (QUInt8, U8U8 kernels; the default);
-* `int8-7bit`: int8 weights per channel in the 7-bit range (QInt8 with reduce_range);
-* `int8-8bit`: int8 weights per channel in the 8-bit range (QInt8; the default before).
+* `portable`: uint8 weights per channel (U8U8 kernels, exact on every x86-64 class);
+* `avx2`: 7-bit int8 weights per channel (U8S8, exact on every class), the most sensitive MatMuls in fp32
+  (attncal.export.quantize.sensitivity, measured at export on the first Python Language Reference topics);
+* `vnni`: 8-bit int8 weights per channel (U8S8: exact on VNNI, saturating int16 pair sums on AVX2).
 
-`encode` embeds the last 48 of the 79 Python Language Reference documents (truncated at the export's 256
-tokens) with each export's `Encoder` and saves them with what the process saw: numpy's CPU features (CPUID,
-not /proc) and MatMulInteger probes of 255 x 127 (U8S8) and 255 x 255 (U8U8) products, whose U8S8 sum ONNX
-Runtime's AVX2 kernel saturates and its VNNI kernel does not.  Run it natively, and under user-mode emulation
-of an AVX2-only CPU (QEMU's `-cpu Haswell`, no AVX-512) for what such a CPU computes; times under emulation mean
-nothing, so `encode` times nothing.  `time` times the Encoders natively, interleaved; `report` gives the cosine
-of each run's int8 embeddings to the first run's fp32 calibrated ones.
+`measure` embeds the last 48 of the 79 Python Language Reference documents (unseen by the sensitivity
+measurement; truncated at the export's 256 tokens) with each export's `Encoder`, the cosine of each int8 export's
+embeddings to the fp32 calibrated ones, and times the Encoders over them, interleaved in a rotating order (medians
+of `--rounds`), against the fp32 uncalibrated one, all in one process.
 
-    python benchmarks/int8_cpu_classes.py prepare --workdir W
-    python benchmarks/int8_cpu_classes.py encode --workdir W --out W/native.npz [--graph optimized]
-    qemu-x86_64-static -cpu Haswell .venv/bin/python benchmarks/int8_cpu_classes.py encode --workdir W --out W/haswell.npz
-    python benchmarks/int8_cpu_classes.py time --workdir W --threads 2 --rounds 9
-    python benchmarks/int8_cpu_classes.py report W/native.npz W/haswell.npz
+AVX2 on an AVX-512 machine: ONNX Runtime's MLAS (and numpy, OpenBLAS, attncal's kernels) pick their kernels from
+CPUID.  `run` measures twice: natively, and in a process whose CPUID reports no AVX-512, no AVX-VNNI (the
+`cpuid_avx2.c` preload: Linux's CPUID faulting, `arch_prctl(ARCH_SET_CPUID, 0)`, traps every CPUID instruction
+and the handler answers with those feature bits cleared), with `ATTNCAL_CPU_PATH=avx2`.  Everything else runs
+natively, so the times are those of the AVX2 kernels on this CPU's cores.  Each process records what it saw:
+numpy's CPU features and a MatMulInteger probe of 255 x 127 products, whose U8S8 sum the AVX2 kernel saturates
+(1048544 for 2072640) and the VNNI kernel does not; `run` refuses a masked process whose probe is exact.
+
+    python benchmarks/int8_cpu_classes.py run --workdir W --threads 2 --rounds 7 --out docs/bench/int8
+
+writes `results.json` (rendered into docs/quantization.md by docs/generate.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import shutil
+import subprocess
 import sys
 from functools import partial
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from attncal.bench.engines import interleaved_session_options
+from attncal.bench.harness import machine_info, source_commit
 from attncal.bench.timing import interleaved_times, medians
 from attncal.eval.realtext import python_reference_documents
 from attncal.export.exporter import ExportOptions, export
-from attncal.export import quantize
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 
@@ -49,28 +55,27 @@ except ImportError:  # numpy 1.x
     from numpy.core._multiarray_umath import __cpu_features__ as CPU_FEATURES
 
 FP32 = ("uncalibrated", "calibrated")
-VARIANTS = {"int8-u8u8": ("uint8", False), "int8-7bit": ("int8", True), "int8-8bit": ("int8", False)}
+TARGETS = ("portable", "avx2", "vnni")
 PASSAGES = 48
+SHIM = Path(__file__).with_name("cpuid_avx2.c")
+CPUS = {"native": {}, "avx2": {"ATTNCAL_CPU_PATH": "avx2"}}  # the masked run also gets the preload
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("prepare", "encode", "time", "report"))
-    ap.add_argument("runs", nargs="*", type=Path, help="report: the .npz files of `encode`")
-    ap.add_argument("--workdir", type=Path)
-    ap.add_argument("--out", type=Path, help="encode: the .npz to write")
-    ap.add_argument("--graph", default="auto", help="encode, time: the Encoder's graph (auto, optimized, native)")
+    ap.add_argument("step", choices=("prepare", "measure", "run"))
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="measure: its JSON; run: the folder of results.json")
+    ap.add_argument("--graph", default="auto", help="the Encoders' graph (auto, optimized, native)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=9)
-    args = ap.parse_intermixed_args()
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
     if args.step == "prepare":
         prepare(args.workdir)
-    elif args.step == "encode":
-        encode(args.workdir, args.out, args.graph)
-    elif args.step == "time":
-        print(json.dumps(timing(args.workdir, args.threads, args.rounds, args.graph), indent=2))
+    elif args.step == "measure":
+        args.out.write_text(json.dumps(measure(args.workdir, args.graph, args.threads, args.rounds), indent=1))
     else:
-        print(json.dumps(report(args.runs), indent=2))
+        run(args)
 
 
 def prepare(work: Path) -> None:
@@ -78,12 +83,10 @@ def prepare(work: Path) -> None:
         if not (work / name / "attncal.json").exists():
             export(default_model_path(), work / name, ExportOptions(calibrate=name == "calibrated", overwrite=True),
                    quiet=True)
-    for name, (weights, reduce_range) in VARIANTS.items():
-        if not (work / name / "attncal.json").exists():
-            # The exporter calls the quantizer with its defaults: this variant's weight format instead.
-            fmt = partial(quantize.quantize_graph, weights=weights, reduce_range=reduce_range)
-            with mock.patch.object(quantize, "quantize_graph", fmt):
-                export(default_model_path(), work / name, ExportOptions(quantize="int8", overwrite=True), quiet=True)
+    for target in TARGETS:
+        if not (work / f"int8-{target}" / "attncal.json").exists():
+            export(default_model_path(), work / f"int8-{target}",
+                   ExportOptions(quantize="int8", int8_target=target, overwrite=True), quiet=True)
 
 
 def passages() -> list[str]:
@@ -111,39 +114,79 @@ def _probe(weight_dtype, weight: int, k: int = 64) -> dict:
     return {"exact": exact, "onnxruntime": got, "kernel": "exact" if got == exact else "saturating int16 pair sums"}
 
 
-def encode(work: Path, out: Path, graph: str) -> None:
-    texts = passages()
-    encs = {n: Encoder(work / n, graph=graph) for n in ("calibrated", *VARIANTS)}
-    emb = {n: e.encode(texts) for n, e in encs.items()}
-    np.savez(out, seen=json.dumps({**cpu_seen(), "graphs": {n: e.graph_file for n, e in encs.items()}}), **emb)
+def _cosine(a: np.ndarray, b: np.ndarray) -> dict:
+    c = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {"p1": float(np.percentile(c, 1)), "p50": float(np.median(c)), "min": float(c.min())}
 
 
-def timing(work: Path, threads: int, rounds: int, graph: str) -> dict:
-    """Median seconds of each Encoder over the passages, interleaved rounds in a rotating order, and each one's
-    ratio to the fp32 uncalibrated Encoder's."""
+def measure(work: Path, graph: str, threads: int, rounds: int) -> dict:
+    """In this process: cosines of each int8 export's embeddings to the fp32 calibrated ones, and the median time
+    of each Encoder over the passages (interleaved, rotating order) with its ratio to fp32 uncalibrated."""
     texts = passages()
-    names = (*FP32, *VARIANTS)
+    names = (*FP32, *(f"int8-{t}" for t in TARGETS))
     encs = {n: Encoder(work / n, graph=graph, intra_op_threads=threads,
                        session_options=interleaved_session_options(work / n)) for n in names}
+    emb = {n: e.encode(texts) for n, e in encs.items()}
     med = medians(interleaved_times({n: partial(e.encode, texts) for n, e in encs.items()}, rounds, rotate=True))
-    return {"texts": len(texts), "rounds": rounds, "threads": threads, "cpu": cpu_seen(),
-            "graphs": {n: e.graph_file for n, e in encs.items()}, "median_s": med,
-            "ratio_to_fp32_uncalibrated": {n: med[n] / med["uncalibrated"] for n in names}}
+    return {"cpu": cpu_seen(), "graphs": {n: e.graph_file for n, e in encs.items()}, "median_s": med,
+            "ratio_to_fp32_uncalibrated": {n: med[n] / med["uncalibrated"] for n in names},
+            "cosine_to_fp32_calibrated": {n: _cosine(emb[n], emb["calibrated"]) for n in names}}
 
 
-def report(runs: list[Path]) -> dict:
-    """Cosine of each run's embeddings to the first run's fp32 calibrated ones (p1, p50, min)."""
-    ref = np.load(runs[0])["calibrated"]
-    out = {}
-    for run in runs:
-        data = np.load(run)
-        cos = {}
-        for name in ("calibrated", *VARIANTS):
-            a = data[name]
-            c = (a * ref).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(ref, axis=1))
-            cos[name] = {"p1": float(np.percentile(c, 1)), "p50": float(np.median(c)), "min": float(c.min())}
-        out[run.name] = {"cpu": json.loads(str(data["seen"])), "cosine_to_first_fp32_calibrated": cos}
-    return out
+def _build_shim(work: Path) -> Path:
+    lib = work / "libcpuid_avx2.so"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("a C compiler (cc) is needed to build the CPUID preload")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(SHIM)], check=True)
+    return lib
+
+
+def run(args) -> None:
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    prepare(work)
+    shim = _build_shim(work)
+    seen = {}
+    for cpu, env in CPUS.items():
+        env = {**os.environ, **env}
+        if cpu == "avx2":
+            env["LD_PRELOAD"] = str(shim)
+        out = work / f"{cpu}.json"
+        subprocess.run([sys.executable, __file__, "measure", "--workdir", str(work), "--out", str(out), "--graph",
+                        args.graph, "--threads", str(args.threads), "--rounds", str(args.rounds)], env=env, check=True)
+        seen[cpu] = json.loads(out.read_text())
+    masked = seen["avx2"]["cpu"]
+    if masked["u8s8_probe"]["kernel"] == "exact" or masked["cpuid"]["AVX512F"]:
+        raise SystemExit(f"the CPUID mask did not take (this kernel or VM has no CPUID faulting?): {masked}")
+    rows = []
+    for cpu, result in seen.items():
+        label = "avx2 (AVX-512 masked)" if cpu == "avx2" else machine_info(args.threads)["cpu_class"]
+        for target in TARGETS:
+            name = f"int8-{target}"
+            meta = json.loads((work / name / "attncal.json").read_text())
+            entry = meta["graphs"][result["graphs"][name]]
+            sens = entry.get("int8_sensitivity") or {}
+            rows.append({"cpu": label, "u8s8_kernel": result["cpu"]["u8s8_probe"]["kernel"], "target": target,
+                         "weights": meta["quantization"]["weights"], "weight_range": meta["quantization"]["weight_range"],
+                         "graph": result["graphs"][name], "fp32_nodes": sens.get("fp32_nodes", []),
+                         "weight_nodes": sens.get("candidates", entry.get("quantized_nodes")),
+                         "time_vs_fp32_uncalibrated": result["ratio_to_fp32_uncalibrated"][name],
+                         "cosine_to_fp32_calibrated": result["cosine_to_fp32_calibrated"][name]})
+        rows.append({"cpu": label, "u8s8_kernel": result["cpu"]["u8s8_probe"]["kernel"], "target": "fp32 calibrated",
+                     "time_vs_fp32_uncalibrated": result["ratio_to_fp32_uncalibrated"]["calibrated"]})
+    command = ("python benchmarks/int8_cpu_classes.py run --workdir W --threads "
+               f"{args.threads} --rounds {args.rounds}" + (f" --graph {args.graph}" if args.graph != "auto" else ""))
+    results = {"meta": {"command": command, "commit": source_commit(), "date": datetime.date.today().isoformat(),
+                        "machine": machine_info(args.threads), "passages": PASSAGES, "rounds": args.rounds,
+                        "avx2": "CPUID masked (benchmarks/cpuid_avx2.c), ATTNCAL_CPU_PATH=avx2; kernels run natively",
+                        "seen": {cpu: r["cpu"] for cpu, r in seen.items()},
+                        "median_s": {cpu: r["median_s"] for cpu, r in seen.items()}},
+               "rows": rows}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
