@@ -91,6 +91,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def random_inputs(rng: random.Random, gen: torch.Generator, rc, H: int, Q: int, K: int, mask: torch.Tensor,
+                  softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, the oracle's output) of one random case, float32 or float16: the fused op's scores (sometimes offset,
+    so that the max subtraction matters) or the separate op's probabilities (sometimes with empty baskets)."""
+    if softmax:
+        dt = rng.choice(DTYPES)
+        x = random_scores(gen, mask, H, dt, temp=rng.choice([0.5, 2.0, 6.0]), Q=Q,
+                          offset=rng.uniform(-30.0, 30.0) if rng.random() < 0.2 else 0.0)
+        return x, reference(torch.softmax(x.double(), -1), mask, rc)
+    probs64 = random_probs(gen, mask, H, torch.float64, temp=rng.choice([0.5, 2.0, 6.0]), Q=Q)
+    if rng.random() < 0.2:
+        probs64[..., rng.randrange(K):][..., : 2 * rc.basket_size] = 0  # empty baskets
+    x = probs64.to(rng.choice(DTYPES))
+    return x, reference(x.double(), mask, rc)
+
+
 def check_random_cases(lib, n_cases: int, seed: int, softmax: bool, device: str = "cuda", launch=launch) -> OracleLoop:
     """`n_cases` random cases of one launcher against the oracle: the separate op on probabilities
     (sometimes with empty baskets), or with `softmax` the fused op on scores against the oracle of
@@ -102,18 +118,8 @@ def check_random_cases(lib, n_cases: int, seed: int, softmax: bool, device: str 
 
     def run(case, seen):
         rc, B, H, Q, K, mask = case
-        if softmax:
-            dt = rng.choice(DTYPES)
-            x = random_scores(gen, mask, H, dt, temp=rng.choice([0.5, 2.0, 6.0]), Q=Q,
-                              offset=rng.uniform(-30.0, 30.0) if rng.random() < 0.2 else 0.0)
-            ref = reference(torch.softmax(x.double(), -1), mask, rc)
-        else:
-            probs64 = random_probs(gen, mask, H, torch.float64, temp=rng.choice([0.5, 2.0, 6.0]), Q=Q)
-            if rng.random() < 0.2:
-                probs64[..., rng.randrange(K):][..., : 2 * rc.basket_size] = 0  # empty baskets
-            dt = rng.choice(DTYPES)
-            x = probs64.to(dt)
-            ref = reference(x.double(), mask, rc)
+        x, ref = random_inputs(rng, gen, rc, H, Q, K, mask, softmax)
+        dt = x.dtype
         in_place = rng.random() < 0.5
         out = run_case(x, mask, rc, in_place, softmax, lib, device, launch)
         err = compare(out, ref, f"{'fused ' if softmax else ''}case ({rc}, B={B}, H={H}, Q={Q}, K={K}, "

@@ -14,13 +14,14 @@ the device's shared memory does not hold them (a simulated device with 1 KiB).""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 
 from attncal.calibration import reference
-from gpu.test_calibration_cuda import DTYPES, TOL, compare, corner_inputs, run_case
+from gpu.test_calibration_cuda import DTYPES, TOL, compare, corner_inputs, random_inputs, run_case
 from support.cases import calibrated_rows, mark_rows, random_config, row_set_config
 from support.masks import mixed_mask
 from support.tensors import random_probs, random_scores
@@ -32,18 +33,25 @@ pytestmark = pytest.mark.simt
 # A launch holds a batch of cases: every (item, head, query row) it computes is checked against the oracle.  Each
 # launcher runs random launches until CASES of its rows were calibrated rows and at least LAUNCHES launches ran
 # (so that the attribute sets vary as much as the rows do).
-CASES = 2000
-LAUNCHES = 150
+# `make test` runs a sample that fits the suite's time budget (each row of a block is a block of OS threads, and
+# every synchronisation point a thread switch); SIMT_FULL=1 runs the full count, 2,000 calibrated rows per
+# launcher.
+FULL = os.environ.get("SIMT_FULL") == "1"
+CASES = 2000 if FULL else 300
+LAUNCHES = 150 if FULL else 40
 
 
-def small_case(rng: random.Random, marked: bool = False):
+def small_case(rng: random.Random, marked: bool = False, size: str = ""):
     """(rc, B, H, Q, K, mask): the GPU tests' random case with the simulator's shapes (every block is run thread
     by thread): mostly rows of up to 120 keys (64-thread blocks), sometimes up to 700 (128 threads) or past 1024
-    (256 threads, Q = 1 or in place); all-rows cases at most 24 keys (a block per row)."""
+    (256 threads, Q = 1 or in place); all-rows cases at most 24 keys (a block per row).  `size` "long" or "mid"
+    forces a pooled case of the 256- or 128-thread blocks."""
     S = rng.choice([1, 2, 3, 4, 5, 8, 16, 32, 33, 64])
     cfg = random_config(rng, S, weights_first=True, weight_p=0.25, random_strengths=1)
     rc = (row_set_config(rng, cfg) if marked else cfg).resolve()
-    r = rng.random()
+    if size and (rc.all_rows or rc.row_set):  # the long rows of the pooled op (an all-rows one is a block per row)
+        rc = type(cfg)(**{**vars(cfg), "pooling": "cls"}).resolve()
+    r = {"long": 0.0, "mid": 0.1}.get(size, rng.random())
     if r < 0.04 and not rc.all_rows:
         K, B, H = rng.randint(1025, 1300), 1, 1
     elif r < 0.12 and not rc.all_rows:
@@ -56,7 +64,7 @@ def small_case(rng: random.Random, marked: bool = False):
     mask = mixed_mask(rng, B, K, holes=0.1 if marked else 0.0)
     if marked:
         mask = mark_rows(rng, mask, p=0.02 if K > 1024 else None)
-    elif rng.random() < 0.1 and K > 4:
+    elif (size == "mid" or rng.random() < 0.1) and K > 4:
         mask[:, rng.randrange(1, K - 1)] = 0  # a hole in every item
     return rc, B, H, Q, K, mask
 
@@ -75,18 +83,10 @@ def run_random(lib, n_cases: int, seed: int, softmax: bool, marked: bool = False
                           "left_padded", "holes", "ragged"), 0)
     n_launches = n_rows = n_cal = 0
     while n_cal < n_cases or n_launches < launches:
-        rc, B, H, Q, K, mask = small_case(rng, marked)
-        dt = rng.choice(DTYPES)
-        if softmax:
-            x = random_scores(gen, mask, H, dt, temp=rng.choice([0.5, 2.0, 6.0]), Q=Q,
-                              offset=rng.uniform(-30.0, 30.0) if rng.random() < 0.2 else 0.0)
-            ref = reference(torch.softmax(x.double(), -1), mask, rc)
-        else:
-            probs64 = random_probs(gen, mask, H, torch.float64, temp=rng.choice([0.5, 2.0, 6.0]), Q=Q)
-            if rng.random() < 0.2:
-                probs64[..., rng.randrange(K):][..., : 2 * rc.basket_size] = 0  # empty baskets
-            x = probs64.to(dt)
-            ref = reference(x.double(), mask, rc)
+        size = "" if marked else ("long", "mid")[n_launches] if n_launches < 2 else ""
+        rc, B, H, Q, K, mask = small_case(rng, marked, size)
+        x, ref = random_inputs(rng, gen, rc, H, Q, K, mask, softmax)
+        dt = x.dtype
         in_place = rng.random() < 0.5
         out = run_case(x, mask, rc, in_place, softmax, lib, device="cpu")
         name = str(dt).replace("torch.", "")
@@ -106,6 +106,8 @@ def run_random(lib, n_cases: int, seed: int, softmax: bool, marked: bool = False
         seen["ragged"] += len({int(m.sum()) for m in mask}) > 1
     print(f"\nsimt {'fused' if softmax else 'separate'}{' marked rows' if marked else ''}: {n_launches} launches, "
           f"{n_rows} rows checked, {n_cal} of them calibrated; max abs err {worst} (bounds {TOL}), {seen}")
+    if marked:  # rows of self-attention, at most 24 keys
+        seen = {k: v for k, v in seen.items() if k not in ("q1", "blocks_128", "blocks_256", "holes")}
     assert min(seen.values()) > 0, seen
     return worst
 

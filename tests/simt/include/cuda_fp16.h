@@ -11,16 +11,8 @@
 #include "simt/runtime.h"
 
 namespace simt {
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline uint32_t float_bits(float f) { return std::bit_cast<uint32_t>(f); }
+inline float bits_float(uint32_t u) { return std::bit_cast<float>(u); }
 // float -> binary16, round to nearest even.
 inline uint16_t f32_to_f16_rn(float f) {
   const uint32_t u = float_bits(f);

@@ -26,6 +26,7 @@
 #define SIMT_RUNTIME_H_
 
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -262,21 +263,9 @@ constexpr std::common_type_t<A, B> max(A a, B b) {
 }
 
 // ------------------------------------------------------------------ float intrinsics
-inline float __int_as_float(int x) {
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-inline int __float_as_int(float f) {
-  int x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
-inline unsigned __float_as_uint(float f) {
-  unsigned x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
+inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
+inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
 // __expf: the GPU computes ex2.approx(x * log2(e)) (2 ulp of ex2, plus the rounding of the product);
 // modelled with the same product and a correctly rounded exp2.  The GPU's own rounding is not modelled.
 inline float __expf(float x) { return exp2f(x * 1.44269504088896340736f); }
