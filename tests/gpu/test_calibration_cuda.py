@@ -178,10 +178,14 @@ def corner_inputs() -> dict:
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_corner_cases(launchers, pooling, dtype, softmax, in_place):
+    check_corner_case(launchers, pooling, dtype, softmax, in_place)
+
+
+def check_corner_case(lib, pooling: str, dtype: str, softmax: bool, in_place: bool, device: str = "cuda") -> None:
     """A subnormal total (fixed weight 1e-40, no content mass), an item with no valid key, an odd K."""
     rc, mask, scores, probs, probs64 = corner_inputs()[pooling, dtype]
     x, ref = (scores, reference(probs64, mask, rc)) if softmax else (probs, reference(probs.double(), mask, rc))
-    out = run_case(x, mask, rc, in_place, softmax, launchers)
+    out = run_case(x, mask, rc, in_place, softmax, lib, device)
     compare(out, ref, f"corner case ({pooling}, softmax={softmax}, in_place={in_place})")
     # The fully masked item is not calibrated: its rows are the input's (separate) or uniform (fused).
     expect = torch.full_like(out[2].double(), 1.0 / mask.shape[1]) if softmax else probs[2].double()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from attncal.calibration import reference
-from gpu.test_calibration_cuda import DTYPES, TOL, compare, corner_inputs, random_inputs, run_case
+from gpu.test_calibration_cuda import DTYPES, TOL, check_corner_case, compare, random_inputs, run_case
 from support.cases import calibrated_rows, mark_rows, random_config, row_set_config
 from support.masks import mixed_mask
 from support.tensors import random_probs, random_scores
@@ -128,12 +128,7 @@ def test_marked_rows_match_the_oracle(sim, softmax, seed):
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_corner_cases(sim, pooling, dtype, softmax, in_place):
     """The GPU tests' corner cases: a subnormal total, an item with no valid key, an odd K."""
-    rc, mask, scores, probs, probs64 = corner_inputs()[pooling, dtype]
-    x, ref = (scores, reference(probs64, mask, rc)) if softmax else (probs, reference(probs.double(), mask, rc))
-    out = run_case(x, mask, rc, in_place, softmax, sim, device="cpu")
-    compare(out, ref, f"corner case ({pooling}, softmax={softmax}, in_place={in_place})")
-    expect = torch.full_like(out[2].double(), 1.0 / mask.shape[1]) if softmax else probs[2].double()
-    assert float((out[2].double() - expect).abs().max()) <= TOL[dtype]
+    check_corner_case(sim, pooling, dtype, softmax, in_place, device="cpu")
 
 
 @pytest.mark.parametrize("softmax", [False, True], ids=["separate", "fused"])
