@@ -21,6 +21,8 @@ The blocks:
 * `README.md`: the "which file to load" table (`readme-which-file`), copied from docs/which-file.md.
 * `docs/evaluation.md`: the two example result tables (`eval-pyref`, `eval-synthetic`), rendered from the
   committed `docs/eval/*/results.json` by the function that writes `attncal eval`'s own results.md.
+* `docs/quantization.md`: int8 per CPU class (`bench-int8`), from `docs/bench/int8/results.json` that
+  benchmarks/int8_cpu_classes.py wrote.
 * `docs/performance.md`: the long-context and all-MiniLM-L6-v2 cost tables (`bench-long`, `bench-long-sweep`,
   `bench-minilm`, `bench-plain-long`, `bench-relative-position`),
   rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
@@ -327,6 +329,29 @@ def _long_documents_table() -> str:
     return "\n".join(lines)
 
 
+def _int8_table() -> str:
+    """benchmarks/int8_cpu_classes.py's run, committed as docs/bench/int8/results.json: each int8 target's time
+    against the fp32 uncalibrated export and its cosine to the fp32 calibrated one, per CPU class."""
+    run = json.loads((DOCS / "bench" / "int8" / "results.json").read_text(encoding="utf-8"))
+    meta, machine = run["meta"], run["meta"]["machine"]
+    lines = [f"* `{meta['command']}`: commit `{meta['commit']}`, {meta['date']}, {machine['cpu']} "
+             f"(`{machine['cpu_class']}`), {machine['threads']} threads, {meta['rounds']} rounds, {meta['passages']} "
+             f"passages; AVX2: {meta['avx2']}",
+             "", "| CPU kernels | `--int8-target` | weights | MatMuls kept in fp32 | time / fp32 uncalibrated | "
+             "cosine p1 | cosine min |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in run["rows"]:
+        if "weights" not in r:
+            lines.append(f"| {r['cpu']} | {r['target']} | fp32 | – | {_ratio(r['time_vs_fp32_uncalibrated'])} | – | – |")
+            continue
+        lo, hi = r["weight_range"]
+        bits = "7-bit" if max(abs(lo), abs(hi)) <= 64 and lo < 0 else "8-bit"
+        cos = r["cosine_to_fp32_calibrated"]
+        lines.append(f"| {r['cpu']} | `{r['target']}` | {r['weights']}, {bits} | {len(r['fp32_nodes'])} of "
+                     f"{r['weight_nodes']} | {_ratio(r['time_vs_fp32_uncalibrated'])} | {cos['p1']:.4f} | "
+                     f"{cos['min']:.4f} |")
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Block] = {
     "cli-commands": Block(DOCS / "cli.md", render_cli_commands),
     "export-conflicts": Block(DOCS / "cli.md", render_export_conflicts),
@@ -339,6 +364,7 @@ BLOCKS: dict[str, Block] = {
     "bench-minilm": Block(DOCS / "performance.md", _bench_table("minilm")),
     "bench-plain-long": Block(DOCS / "performance.md", _bench_table("gemma", "qwen3", "modernbert")),
     "bench-relative-position": Block(DOCS / "performance.md", _bench_table("mpnet", "t5")),
+    "bench-int8": Block(DOCS / "quantization.md", _int8_table),
     "bench-long-documents": Block(DOCS / "long-documents.md", _long_documents_table),
 }
 
