@@ -75,6 +75,19 @@ def test_a_forced_cpu_path_is_taken_or_refused_by_name(library, value, message):
         assert res.returncode != 0 and message in res.stderr, res.stdout + res.stderr
 
 
+def test_bench_records_the_cpu_path_that_runs(library, cpu_path, monkeypatch):
+    """`attncal bench` names in results.json the path the kernels took (so a ratio that moves on one path shows), and
+    whether ATTNCAL_CPU_PATH forced it."""
+    from attncal.bench import harness
+
+    monkeypatch.setenv("ATTNCAL_ORT_LIBRARY", str(library))
+    monkeypatch.delenv(oplib.CPU_PATH_ENV, raising=False)
+    machine = harness.machine_info(1)
+    assert machine["cpu_path"] == cpu_path and machine["cpu_path_forced"] is False
+    monkeypatch.setenv(oplib.CPU_PATH_ENV, cpu_path)
+    assert harness.machine_info(1)["cpu_path_forced"] is True
+
+
 @pytest.fixture(scope="module")
 def counters(library):
     lib = ctypes.CDLL(str(library))

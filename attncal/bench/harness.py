@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 
 from ..cpuinfo import cpu_class
+from ..runtime import oplib
 from ..versions import library_versions
 from .engines import EngineUnavailable, Workspace, make_engine, make_feeds, peer_engine
 from .timing import interleaved_times
@@ -68,8 +69,17 @@ def machine_info(threads: int) -> dict:
     except OSError:
         pass
     versions = library_versions(("attncal", "torch", "transformers", "onnxruntime", "onnx", "numpy"), omit_missing=True)
-    return {"cpu": cpu, "cpu_class": cpu_class(), "cores": os.cpu_count(), "threads": threads,
+    return {"cpu": cpu, "cpu_class": cpu_class(), "cpu_path": kernel_cpu_path(),
+            "cpu_path_forced": bool(os.environ.get(oplib.CPU_PATH_ENV)), "cores": os.cpu_count(), "threads": threads,
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions}
+
+
+def kernel_cpu_path() -> str | None:
+    """The instruction-set path (oplib.CPU_PATHS) the attncal library's CPU kernels take in this process: the widest
+    this CPU runs, or the one $ATTNCAL_CPU_PATH names; None where no library is loaded, and no native engine runs.
+    The same path on two machines runs the same kernels, so a ratio that moves on one path shows there."""
+    library = oplib.resolve_library(notice=False)
+    return oplib.cpu_path(library) if library is not None else None
 
 
 def source_commit() -> str | None:
