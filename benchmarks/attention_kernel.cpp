@@ -9,7 +9,7 @@
 // from call to call kept here too: a store of packed key tiles where the tree has one (ORT's arena keeps its
 // pages from run to run; a fresh one per call would time the page faults).  The driver times the second round.
 // POOLING `off` (the default) runs the op uncalibrated (strength 0: every row takes the key tiles or blocks as in an
-// uncalibrated layer); `cls` calibrates the first token's row (the pooled-row op) and `landmark` the row of a
+// uncalibrated layer); `mean` calibrates every row (mean pooling: no isolated key); `cls` calibrates the first token's row (the pooled-row op) and `landmark` the row of a
 // landmark closing each chunk of 128 tokens (the all-rows op with marked rows and their own keys isolated), both
 // with the published defaults (cls-soft, lambda 0.5, baskets of 128).  Random float32 inputs with no padding; HASH
 // is an FNV-1a hash of the output's bits, so two builds that compute the same bits print the same hash.  CLOCK `wall`
@@ -41,6 +41,8 @@ struct Shape {
 constexpr Shape kShapes[] = {
     {"xlmr-2048", "XLM-R shape, 8 x 2,048, 4 heads of 64", 8, 2048, 4, 4, 64, -1, -1},
     {"xlmr-8192", "XLM-R shape, 1 x 8,192", 1, 8192, 4, 4, 64, -1, -1},
+    {"minilm-128", "all-MiniLM-L6-v2, 8 x 128, 12 heads of 32", 8, 128, 12, 12, 32, -1, -1},
+    {"minilm-256", "all-MiniLM-L6-v2, 8 x 256, 12 heads of 32", 8, 256, 12, 12, 32, -1, -1},
     {"minilm-512", "all-MiniLM-L6-v2, 8 x 512, 12 heads of 32", 8, 512, 12, 12, 32, -1, -1},
     {"gemma-window", "EmbeddingGemma, 4 x 2,048, 3 heads of 256 over 1, window +-256", 4, 2048, 3, 1, 256, 256, 256},
     {"gemma-global", "EmbeddingGemma's global layer, 4 x 2,048", 4, 2048, 3, 1, 256, -1, -1},
@@ -82,6 +84,7 @@ constexpr int64_t kRowMark = 2;
 bool calibrate(const std::string& pooling, int64_t B, int64_t S, AttncalParams* p, std::vector<int64_t>* mask) {
   if (pooling == "off") return true;
   p->strength = 0.5f;
+  if (pooling == "mean") return true;  // every row, no isolated key: mean pooling's defaults
   p->isolate_first = 1;
   if (pooling == "cls") {
     p->all_rows = 0;
@@ -105,7 +108,7 @@ uint64_t fnv1a(const float* x, size_t n) {
 
 int main(int argc, char** argv) {
   if (argc < 3 || argc > 5) {
-    std::fprintf(stderr, "usage: attention_kernel SHAPE ROUNDS [off|cls|landmark [wall|cpu]]\n");
+    std::fprintf(stderr, "usage: attention_kernel SHAPE ROUNDS [off|mean|cls|landmark [wall|cpu]]\n");
     return 2;
   }
   const std::string clock = argc == 5 ? argv[4] : "wall";
@@ -133,7 +136,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> mask(s->B * s->S, 1);
   const std::string pooling = argc == 4 ? argv[3] : "off";
   if (!calibrate(pooling, s->B, s->S, &p, &mask)) {
-    std::fprintf(stderr, "attention_kernel: no pooling %s in this kernel tree (off, cls, landmark)\n", pooling.c_str());
+    std::fprintf(stderr, "attention_kernel: no pooling %s in this kernel tree (off, mean, cls, landmark)\n", pooling.c_str());
     return 2;
   }
   attncal::gemm_init();

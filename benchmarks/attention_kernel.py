@@ -14,11 +14,15 @@ computed the same bits (an output hash).
     python benchmarks/attention_kernel.py --kernels old=../old-attncal/plugins/kernels \\
         --kernels new=plugins/kernels --rounds 5
 
+    # what the calibration costs the op on one CPU path: uncalibrated against every row calibrated (mean pooling)
+    ATTNCAL_CPU_PATH=avx2 python benchmarks/attention_kernel.py --shapes minilm-128,minilm-256,minilm-512 \\
+        --poolings off,mean,cls --clock cpu --rounds 9
+
     # calibrated: the first token's row (cls) against a landmark per 128 tokens, side by side
     python benchmarks/attention_kernel.py --shapes xlmr-2048 --poolings cls,landmark --rounds 9
 
-`--poolings` runs each build calibrated as named (attention_kernel.cpp: off, the default, is uncalibrated; cls;
-landmark), each pooling a column of its own, interleaved like the builds.  `--clock cpu` times each round by the
+`--poolings` runs each build calibrated as named (attention_kernel.cpp: off, the default, is uncalibrated; mean;
+cls; landmark), each pooling a column of its own, interleaved like the builds.  `--clock cpu` times each round by the
 program's CPU time instead of the wall clock: on a machine shared with other jobs, the wall clock counts the time
 they hold the core.
 """
@@ -35,8 +39,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "benchmarks" / "attention_kernel.cpp"
-SHAPES = ("xlmr-2048", "xlmr-8192", "minilm-512", "gemma-window", "gemma-global", "qwen3", "modernbert-window")
-POOLINGS = ("off", "cls", "landmark")
+SHAPES = ("xlmr-2048", "xlmr-8192", "minilm-128", "minilm-256", "minilm-512", "gemma-window", "gemma-global", "qwen3",
+          "modernbert-window")
+POOLINGS = ("off", "mean", "cls", "landmark")
 
 
 def build(kernels: Path, out: Path) -> Path:

@@ -24,7 +24,8 @@ The blocks:
 * `docs/quantization.md`: int8 per CPU class (`bench-int8`), from `docs/bench/int8/results.json` that
   benchmarks/int8_cpu_classes.py wrote.
 * `docs/performance.md`: the long-context and all-MiniLM-L6-v2 cost tables (`bench-long`, `bench-long-sweep`,
-  `bench-minilm`, `bench-plain-long`, `bench-relative-position`),
+  `bench-minilm`, `bench-plain-long`, `bench-relative-position`, `bench-cpu-paths`: the calibration's cost
+  per CPU path of the native library),
   rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
   command, commit, machine and date its JSON records.
 * `docs/long-documents.md`: retrieval and cost of chunked long documents (`bench-long-documents`), from
@@ -352,6 +353,35 @@ def _int8_table() -> str:
     return "\n".join(lines)
 
 
+def _cpu_path_overhead_table() -> str:
+    """`attncal bench` runs of all-MiniLM-L6-v2 per CPU path of the native library and pooling, committed as
+    docs/bench/cal-overhead/PATH-POOLING/results.json: the calibrated native graph's time over the uncalibrated
+    one's (`ort-opt-native` / `ort-native`), per shape; 100 tokens is the shape where no row is calibrated (every
+    text shorter than one basket)."""
+    root = DOCS / "bench" / "cal-overhead"
+    runs = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(root.glob("*/results.json"))]
+    order = {p: i for i, p in enumerate(("avx512", "avx2", "default"))}
+    runs.sort(key=lambda r: (order.get(r["meta"]["machine"]["cpu_path"], 9), r["meta"]["config"]["pooling"]))
+    shapes = sorted({(r["batch"], r["seq"]) for run in runs for r in run["rows"]})
+    lines = []
+    for run in runs:
+        meta, machine = run["meta"], run["meta"]["machine"]
+        forced = "forced by `ATTNCAL_CPU_PATH`" if machine["cpu_path_forced"] else "this CPU's widest"
+        env = f"ATTNCAL_CPU_PATH={machine['cpu_path']} " if machine["cpu_path_forced"] else ""
+        lines.append(f"* `{env}{meta['command']}`: commit `{meta['commit']}`, "
+                     f"{meta['date']}, {machine['cpu']} (`{machine['cpu_class']}`, path `{machine['cpu_path']}` "
+                     f"{forced}), {machine['threads']} threads, {meta['repeats']} rounds")
+    lines += ["", "| CPU path | pooling | " + " | ".join(f"{b} × {s}" for b, s in shapes) + " |",
+              "|---|---|" + "---:|" * len(shapes)]
+    for run in runs:
+        p50 = {(r["engine"], r["batch"], r["seq"]): r["p50_ms"] for r in run["rows"]}
+        cells = [_ratio(p50[("ort-opt-native", b, s)] / p50[("ort-native", b, s)])
+                 if ("ort-opt-native", b, s) in p50 and ("ort-native", b, s) in p50 else "–" for b, s in shapes]
+        lines.append(f"| `{run['meta']['machine']['cpu_path']}` | {run['meta']['config']['pooling']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Block] = {
     "cli-commands": Block(DOCS / "cli.md", render_cli_commands),
     "export-conflicts": Block(DOCS / "cli.md", render_export_conflicts),
@@ -364,6 +394,7 @@ BLOCKS: dict[str, Block] = {
     "bench-minilm": Block(DOCS / "performance.md", _bench_table("minilm")),
     "bench-plain-long": Block(DOCS / "performance.md", _bench_table("gemma", "qwen3", "modernbert")),
     "bench-relative-position": Block(DOCS / "performance.md", _bench_table("mpnet", "t5")),
+    "bench-cpu-paths": Block(DOCS / "performance.md", _cpu_path_overhead_table),
     "bench-int8": Block(DOCS / "quantization.md", _int8_table),
     "bench-long-documents": Block(DOCS / "long-documents.md", _long_documents_table),
 }
