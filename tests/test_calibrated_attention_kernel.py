@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import random
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from attncal.calibration.oracle import attention_reference
 from attncal.graphs.contract import AttentionGeometry, attention_op_spec, geometry_from_attrs
 from attncal.graphs.single_op import single_op_model
 from attncal.runtime import oplib
+from support.cpu import run_on_each_path
 from support.masks import mixed_mask
 from support.oracle_loop import (attention_oracle_errors, kv_heads, random_attention_batch, relative_table,
                                  run_oracle_loop)
@@ -418,3 +421,16 @@ def test_skipped_padding_tiles_change_no_bit(library, cpu_path, pooling):
     assert np.array_equal(out[0], out[1]) and np.array_equal(out[2], out[3])
     ref = attention_reference(q[0::2], k[0::2], v[0::2], mask[0::2], rc, 1, 0.0).numpy()
     assert np.abs(out[0::2] - ref).max() <= 1e-5
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++)")
+def test_kept_row_scalars_leave_every_row_bits_as_computed_anew_on_each_path(tmp_path):
+    """The row scalars a thread keeps from its last calibrated row (cpu/row_calibration.h: row_scalars) are taken
+    only where they are the ones the row would compute: tests/cpp/row_scalars_memo_test.cpp."""
+    repo = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "row_scalars_memo_test"
+    subprocess.run(["g++", "-std=gnu++17", "-O3", "-Wall", "-Wextra", "-Werror", "-pthread",
+                    "-I", str(repo / "plugins" / "kernels"), "-o", str(exe),
+                    str(repo / "tests" / "cpp" / "row_scalars_memo_test.cpp")], check=True)
+    for path, res in run_on_each_path([str(exe)]):
+        assert res.returncode == 0 and res.stdout.strip().endswith(" 0 failure(s)"), (path, res.stdout + res.stderr)

@@ -69,10 +69,67 @@
 
 namespace attncal {
 
-// Per-thread scratch: basket masses and multipliers, and a float row for fp16.
+// The row scalars of the last calibrated row a thread computed, with everything they were computed from
+// (row_scalars).  The scalars are a chain of divisions in double, about as long as the softmax of a 128-key row
+// itself; the rows of one item mostly share them (an all-rows item without isolated or own keys: every row whose
+// baskets all hold mass), so a row that asks for the same inputs takes them from here.
+struct RowScalarsMemo {
+  bool valid = false;
+  int own = 0;
+  int64_t nonempty = 0;
+  uint64_t t, z_first, z_last, z_own;  // the bits of t_item and of the probabilities that enter the scalars
+  int32_t isolate_first, isolate_last, first_mode, last_mode, self_mode;
+  float strength, first_weight, last_weight, self_weight;
+  AttncalRowScalars rs;
+};
+
+// Per-thread scratch: basket masses and multipliers, a float row for fp16, the last row scalars.
 struct Scratch {
   std::vector<float> baskets, coef, row;
+  RowScalarsMemo scalars;
 };
+
+inline uint64_t double_bits(double x) {
+  uint64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+// attncal_row_scalars (common/row_scalars.h) of a row, or the thread's last answer where it was asked for the
+// same: the same parameters, t and nonempty, and the same bits of each probability the written outputs use
+// (z_first with isolate_first, z_last with isolate_last, z_own with an own key; the others leave only outputs
+// that are not written).  So every row gets exactly the bits attncal_row_scalars gives it.
+inline const AttncalRowScalars& row_scalars(Scratch& sc, const AttncalParams& p, int64_t nonempty, double t_item,
+                                            double z_first, double z_last, int own, double z_own) {
+  RowScalarsMemo& m = sc.scalars;
+  const uint64_t zf = p.isolate_first ? double_bits(z_first) : 0, zl = p.isolate_last ? double_bits(z_last) : 0;
+  const uint64_t zo = own != ATTNCAL_OWN_NONE ? double_bits(z_own) : 0, t = double_bits(t_item);
+  if (!(m.valid && m.nonempty == nonempty && m.own == own && m.t == t && m.z_first == zf && m.z_last == zl &&
+        m.z_own == zo && m.strength == p.strength && m.isolate_first == p.isolate_first &&
+        m.isolate_last == p.isolate_last && m.first_mode == p.first_mode && m.last_mode == p.last_mode &&
+        m.self_mode == p.self_mode && double_bits(m.first_weight) == double_bits(p.first_weight) &&
+        double_bits(m.last_weight) == double_bits(p.last_weight) &&
+        double_bits(m.self_weight) == double_bits(p.self_weight))) {
+    m.rs = attncal_row_scalars(&p, nonempty, t_item, z_first, z_last, own, z_own);
+    m.valid = true;
+    m.nonempty = nonempty;
+    m.own = own;
+    m.t = t;
+    m.z_first = zf;
+    m.z_last = zl;
+    m.z_own = zo;
+    m.strength = p.strength;
+    m.isolate_first = p.isolate_first;
+    m.isolate_last = p.isolate_last;
+    m.first_mode = p.first_mode;
+    m.last_mode = p.last_mode;
+    m.self_mode = p.self_mode;
+    m.first_weight = p.first_weight;
+    m.last_weight = p.last_weight;
+    m.self_weight = p.self_weight;
+  }
+  return m.rs;
+}
 
 inline Scratch& thread_scratch() {
   static thread_local Scratch s;
@@ -151,7 +208,7 @@ ATTNCAL_ISA_BODY void calibrate_row_f32_isa(const float* x, float* y, int64_t K,
     return;
   }
   const double z_own = own != ATTNCAL_OWN_NONE ? x[q] : 0.0;
-  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, rp.t, x[s.start], x[s.end], own, z_own);
+  const AttncalRowScalars& rs = row_scalars(sc, p, nonempty, rp.t, x[s.start], x[s.end], own, z_own);
   const double t = rs.t;
   for (int64_t b = 0; b < n; ++b) {
     const double gb = A[b] != 0.f ? rs.coef / (static_cast<double>(A[b]) * t) + rs.keep : rs.keep;
@@ -261,7 +318,7 @@ ATTNCAL_ISA_BODY void softmax_calibrate_row_f32_isa(const float* x, float* y, in
   int64_t nonempty = 0;
   for (int64_t b = 0; b < n; ++b) nonempty += A[b] * inv != 0.f;
   const double z_own = own != ATTNCAL_OWN_NONE ? y[q] * inv : 0.0;
-  const AttncalRowScalars rs = attncal_row_scalars(&p, nonempty, rp.t, y[s.start] * inv, y[s.end] * inv, own, z_own);
+  const AttncalRowScalars& rs = row_scalars(sc, p, nonempty, rp.t, y[s.start] * inv, y[s.end] * inv, own, z_own);
   const double t = rs.t;
   for (int64_t b = 0; b < n; ++b) {
     const double a = static_cast<double>(A[b] * inv);  // the basket's probability mass, as the unfused form
