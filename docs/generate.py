@@ -299,37 +299,6 @@ def _bench_table(*folders: str) -> Callable[[], str]:
     return render
 
 
-def _long_documents_table() -> str:
-    """benchmarks/long_documents.py's run, committed as docs/bench/long-documents/results.json: MRR@10 of each way
-    of indexing long documents, at document and at chunk level, with paired-bootstrap intervals, and the cost of
-    each chunking side by side."""
-    run = json.loads((DOCS / "bench" / "long-documents" / "results.json").read_text(encoding="utf-8"))
-    s = run["set"]
-    lines = [f"* `{run['command']}`: commit `{run['commit']}`, {run['date']}, {run['machine']['cpu_class']}; "
-             f"{run['model']}, max length {run['max_length']}; {s['passages']} passages of "
-             f"{s['passage_tokens']['min']}-{s['passage_tokens']['max']} tokens ({s['source']}), {s['queries']} "
-             f"queries; chunks of {run['chunking']['size']} tokens, naive overlap {run['chunking']['naive_overlap']}, "
-             f"landmarks every {run['chunking']['landmark_every']}",
-             "", "| vectors | doc MRR@10 | Δ vs whole, uncalibrated [95 % CI] | beginning / middle / end | "
-             "chunk MRR@10 | Δ vs naive, uncalibrated [95 % CI] |", "|---|---:|---|---|---:|---|"]
-
-    def delta(d: dict) -> str:
-        return f"{d['delta']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
-
-    for label, r in run["retrieval"].items():
-        thirds = " / ".join(f"{v:.3f}" for v in r["doc_mrr10_by_third"].values())
-        chunk = (f"{r['chunk_mrr10']:.3f} | {delta(r['chunk_delta_vs_naive_plain'])}" if "chunk_mrr10" in r
-                 else "– | –")
-        lines.append(f"| {label} | {r['doc_mrr10']:.3f} | {delta(r['doc_delta_vs_whole_plain'])} | {thirds} | {chunk} |")
-    lines += ["", "| documents × tokens | encoding | median | time / late |", "|---|---|---:|---:|"]
-    for shape, cases in run["cost"].items():
-        for case, c in cases.items():
-            lines.append(f"| {shape} | {case} | {c['median_s']:.2f} s | {c['vs_late']:.2f} |")
-    sizes = ", ".join(f"{p} {n:,} B" for p, n in run["index_bytes_per_vector"].items())
-    lines += ["", f"Index bytes per vector at full width ({run['dimension']} dimensions): {sizes}."]
-    return "\n".join(lines)
-
-
 def _int8_table() -> str:
     """benchmarks/int8_cpu_classes.py's run, committed as docs/bench/int8/results.json: each int8 target's time
     against the fp32 uncalibrated export and its cosine to the fp32 calibrated one, per CPU class."""
@@ -382,6 +351,37 @@ def _cpu_path_overhead_table() -> str:
     return "\n".join(lines)
 
 
+def _long_documents_table() -> str:
+    """benchmarks/long_documents.py's run, committed as docs/bench/long-documents/results.json: MRR@10 of each way
+    of indexing long documents, at document and at chunk level, with paired-bootstrap intervals, and the cost of
+    each chunking side by side."""
+    run = json.loads((DOCS / "bench" / "long-documents" / "results.json").read_text(encoding="utf-8"))
+    s = run["set"]
+    lines = [f"* `{run['command']}`: commit `{run['commit']}`, {run['date']}, {run['machine']['cpu_class']}; "
+             f"{run['model']}, max length {run['max_length']}; {s['passages']} passages of "
+             f"{s['passage_tokens']['min']}-{s['passage_tokens']['max']} tokens ({s['source']}), {s['queries']} "
+             f"queries; chunks of {run['chunking']['size']} tokens, naive overlap {run['chunking']['naive_overlap']}, "
+             f"landmarks every {run['chunking']['landmark_every']}",
+             "", "| vectors | doc MRR@10 | Δ vs whole, uncalibrated [95 % CI] | beginning / middle / end | "
+             "chunk MRR@10 | Δ vs naive, uncalibrated [95 % CI] |", "|---|---:|---|---|---:|---|"]
+
+    def delta(d: dict) -> str:
+        return f"{d['delta']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
+
+    for label, r in run["retrieval"].items():
+        thirds = " / ".join(f"{v:.3f}" for v in r["doc_mrr10_by_third"].values())
+        chunk = (f"{r['chunk_mrr10']:.3f} | {delta(r['chunk_delta_vs_naive_plain'])}" if "chunk_mrr10" in r
+                 else "– | –")
+        lines.append(f"| {label} | {r['doc_mrr10']:.3f} | {delta(r['doc_delta_vs_whole_plain'])} | {thirds} | {chunk} |")
+    lines += ["", "| documents × tokens | encoding | median | time / late |", "|---|---|---:|---:|"]
+    for shape, cases in run["cost"].items():
+        for case, c in cases.items():
+            lines.append(f"| {shape} | {case} | {c['median_s']:.2f} s | {c['vs_late']:.2f} |")
+    sizes = ", ".join(f"{p} {n:,} B" for p, n in run["index_bytes_per_vector"].items())
+    lines += ["", f"Index bytes per vector at full width ({run['dimension']} dimensions): {sizes}."]
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Block] = {
     "cli-commands": Block(DOCS / "cli.md", render_cli_commands),
     "export-conflicts": Block(DOCS / "cli.md", render_export_conflicts),
@@ -394,9 +394,9 @@ BLOCKS: dict[str, Block] = {
     "bench-minilm": Block(DOCS / "performance.md", _bench_table("minilm")),
     "bench-plain-long": Block(DOCS / "performance.md", _bench_table("gemma", "qwen3", "modernbert")),
     "bench-relative-position": Block(DOCS / "performance.md", _bench_table("mpnet", "t5")),
+    "bench-long-documents": Block(DOCS / "long-documents.md", _long_documents_table),
     "bench-cpu-paths": Block(DOCS / "performance.md", _cpu_path_overhead_table),
     "bench-int8": Block(DOCS / "quantization.md", _int8_table),
-    "bench-long-documents": Block(DOCS / "long-documents.md", _long_documents_table),
 }
 
 

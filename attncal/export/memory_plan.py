@@ -91,7 +91,7 @@ def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp
         steps[TORCHSCRIPT_STEP] = TORCHSCRIPT_INLINE_WEIGHTS
     fixed = {"parity check": PARITY_FIXED, "ONNX Runtime's optimizer": OPTIMIZER_CHILD, NATIVE_PLAIN_STEP: MASK_PROBE_FIXED}
     per = {k: int(RUNTIME_BASE + v * w + fixed.get(k, 0)) for k, v in steps.items()}
-    disk = DISK_WEIGHTS * w * (0.5 if fp16 else 1) + (w if inlined else 0)  # the inlined graph: one more copy
+    disk = DISK_WEIGHTS * w * (0.5 if fp16 else 1) + (w if inlined else 0)  # inlined graph: one more copy
     return MemoryEstimate(weights=w, steps=per, disk=int(disk),
                           options=dict(model_dir=model_dir, exporter=exporter, optimized=optimized, check=check,
                                        fp16=fp16, quantize=quantize, inlined=inlined))

@@ -107,16 +107,16 @@ def select_graph(out_dir: Path, meta: dict, graph: str, providers: Sequence[str]
                                                                "ORT-optimized graph, without --no-optimized; for "
                                                                "other models where the attention op replaces theirs)")
         return NATIVE_GRAPH
-    if graph == "optimized":
-        if not has_opt:
-            raise MissingArtifactError(out_dir / OPTIMIZED_GRAPH, "missing (export without --no-optimized, on a "
-                                                                  "BERT-family model)")
     if graph == "inlined":
         if not (out_dir / INLINED_GRAPH).exists():
             raise MissingArtifactError(out_dir / INLINED_GRAPH, "missing (a calibrated export with --inlined writes "
                                                                 "it; without functions, onnx/model.onnx is standard "
                                                                 "ONNX already)")
         return INLINED_GRAPH
+    if graph == "optimized":
+        if not has_opt:
+            raise MissingArtifactError(out_dir / OPTIMIZED_GRAPH, "missing (export without --no-optimized, on a "
+                                                                  "BERT-family model)")
         return OPTIMIZED_GRAPH
     if graph == "auto" and has_native and native_graph_runs(library, providers):
         return NATIVE_GRAPH
