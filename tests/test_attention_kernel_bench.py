@@ -46,7 +46,7 @@ def test_poolings_are_columns_side_by_side(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--poolings", "max"], "unknown pooling(s) ['max']; use off, cls, landmark"),
+    (["--poolings", "max"], "unknown pooling(s) ['max']; use off, mean, cls, landmark"),
     (["--kernels", "nope"], "is not NAME=DIR"),
     (["--kernels", f"a={REPO}"], "is not NAME=DIR"),
     (["--shapes", "bert-huge"], "unknown shape(s) ['bert-huge']"),

@@ -93,7 +93,7 @@ def test_peak_memory_is_the_median_of_interleaved_fresh_process_probes(monkeypat
         order.append(engine)
         return next(probes[engine])
 
-    monkeypatch.setattr(harness, "make_engine", lambda name, ws: (lambda feeds: None))
+    monkeypatch.setattr(harness, "make_engine", lambda name, ws, **kw: (lambda feeds: None))
     monkeypatch.setattr(harness, "_vocab", lambda ws: 100)
     monkeypatch.setattr(harness, "measure_memory", fake_probe)
     rows, notes = harness.run_bench(None, ["a", "b"], [16], [1], 1, memory_probes=3, progress=False)

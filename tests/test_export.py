@@ -345,7 +345,7 @@ def test_real_minilm_loads_in_optimum_and_sentence_transformers(minilm_exports, 
     (tmp_path / "t.json").write_text(json.dumps(texts))
     env = {**os.environ, "PYTHONPATH": str(OVERLAY), "HF_HUB_OFFLINE": "1"}
     subprocess.run([sys.executable, str(REPO / "tests" / "loaders" / "run_loaders.py"), str(out),
-                    str(tmp_path / "t.json"), str(tmp_path / "r.npz")], check=True, env=env, cwd=tmp_path)
+                    str(tmp_path / "t.json"), str(tmp_path / "r.npz"), "--openvino"], check=True, env=env, cwd=tmp_path)
     res = np.load(tmp_path / "r.npz")
     ours = Encoder(out).encode(texts)
     assert np.abs(res["st"] - ours).max() <= 1e-5

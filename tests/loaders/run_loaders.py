@@ -5,7 +5,7 @@ Usage: python run_loaders.py EXPORT_DIR TEXTS_JSON OUT_NPZ [GRAPH_FILE]
 GRAPH_FILE: the graph under onnx/ to load (default model.onnx), as a user names it to optimum (`file_name`)
 and to sentence-transformers (`model_kwargs={"file_name": ...}`).
 
-Where openvino is installed, sentence-transformers' backend="openvino" (optimum-intel) loads the export's
+With --openvino, where openvino is installed, sentence-transformers' backend="openvino" (optimum-intel) loads the export's
 standard-ONNX graph too: onnx/model_inlined.onnx where the export has it, else onnx/model.onnx.  It looks for
 openvino*.xml files, so the graph is named with `export: False` (without it, it would export the model from
 PyTorch weights, which an export directory does not hold), and float32 inference is asked for: OpenVINO
@@ -21,8 +21,9 @@ import numpy as np
 
 
 def main() -> None:
-    out_dir, texts_file, result_file = sys.argv[1:4]
-    graph_file = sys.argv[4] if len(sys.argv) > 4 else "model.onnx"
+    args = [a for a in sys.argv[1:] if a != "--openvino"]
+    out_dir, texts_file, result_file = args[:3]
+    graph_file = args[3] if len(args) > 3 else "model.onnx"
     texts = json.loads(open(texts_file).read())
     meta = json.loads(open(f"{out_dir}/attncal.json").read())
     from optimum.onnxruntime import ORTModelForFeatureExtraction
@@ -39,7 +40,7 @@ def main() -> None:
                              model_kwargs={"file_name": f"onnx/{graph_file}"} if graph_file != "model.onnx" else None)
     st_emb = st.encode(texts, convert_to_numpy=True, normalize_embeddings=False)
     results = dict(optimum_hidden=hidden, attention_mask=batch["attention_mask"], st=st_emb)
-    if importlib.util.find_spec("openvino") is not None:
+    if "--openvino" in sys.argv and importlib.util.find_spec("openvino") is not None:
         inlined = os.path.exists(f"{out_dir}/onnx/model_inlined.onnx")
         ov = SentenceTransformer(out_dir, backend="openvino", device="cpu", model_kwargs={
             "file_name": "onnx/model_inlined.onnx" if inlined else "onnx/model.onnx", "export": False,
