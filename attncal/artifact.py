@@ -96,7 +96,7 @@ DIMENSION_LIMIT = 2**16
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Above this many tokens, or with no max length, an export is a long-context one: its sessions run without ONNX
 # Runtime's memory pattern (attncal.runtime.encoder) and its native graph runs its feed-forward blocks over
-# chunks of rows (attncal.graphs.feed_forward_chunks).
+# chunks of rows (attncal.graphs.fusions.feed_forward_chunks).
 LONG_CONTEXT_TOKENS = 512
 # attncal.json's "tokenizer": what runs the export's tokenizer.  "tokenizers": its tokenizer.json alone, which the
 # exporter found to give transformers' ids (attncal.runtime.tokenizer); "transformers" (or no key): AutoTokenizer.
@@ -939,7 +939,7 @@ def weights_on_disk(path: Path) -> Path:
 def write_graph(model, path: Path, work: Path, weight_bytes: int, *, full_check: bool = False,
                 passes: tuple = ()) -> dict[str, dict[str, int]]:
     """Write a graph of the export once: `model` (an onnx_ir model) staged under `work` with its weights on
-    disk, `passes` run in order on its structure (`attncal.graphs.passes.STAGED`: each an `Ordered` whose
+    disk, `passes` run in order on its structure (`attncal.graphs.fusions.passes.STAGED`: each an `Ordered` whose
     `graph_pass` takes a ModelProto), checked, then streamed into `path` with its digest (`write_graph_file`);
     returns each pass's report by its name.
 

@@ -82,7 +82,7 @@ def _is_causal_decoder(cfg) -> bool:
 def declared_attention_window(cfg: dict) -> int | None:
     """The widest attention window a transformers config declares (`sliding_window` unless
     `use_sliding_window` switches it off, `local_attention`, `attention_window`), or None: what a probe of
-    the exported mask must be able to see (`attncal.graphs.mask_probe`)."""
+    the exported mask must be able to see (`attncal.graphs.placements.mask_probe`)."""
     values = []
     for key in ("sliding_window", "local_attention", "attention_window"):
         if key == "sliding_window" and cfg.get("use_sliding_window") is False:

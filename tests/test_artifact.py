@@ -168,7 +168,7 @@ def test_inspect_and_the_runtime_modules_do_not_import_torch_or_the_rewrite_pass
             "print(sorted(m for m in ('torch', 'onnx_ir', 'sympy', 'transformers') if m in sys.modules))\n"
             "import attncal, attncal.calibration as cal, attncal.graphs as g\n"
             "from attncal.calibration import efficient, oracle, patching\n"
-            "from attncal.graphs import rewrite\n"
+            "from attncal.graphs.placements import rewrite\n"
             "assert attncal.apply is cal.apply is efficient.apply and attncal.reference is oracle.reference\n"
             "assert cal.UnsupportedArchitectureError is patching.UnsupportedArchitectureError\n"
             "assert g.insert_calibration is rewrite.insert_calibration and 'insert_calibration' in dir(g)\n"

@@ -23,11 +23,11 @@ from attncal.calibration import TorchEncoder
 from attncal.cli import main
 from attncal.export.exporter import ExportError, ExportOptions, export
 from attncal.graphs import placements
-from attncal.graphs.attention_placement import AttentionPlacementError
-from attncal.graphs.projected_attention_placement import ProjectedAttentionPlacementError
+from attncal.graphs.placements.attention_placement import AttentionPlacementError
+from attncal.graphs.placements.projected_attention_placement import ProjectedAttentionPlacementError
 from attncal.graphs.placements import plan
-from attncal.graphs.rewrite import remove_calibration
-from attncal.graphs.softmax_pattern import SoftmaxPatternError
+from attncal.graphs.placements.rewrite import remove_calibration
+from attncal.graphs.placements.softmax_pattern import SoftmaxPatternError
 from attncal.runtime import Encoder
 from attncal.runtime.encoder import planned_graph
 from attncal.synthetic import save_synthetic_model, synthetic_text

@@ -1,7 +1,7 @@
 """The one native definition of the ai.attncal attributes (plugins/kernels/common/attncal_attributes.def) and
 the parser generated from it:
 
-* the table agrees with attncal.graphs.contract (names in order, types, which ops take each, only
+* the table agrees with attncal.graphs.ops.contract (names in order, types, which ops take each, only
   `layer` optional), and no other native file under plugins/ spells an attribute's name as a string;
 * the ctypes mirror of AttncalParams (attncal.runtime.attributes_def, used through tests/support/cuda.py by
   the GPU tests and benchmarks/gpu_check.py) is built from the table and has the C struct's layout (a
@@ -28,8 +28,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from attncal.calibration.config import CalibrationConfig
-from attncal.graphs import contract
-from attncal.graphs.contract import DOMAIN, VERSION, attention_op_spec, op_spec
+from attncal.graphs.ops import contract
+from attncal.graphs.ops.contract import DOMAIN, VERSION, attention_op_spec, op_spec
 from attncal.runtime import attributes_def, oplib
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,15 +19,15 @@ from onnx import TensorProto, helper
 from attncal.calibration import CalibrationConfig
 from attncal.calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTION_OP_TYPES, ATTENTION_POOLED_OP,
-                                     ATTRIBUTES, DOMAIN, OP_TYPES, POOLED_OP, SOFTMAX_ALL_ROWS_OP,
-                                     SOFTMAX_POOLED_OP, VERSION, attention_op_spec, attribute_names, calibration_of,
-                                     input_names, is_all_rows, is_attention, op_spec, resolved_from_attrs,
-                                     takes_scores, with_attention)
-from attncal.graphs.contract import (FULL_ATTENTION, GEOMETRY_DEFAULTS, OPTIONAL_DEFAULTS, RELATIVE_BIAS_INPUT,
-                                     ROW_SET_DEFAULTS, AttentionGeometry, geometry_from_attrs)
-from attncal.graphs.function_body import make_function
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import (ALL_ROWS_OP, ATTENTION_ALL_ROWS_OP, ATTENTION_OP_TYPES, ATTENTION_POOLED_OP,
+                                         ATTRIBUTES, DOMAIN, OP_TYPES, POOLED_OP, SOFTMAX_ALL_ROWS_OP,
+                                         SOFTMAX_POOLED_OP, VERSION, attention_op_spec, attribute_names, calibration_of,
+                                         input_names, is_all_rows, is_attention, op_spec, resolved_from_attrs,
+                                         takes_scores, with_attention)
+from attncal.graphs.ops.contract import (FULL_ATTENTION, GEOMETRY_DEFAULTS, OPTIONAL_DEFAULTS, RELATIVE_BIAS_INPUT,
+                                         ROW_SET_DEFAULTS, AttentionGeometry, geometry_from_attrs)
+from attncal.graphs.ops.function_body import make_function
+from attncal.graphs.ops.single_op import single_op_model
 from support.cases import random_config
 from support.masks import mixed_mask
 from support.oracle_loop import (attention_oracle_errors, random_attention_batch, random_geometry,

@@ -20,8 +20,8 @@ import torch
 
 from attncal.calibration import CalibrationConfig
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import AttentionGeometry, attention_op_spec, geometry_from_attrs
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import AttentionGeometry, attention_op_spec, geometry_from_attrs
+from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import oplib
 from support.cpu import run_on_each_path
 from support.masks import mixed_mask

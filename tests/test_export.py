@@ -20,8 +20,8 @@ from attncal.cli import main
 from attncal.artifact import save_onnx
 from attncal.export.exporter import ExportOptions, export
 from attncal.graphs import AlreadyCalibratedError, SoftmaxPatternError, insert_calibration
-from attncal.graphs.contract import DOMAIN
-from attncal.graphs.feed_forward_chunks import CHUNK_ROWS
+from attncal.graphs.ops.contract import DOMAIN
+from attncal.graphs.fusions.feed_forward_chunks import CHUNK_ROWS
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.synthetic import ARCHITECTURES, synthetic_text

@@ -39,7 +39,7 @@ def test_default_and_every_example_alone_pass_where_they_should():
 
 def test_placement_refusal_comes_before_the_working_directory(tiny_models, tmp_path):
     from attncal import CalibrationConfig
-    from attncal.graphs.row_placement import RowPlacementError
+    from attncal.graphs.placements.row_placement import RowPlacementError
 
     opts = ExportOptions(config=CalibrationConfig(pooling="mean"), placement="row", exporter="torchscript")
     with pytest.raises(RowPlacementError, match="row placement needs a single pooling row"):

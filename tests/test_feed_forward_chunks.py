@@ -1,4 +1,4 @@
-"""The native graph's feed-forward blocks over chunks of rows (attncal.graphs.feed_forward_chunks): which
+"""The native graph's feed-forward blocks over chunks of rows (attncal.graphs.fusions.feed_forward_chunks): which
 blocks are rewritten, and that the rewritten graph computes what the original does, padding and all."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from attncal.graphs.feed_forward_chunks import chunk_feed_forwards
+from attncal.graphs.fusions.feed_forward_chunks import chunk_feed_forwards
 
 H, I = 8, 24
 

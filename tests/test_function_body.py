@@ -12,10 +12,10 @@ import torch
 from onnx import TensorProto, helper
 
 from attncal.calibration import CalibrationConfig, reference
-from attncal.graphs.contract import (ALL_ROWS_OP, DOMAIN, POOLED_OP, ROW_SET_DEFAULTS, VERSION, op_spec,
-                                     resolved_from_attrs)
-from attncal.graphs.function_body import make_function
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import (ALL_ROWS_OP, DOMAIN, POOLED_OP, ROW_SET_DEFAULTS, VERSION, op_spec,
+                                         resolved_from_attrs)
+from attncal.graphs.ops.function_body import make_function
+from attncal.graphs.ops.single_op import single_op_model
 from support.cases import calibrated_rows, random_config
 from support.masks import random_mask
 from support.tensors import random_probs

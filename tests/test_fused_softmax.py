@@ -16,13 +16,13 @@ import torch
 from onnx import TensorProto, helper
 
 from attncal.calibration import CalibrationConfig
-from attncal.graphs.contract import (ALL_ROWS_OP, DOMAIN, OP_TYPES, POOLED_OP, SOFTMAX_ALL_ROWS_OP,
-                                     SOFTMAX_POOLED_OP, VERSION, attribute_names, calibration_of, op_spec,
-                                     resolved_from_attrs, takes_scores, with_softmax)
-from attncal.graphs.fused_softmax_placement import fuse_softmax
-from attncal.graphs.function_body import make_function
-from attncal.graphs.rewrite import remove_calibration
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import (ALL_ROWS_OP, DOMAIN, OP_TYPES, POOLED_OP, SOFTMAX_ALL_ROWS_OP,
+                                         SOFTMAX_POOLED_OP, VERSION, attribute_names, calibration_of, op_spec,
+                                         resolved_from_attrs, takes_scores, with_softmax)
+from attncal.graphs.placements.fused_softmax_placement import fuse_softmax
+from attncal.graphs.ops.function_body import make_function
+from attncal.graphs.placements.rewrite import remove_calibration
+from attncal.graphs.ops.single_op import single_op_model
 from support.cases import random_config
 from support.masks import mixed_mask, random_mask
 from support.oracle_loop import (random_calibration_batch, random_calibration_op, run_oracle_loop,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from attncal.graphs import feed_forward_chunks, inplace_shapes, load_time_fusions, passes, rotary_fusion
+from attncal.graphs.fusions import feed_forward_chunks, load_time_fusions, passes, rotary_fusion
+from attncal.graphs.ops import inplace_shapes
 from attncal.graphs.pass_base import IR, PROTO, GraphPass, run_passes
 
 

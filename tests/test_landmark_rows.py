@@ -1,5 +1,5 @@
 """Calibration of marked rows: landmark (LMK), multi-CLS and Mean@k pooling pool many rows, and those are the rows
-calibrated (attncal/graphs/contract.py, "Marked rows"; docs/calibration.md, "Landmark rows").
+calibrated (attncal/graphs/ops/contract.py, "Marked rows"; docs/calibration.md, "Landmark rows").
 
 * the spec: a landmark row's own key leaves its basket and takes the variant's share, worked by hand against the
   float64 oracle; the first-key and last-key coincidences; unmarked rows untouched;
@@ -8,8 +8,8 @@ calibrated (attncal/graphs/contract.py, "Marked rows"; docs/calibration.md, "Lan
   ops (every instruction-set path in turn) and for the calibrated attention op (every batch on every path),
   thread-count independence, the refusals of bad attributes, and the C++ host test on each path
   (tests/cpp/landmark_rows_test.cpp);
-* the marks built in the graph from `input_ids` (attncal.graphs.row_marks) equal `marked_mask`; the placements
-  that take a row set and the ones that refuse it.
+* the marks built in the graph from `input_ids` (attncal.graphs.placements.row_marks) equal `marked_mask`; the
+  placements that take a row set and the ones that refuse it.
 
 A case is one batch item under one attribute set, all of its heads and marked rows compared with the oracle."""
 
@@ -31,9 +31,10 @@ from onnx import TensorProto, helper
 from attncal.calibration import CalibrationConfig, apply, reference
 from attncal.calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, ROW_MARK
 from attncal.calibration.naive import naive_apply
-from attncal.graphs import placements, row_marks
-from attncal.graphs.contract import attention_op_spec, op_spec, resolved_from_attrs
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs import placements
+from attncal.graphs.placements import row_marks
+from attncal.graphs.ops.contract import attention_op_spec, op_spec, resolved_from_attrs
+from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import oplib
 from support.cases import calibrated_rows, mark_rows, random_config, row_set_config
 from support.cpu import run_on_each_path

@@ -12,6 +12,10 @@ Layers, lowest first; a module may import its own layer and lower ones:
     6 bench, corpus           (siblings)
     7 cli
 
+Inside a layer's package, its rooms (`ROOMS`) are ordered the same way: `attncal.graphs`' own modules (the node
+builder, the graph-pass protocol) lowest, then the calibration ops (`graphs.ops`), then the placements and the
+fusions, siblings.
+
 `attncal/__init__.py` and `attncal/__main__.py` are the package's lazy_loader front and are exempt as importers.
 Imports under `if TYPE_CHECKING:` are not executed and are not checked.  Top-level imports (module body,
 including `if`/`try`/class bodies) must form no cycle.  Imports of attncal modules inside functions are allowed
@@ -40,6 +44,10 @@ LAYERS = {
     "export": (5, "export"), "serving": (5, "serving"), "eval": (5, "eval"),
     "bench": (6, "bench"), "corpus": (6, "corpus"),
     "cli": (7, "cli"),
+}
+# Rooms inside a layer's package: subpackage -> (rank, sibling group); the package's own modules are room "".
+ROOMS = {
+    "graphs": {"": (0, "graphs"), "ops": (1, "ops"), "placements": (2, "placements"), "fusions": (2, "fusions")},
 }
 EXEMPT = ("__init__", "__main__")  # the root package's own files, as dotted tails
 LAYER_NAMES = {0: "foundation", 1: "calibration", 2: "artifact", 3: "graphs", 4: "runtime",
@@ -146,6 +154,30 @@ def layer(name: str) -> tuple[int, str] | None:
     if len(parts) == 1 or parts[1] in EXEMPT:
         return None
     return LAYERS.get(parts[1], (0, "foundation"))
+
+
+def room(name: str) -> tuple[str, str, int, str] | None:
+    """(package, room, rank, sibling group) of a module inside a package with rooms (`ROOMS`); None outside."""
+    parts = name.split(".")
+    rooms = ROOMS.get(parts[1]) if len(parts) > 1 else None
+    if rooms is None:
+        return None
+    sub = parts[2] if len(parts) > 2 and parts[2] in rooms else ""
+    return (parts[1], sub, *rooms[sub])
+
+
+def room_violations(imports: list[Import], root: Path = PACKAGE) -> list[str]:
+    """One line per import, inside a package with rooms, from a room to a higher one or to a sibling."""
+    bad = []
+    for imp in imports:
+        src, dst = room(imp.importer), room(imp.target)
+        if src is None or dst is None or src[0] != dst[0] or src[1] == dst[1]:
+            continue
+        if dst[2] > src[2] or (dst[2] == src[2] and dst[3] != src[3]):
+            kind = "a higher room" if dst[2] > src[2] else "a sibling room"
+            bad.append(f"{_where(imp, root)}: {imp.importer} ({src[0]}.{src[1] or '(own modules)'}) imports "
+                       f"{imp.target} ({kind}: {dst[0]}.{dst[1] or '(own modules)'})")
+    return bad
 
 
 def _where(imp: Import, root: Path) -> str:
@@ -274,6 +306,11 @@ def test_no_import_goes_against_the_layer_order():
     assert not bad, f"{len(bad)} imports against the layer order:\n" + "\n".join(bad)
 
 
+def test_no_import_goes_against_the_room_order():
+    bad = room_violations(scan())
+    assert not bad, f"{len(bad)} imports against the room order:\n" + "\n".join(bad)
+
+
 def test_no_import_cycles_between_modules():
     found = cycles(scan())
     assert not found, "top-level import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
@@ -383,3 +420,24 @@ def test_lazy_check_reports_unexplained_and_too_many(tmp_path):
     over = lazy_problems(imports, root, limit=3)
     assert len(over) == 2 and over[1].startswith("4 function-level imports of attncal modules (at most 3): ")
     assert "attncal/artifact.py:6" in over[1] and "attncal/export/run.py:3" in over[1]
+
+
+def test_room_check_reports_violations(tmp_path):
+    root = tmp_path / "attncal"
+    files = {
+        "__init__.py": "", "graphs/__init__.py": "",
+        "graphs/builder.py": "from .ops import contract\n",                      # own modules -> ops: up
+        "graphs/ops/__init__.py": "", "graphs/ops/contract.py": "from .. import builder\n",
+        "graphs/fusions/__init__.py": "", "graphs/fusions/rotary.py": "from ..placements import rule\n",
+        "graphs/placements/__init__.py": "",
+        "graphs/placements/rule.py": "from ..ops.contract import x\nfrom ..builder import y\nfrom . import other\n",
+        "graphs/placements/other.py": "",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    bad = room_violations(scan(root), root)
+    assert len(bad) == 2, bad
+    assert bad[0].startswith("attncal/graphs/builder.py:1: attncal.graphs.builder (graphs.(own modules)) imports "
+                             "attncal.graphs.ops.contract (a higher room: graphs.ops)"), bad
+    assert bad[1].startswith("attncal/graphs/fusions/rotary.py:1: ") and "(a sibling room: graphs.placements)" in bad[1]

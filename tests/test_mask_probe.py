@@ -1,4 +1,4 @@
-"""Reading an exported attention mask as padding plus a window (attncal.graphs.mask_probe): the fit on
+"""Reading an exported attention mask as padding plus a window (attncal.graphs.placements.mask_probe): the fit on
 masks of every form the op takes, the refusal of every other form, and the probe run on a real
 subgraph."""
 
@@ -9,8 +9,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from attncal.graphs.contract import AttentionGeometry
-from attncal.graphs.mask_probe import MaskProbeError, fit_geometry, probe_batch, probe_geometry
+from attncal.graphs.ops.contract import AttentionGeometry
+from attncal.graphs.placements.mask_probe import MaskProbeError, fit_geometry, probe_batch, probe_geometry
 from support.probe_graphs import position_nodes, probe_model
 
 LOWEST = np.finfo(np.float32).min

@@ -1,4 +1,4 @@
-"""Defined behaviour at the edges (attncal.graphs.contract, "Rows that are fully masked or not
+"""Defined behaviour at the edges (attncal.graphs.ops.contract, "Rows that are fully masked or not
 finite"): every implementation of the four ops against the float64 oracle on rows whose scores are
 all -inf, all the dtype's lowest finite value, partly -inf or hold a NaN, on padding query rows,
 and (separate ops) on probability rows holding a NaN or an infinity.
@@ -28,10 +28,10 @@ import torch
 from onnx import TensorProto, helper
 
 from attncal.calibration import CalibrationConfig, apply, reference
-from attncal.graphs.contract import DOMAIN, OP_TYPES, VERSION, calibration_of, op_spec, resolved_from_attrs, \
-    takes_scores
-from attncal.graphs.function_body import make_function
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import (DOMAIN, OP_TYPES, VERSION, calibration_of, op_spec, resolved_from_attrs,
+                                         takes_scores)
+from attncal.graphs.ops.function_body import make_function
+from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import oplib
 
 B, H, K = 3, 2, 9

@@ -20,8 +20,8 @@ import torch
 from onnx import TensorProto, helper
 
 from attncal.calibration import CalibrationConfig, reference
-from attncal.graphs.contract import DOMAIN, VERSION, op_spec, resolved_from_attrs
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import DOMAIN, VERSION, op_spec, resolved_from_attrs
+from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import oplib
 from support.cases import calibrated_rows
 from support.masks import mixed_mask
@@ -263,7 +263,7 @@ def test_exported_encoder_runs_the_kernel_in_place_once_annotated(library, count
 
 
 def row_placement_tail(spec) -> onnx.ModelProto:
-    """The shape of what row placement builds around the pooled op (graphs/row_placement.py):
+    """The shape of what row placement builds around the pooled op (graphs/placements/row_placement.py):
     the [B,H,1,K] scores come out of an Expand whose target shape is computed at run time, so
     their dims are unknown *and unnamed*; then Softmax -> op -> MatMul(V) -> Shape -> Expand of
     the row index to that shape (what feeds ScatterElements in the real graph)."""

@@ -27,12 +27,12 @@ from onnx import TensorProto, helper, numpy_helper
 from attncal import CalibrationConfig
 from attncal.graphs import placements
 from attncal.graphs.builder import Ops
-from attncal.graphs.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, SOFTMAX_ALL_ROWS_OP
-from attncal.graphs.placement_base import PRECISIONS, PlacementPlan, Refusal
-from attncal.graphs.rewrite import insert_calibration, remove_calibration
-from attncal.graphs.row_placement import RowPlacementError
-from attncal.graphs.softmax_pattern import SoftmaxPatternError
-from attncal.graphs.split_placement import SplitPlacementError
+from attncal.graphs.ops.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, SOFTMAX_ALL_ROWS_OP
+from attncal.graphs.placements.placement_base import PRECISIONS, PlacementPlan, Refusal
+from attncal.graphs.placements.rewrite import insert_calibration, remove_calibration
+from attncal.graphs.placements.row_placement import RowPlacementError
+from attncal.graphs.placements.softmax_pattern import SoftmaxPatternError
+from attncal.graphs.placements.split_placement import SplitPlacementError
 
 F, F16, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
 HIDDEN, HEADS, HEAD = 8, 2, 4
@@ -394,7 +394,7 @@ def test_the_registry_is_the_one_list_of_placement_names():
     from attncal.cli import bench as bench_cli
     from attncal.cli import export as export_cli
     from attncal.export import exporter
-    from attncal.graphs import placement_names
+    from attncal.graphs.placements import placement_names
 
     assert tuple(placements.PLACEMENTS) == placement_names.NAMES
     assert placements.CHOICES is placement_names.CHOICES and exporter.PLACEMENTS is placements.CHOICES

@@ -20,8 +20,8 @@ import torch
 from onnx import TensorProto, helper
 
 from attncal.calibration import CalibrationConfig, reference
-from attncal.graphs.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, VERSION, op_spec, resolved_from_attrs
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import ALL_ROWS_OP, DOMAIN, POOLED_OP, VERSION, op_spec, resolved_from_attrs
+from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import oplib
 from support.cases import calibrated_rows, random_config
 from support.masks import random_mask

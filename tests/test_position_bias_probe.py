@@ -1,6 +1,6 @@
-"""The relative position bias probe (attncal.graphs.position_bias_probe): the table found through the layout ops,
-the max distance fitted by running the bias subgraph, and the refusals of anything else.  The exports of T5 and
-MPNet through it are in tests/test_export.py (their native graphs, with parity)."""
+"""The relative position bias probe (attncal.graphs.placements.position_bias_probe): the table found through the
+layout ops, the max distance fitted by running the bias subgraph, and the refusals of anything else.  The exports
+of T5 and MPNet through it are in tests/test_export.py (their native graphs, with parity)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from attncal.calibration.relative_position import relative_buckets
-from attncal.graphs.position_bias_probe import (PositionBiasError, _offset_buckets, find_table, fit_max_distance,
-                                                probe_relative)
+from attncal.graphs.placements.position_bias_probe import (PositionBiasError, _offset_buckets, find_table,
+                                                           fit_max_distance, probe_relative)
 from support.probe_graphs import position_nodes, probe_model
 
 L_MAX = 1024

@@ -17,8 +17,8 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from attncal.graphs.contract import attention_op_spec
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import attention_op_spec
+from attncal.graphs.ops.single_op import single_op_model
 from test_calibrated_attention import random_attention_spec
 from support.masks import mixed_mask
 from test_native_kernel import cpu_path, library  # noqa: F401  (the built-library and CPU-path fixtures)

@@ -32,7 +32,7 @@ from attncal import artifact
 from attncal.artifact import DIGEST_KEY, external_data_name, load_onnx_checked
 from attncal.export import exporter, quantize
 from attncal.export.quantize import graph_record, quantization_record, quantize_graph, weight_nodes
-from attncal.graphs.contract import DOMAIN
+from attncal.graphs.ops.contract import DOMAIN
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.runtime.parity import TOLERANCES, ParityReport, precision_of

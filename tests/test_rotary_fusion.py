@@ -1,4 +1,4 @@
-"""The native graph's rotations fused into ONNX Runtime's RotaryEmbedding (attncal.graphs.rotary_fusion): which
+"""The native graph's rotations fused into ONNX Runtime's RotaryEmbedding (attncal.graphs.fusions.rotary_fusion): which
 rotations are matched, and that the fused graph feeds the attention op what the unfused one does."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from attncal.graphs.contract import DOMAIN
-from attncal.graphs.rotary_fusion import ROTARY_OP, fuse_rotations
+from attncal.graphs.ops.contract import DOMAIN
+from attncal.graphs.fusions.rotary_fusion import ROTARY_OP, fuse_rotations
 
 N, NK, D = 4, 2, 8
 H = D // 2

@@ -16,9 +16,9 @@ from attncal import CalibrationConfig
 from attncal.bench.engines import optimize_export
 from attncal.calibration import TorchEncoder, apply, reference
 from attncal.export.exporter import ExportOptions, export
-from attncal.graphs.contract import op_spec
-from attncal.graphs.row_placement import RowPlacementError, calibrate_optimized
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import op_spec
+from attncal.graphs.placements.row_placement import RowPlacementError, calibrate_optimized
+from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import Encoder
 from attncal.synthetic import synthetic_text
 from conftest import quick_exporter

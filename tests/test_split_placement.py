@@ -19,7 +19,7 @@ from attncal.calibration import TorchEncoder
 from attncal.cli import main
 from attncal.export.exporter import ExportOptions, export
 from attncal.graphs.placements import plan
-from attncal.graphs.split_placement import SplitPlacementError
+from attncal.graphs.placements.split_placement import SplitPlacementError
 from attncal.runtime import Encoder
 from attncal.synthetic import save_synthetic_model, synthetic_text
 from conftest import quick_exporter

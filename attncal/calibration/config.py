@@ -30,7 +30,7 @@ POOLINGS = ("cls", "last", "mean", "landmark", "mean-every")
 ROW_SET_POOLINGS = ("landmark", "mean-every")
 # The calibration's mask value of a valid token whose query row is calibrated (row-set poolings; `marked_mask`):
 # 0 = padding, 1 = a valid token, ROW_MARK = a valid token whose row is calibrated.  The op contract's
-# (attncal.graphs.contract) `attention_mask` input carries it, so the ops keep their inputs.
+# (attncal.graphs.ops.contract) `attention_mask` input carries it, so the ops keep their inputs.
 ROW_MARK = 2
 POOLING_CHOICES = POOLINGS + ("auto",)
 LAYER_PRESETS = ("last-half", "last", "all")

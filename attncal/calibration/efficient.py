@@ -202,7 +202,7 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration,
     S, n_max = g.basket_size, g.n_max
     lam = rc.strength
     z = x.mul_(g.token_mask[:, None, :].to(x.dtype))  # step 4: pads -> 0
-    # NaN in, NaN out (attncal.graphs.contract): a row holding a NaN or an infinity at any key (x * 0
+    # NaN in, NaN out (attncal.graphs.ops.contract): a row holding a NaN or an infinity at any key (x * 0
     # keeps it at a pad) comes back NaN at every key; its NaN never reaches another row.
     not_finite = ~torch.isfinite(z.sum(-1, keepdim=True))  # [A,R,1]
     start_idx = g.start[:, None, None].expand(A, R, 1)

@@ -30,7 +30,7 @@ def reference(
 
     A calibrated row that holds a NaN or an infinity at any of its K keys (masked
     keys included) comes back NaN at every key; rows that are not calibrated are
-    returned as they are, NaN included (attncal.graphs.contract, "Rows that are
+    returned as they are, NaN included (attncal.graphs.ops.contract, "Rows that are
     fully masked or not finite").
     """
     rc = config.resolve() if isinstance(config, CalibrationConfig) else config
@@ -152,7 +152,7 @@ def attention_reference(
     relative_max_distance: int = 0,
     relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The calibrated attention ops' contract (attncal.graphs.contract) in float64: `reference` applied
+    """The calibrated attention ops' contract (attncal.graphs.ops.contract) in float64: `reference` applied
     to the softmax of scale·Q·Kᵀ plus the relative position bias (`relative_bias` [num_buckets,N] at
     `attncal.calibration.relative_position`'s buckets, where `relative_max_distance` > 0) plus float32's
     lowest finite value at keys that are masked or outside the query's window, times V.

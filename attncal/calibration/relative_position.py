@@ -11,8 +11,8 @@ bidirectional=True; MPNet's `relative_position_bucket` is the same function):
     float64 and rounded to float32 (as torch computes it)
 
 The calibrated attention ops take the table and `max_distance` and compute the buckets themselves
-(attncal.graphs.contract), so this is the one place the function is written in Python: the float64 oracle
-and the export's check of a graph's bias (`attncal.graphs.position_bias_probe`) both read it.  It is exact
+(attncal.graphs.ops.contract), so this is the one place the function is written in Python: the float64 oracle
+and the export's check of a graph's bias (`attncal.graphs.placements.position_bias_probe`) both read it.  It is exact
 against torch's and ONNX Runtime's float32 arithmetic for every offset below 2^20 at the bucket counts and
 distances models use (tests/test_relative_position.py); the native kernels evaluate the same float32 steps
 (plugins/kernels/common/relative_position.h).

@@ -14,7 +14,7 @@ from ..bench import engines as bench_engines
 from ..bench import harness
 from ..bench.engines import DEFAULT_ENGINES, ENGINES, MEM_PATTERN, Workspace, build_exports, is_engine, peer_engine
 from ..bench.report import write_results
-from ..graphs.placement_names import CHOICES as PLACEMENTS
+from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
 from ..modelinfo import load_model_info, position_limit, resolve_model_path
 from ..serving.bench import bench_triton, format_table
 from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model

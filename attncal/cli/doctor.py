@@ -22,7 +22,7 @@ from .. import cpuinfo
 from ..artifact import open_export
 from ..calibration.config import CalibrationConfig
 from ..export.quantize import graph_record
-from ..graphs.contract import ALL_OP_TYPES, attention_op_spec, op_spec, with_softmax
+from ..graphs.ops.contract import ALL_OP_TYPES, attention_op_spec, op_spec, with_softmax
 from ..runtime import oplib
 from ..runtime.encoder import default_providers, select_graph
 from ..serving.env import ServingEnvError, check_env
@@ -64,7 +64,7 @@ def _registered_ops(library: Path) -> dict[str, bool]:
     load a one-node model of it?"""
     import onnxruntime as ort
 
-    from ..graphs.single_op import single_op_model  # lazy: onnx, ~30 ms of every attncal start-up otherwise
+    from ..graphs.ops.single_op import single_op_model  # lazy: onnx, ~30 ms of every attncal start-up otherwise
 
     specs = {}
     for pooling in ("cls", "mean"):

@@ -11,7 +11,7 @@ from ..export.errors import ExportError, ParityError
 from ..export.plan import DEFAULT_OPSET, EXPORTERS, ExportOptions
 from ..export.quantize import INT8_TARGETS, QUANTIZATIONS
 from ..export.watch import Watch
-from ..graphs.placement_names import CHOICES as PLACEMENT_CHOICES
+from ..graphs.placements.placement_names import CHOICES as PLACEMENT_CHOICES
 from ..modelinfo import TESTED_MODEL_TYPES
 from ..runtime.landmarks import PoolingSpec
 from .common import CLIError, add_calibration_args, config_from_args

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .. import cpuinfo
 from ..artifact import ArtifactError, MissingArtifactError, load_onnx_checked, open_export
-from ..graphs.contract import DOMAIN, is_all_rows, is_attention, is_projected, takes_scores
+from ..graphs.ops.contract import DOMAIN, is_all_rows, is_attention, is_projected, takes_scores
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ library, the export leaves its process's output as it is and writes no log.
 `export` is the pipeline; each step lives where its name says: the torch export and its model loading in
 `attncal.export.from_torch`, the ONNX Runtime graphs in `attncal.export.optimized_graphs` (beside the
 optimizer's child process, `attncal.export.ort_optimize`), graph staging in `attncal.artifact` (`write_graph`),
-the graph passes in `attncal.graphs.passes`, the tokenizer attestation in `attncal.runtime.tokenizer`, the step
+the graph passes in `attncal.graphs.fusions.passes`, the tokenizer attestation in `attncal.runtime.tokenizer`, the step
 meter in `attncal.memory`, and the run state in `attncal.export.run`.
 """
 
@@ -48,7 +48,8 @@ from ..artifact import (
     write_metadata,
     write_text_atomic,
 )
-from ..graphs import passes, placements
+from ..graphs.fusions import passes
+from ..graphs import placements
 from ..graphs.pass_base import run_passes
 from ..memory import StepMeter, available_bytes, release_freed_memory
 from ..runtime import oplib

@@ -19,8 +19,8 @@ from ..runtime.parity import ACTIVATION_SHARE
 RUNTIME_BASE = 0.6 * GIB  # Python, torch, transformers, ONNX Runtime and onnx_ir loaded
 PROTO_LIMIT = 2 * GIB  # protobuf's message limit: above it torch's TorchScript exporter writes external data
 TORCHSCRIPT_STEP = "torch export (TorchScript, for ONNX Runtime's optimizer)"
-# The native graph of a model ONNX Runtime does not fuse (attncal.graphs.plain_attention_placement): the plain
-# export's structure with its weights mapped as the graph is written, plus the mask probe (MASK_PROBE_FIXED).
+# The native graph of a model ONNX Runtime does not fuse (attncal.graphs.placements.plain_attention_placement):
+# the plain export's structure with its weights mapped as the graph is written, plus the mask probe (MASK_PROBE_FIXED).
 NATIVE_PLAIN_STEP = "native graph (plain export)"
 MASK_PROBE_FIXED = 0.25 * GIB
 # Peak of each step, in float32 weight sizes, above RUNTIME_BASE.  The dynamo exporter holds the model and its

@@ -13,13 +13,14 @@ import onnx_ir as ir
 from ..artifact import (CONFIG_FILE, NATIVE_GRAPH, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, OPTIMIZED_GRAPH,
                         config_int, is_long_context, read_json, stage_onnx, weights_on_disk, write_graph)
 from ..calibration.config import CalibrationConfig
-from ..graphs import native_fusions, passes, placements
-from ..graphs import plain_attention_placement as pap
-from ..graphs.feed_forward_chunks import CHUNK_ROWS, PASS
+from ..graphs.fusions import native_fusions, passes
+from ..graphs import placements
+from ..graphs.placements import plain_attention_placement as pap
+from ..graphs.fusions.feed_forward_chunks import CHUNK_ROWS, PASS
 from ..graphs.pass_base import run_passes
-from ..graphs.passes import staged
-from ..graphs.placement_base import count_fused_attention
-from ..graphs.placement_names import ATTENTION
+from ..graphs.fusions.passes import staged
+from ..graphs.placements.placement_base import count_fused_attention
+from ..graphs.placements.placement_names import ATTENTION
 from ..graphs.placements import NATIVE_BY_PRECISION
 from ..memory import release_freed_memory
 from ..messages import first_line
@@ -243,7 +244,7 @@ def _native_feed_forwards(run: Run, entry: dict, report: dict) -> None:
 
 def native_plain_graph(run: Run) -> None:
     """onnx/model_optimized_native.onnx for a model without an ORT-optimized graph: torch's export with the
-    calibrated attention op in every layer (`attncal.graphs.plain_attention_placement`), calibrated or not,
+    calibrated attention op in every layer (`attncal.graphs.placements.plain_attention_placement`), calibrated or not,
     for the native library.  Where the rewrite does not apply, the log says why and the export goes on
     without it (the portable graph is complete)."""
 

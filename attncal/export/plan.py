@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
-from ..graphs.placement_names import CHOICES as PLACEMENTS
+from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
 from ..modelinfo import ModelInfo, load_model_info
 from ..runtime.landmarks import PoolingSpec, resolve
 from . import memory_plan

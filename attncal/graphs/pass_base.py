@@ -1,11 +1,11 @@
 """The graph-pass protocol: a rewrite of a whole graph outside the placements.
 
-A placement inserts the calibration (`attncal.graphs.placement_base`); a **graph pass** (`GraphPass`) prepares
-a written graph for ONNX Runtime without changing its values: the rotary fusion, the feed-forward chunks, the
+A placement inserts the calibration (`attncal.graphs.placements.placement_base`); a **graph pass** (`GraphPass`)
+prepares a written graph for ONNX Runtime without changing its values: the rotary fusion, the feed-forward chunks, the
 load-time fusions' rewrites, the in-place shapes.  Each pass module declares its passes as `GraphPass` values
 saying what the pass matches, what a match must satisfy before it is rewritten (a match that fails a check is
 left as it is: a pass never refuses), what it rewrites, and what it reports (how many of each thing it
-rewrote).  `attncal.graphs.passes` holds the ordered lists the exporter runs, with why each pass comes where
+rewrote).  `attncal.graphs.fusions.passes` holds the ordered lists the exporter runs, with why each pass comes where
 it does.
 """
 

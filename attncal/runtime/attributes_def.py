@@ -6,7 +6,7 @@ ctypes (benchmarks/gpu_check.py).
 Why it reads the .def instead of restating it: the struct's layout follows the table (all_rows,
 then every INT attribute, then every FLOAT attribute, in the table's order), so a mirror written out
 by hand goes wrong silently the day the table changes; one built from the table cannot.
-tests/test_attributes_def.py checks the table against attncal.graphs.contract.ATTRIBUTES.
+tests/test_attributes_def.py checks the table against attncal.graphs.ops.contract.ATTRIBUTES.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
-from ..graphs import contract
+from ..graphs.ops import contract
 from ..native import CHECKOUT
 
 DEF_PATH = CHECKOUT / "plugins" / "kernels" / "common" / "attncal_attributes.def"
@@ -40,7 +40,7 @@ class Attribute:
     default: int | float  # what an OPTIONAL attribute a node lacks takes
 
     def taken_by(self, op_type: str) -> bool:
-        """Whether op `op_type` (any of attncal.graphs.contract.ALL_OP_TYPES) takes this attribute."""
+        """Whether op `op_type` (any of attncal.graphs.ops.contract.ALL_OP_TYPES) takes this attribute."""
         if self.ops == "POOLED":
             return not contract.is_all_rows(op_type)
         if self.ops == "ATTENTION":

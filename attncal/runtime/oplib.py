@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Literal, Sequence
 
-from ..graphs.inplace_shapes import annotate_inplace_shapes  # noqa: F401  (re-exported)
+from ..graphs.ops.inplace_shapes import annotate_inplace_shapes  # noqa: F401  (re-exported)
 from ..native import (BUILD_INFO, CHECKOUT, CUDA_LIBRARY, ORT_LIBRARY, PACKAGE_LIB_DIR,  # noqa: F401 (re-exported)
                       TRT_LIBRARY, default_build_dir, find_library, library_dirs)
 

@@ -11,9 +11,10 @@ type by V on the tensor cores, as FlashAttention does: each weight moves by a re
 of the output's own rounding (half an ulp below 2: 4.9e-4 / 3.9e-3).  Hence 3e-3 (float16) and 2e-2
 (bfloat16).
 
-The geometry (grouped key/value heads, windows, the relative position bias: attncal.graphs.contract.AttentionGeometry)
-is checked on random cases of both launchers against the same oracle, float32 and float16, with the same
-tolerances (plus, for a bias, the rounding of its addition to the float32 score).
+The geometry (grouped key/value heads, windows, the relative position bias:
+attncal.graphs.ops.contract.AttentionGeometry) is checked on random cases of both launchers against the same
+oracle, float32 and float16, with the same tolerances (plus, for a bias, the rounding of its addition to the
+float32 score).
 
 The check functions take `device` and `launch`, so that the harness itself can be dry-run on the CPU with a
 stand-in launcher.
@@ -29,7 +30,7 @@ import torch
 
 from attncal.calibration import CalibrationConfig
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import AttentionGeometry
+from attncal.graphs.ops.contract import AttentionGeometry
 from support.cases import random_config
 from support.cuda import attention_launch
 from support.masks import mixed_mask

@@ -1,5 +1,5 @@
 """The CUDA launchers with marked rows (landmark, multi-CLS and Mean@k pooling: `marked_rows`, `isolate_self`;
-attncal/graphs/contract.py, "Marked rows") against the float64 oracle, through ctypes: the calibration ops'
+attncal/graphs/ops/contract.py, "Marked rows") against the float64 oracle, through ctypes: the calibration ops'
 launchers (separate and Softmax-fused, in place and out of place) and the calibrated attention launchers (the
 tiled kernel, which hands a row whose own key is isolated to the per-row kernel, and the per-row kernel itself).
 Tolerances and harness are those of test_calibration_cuda.py and test_calibrated_attention_cuda.py, whose check

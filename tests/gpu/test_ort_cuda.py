@@ -22,9 +22,9 @@ import torch
 
 from attncal.calibration import CalibrationConfig, reference
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import (ATTENTION_OP_TYPES, OP_TYPES, RELATIVE_BIAS_INPUT, attention_op_spec, is_all_rows,
-                                     is_attention, op_spec, takes_scores)
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import (ATTENTION_OP_TYPES, OP_TYPES, RELATIVE_BIAS_INPUT, attention_op_spec,
+                                         is_all_rows, is_attention, op_spec, takes_scores)
+from attncal.graphs.ops.single_op import single_op_model
 from support.cases import random_config
 from support.masks import mixed_mask
 from support.oracle_loop import (attention_oracle_errors, random_attention_batch, random_geometry, random_relative_bias,

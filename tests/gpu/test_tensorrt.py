@@ -17,9 +17,9 @@ import torch
 
 from attncal.calibration import CalibrationConfig, reference
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import (ATTENTION_OP_TYPES, OP_TYPES, AttentionGeometry, attention_op_spec, input_names,
-                                     is_all_rows, is_attention, op_spec, takes_scores)
-from attncal.graphs.single_op import single_op_model
+from attncal.graphs.ops.contract import (ATTENTION_OP_TYPES, OP_TYPES, AttentionGeometry, attention_op_spec,
+                                         input_names, is_all_rows, is_attention, op_spec, takes_scores)
+from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import oplib
 from support import cuda
 from support.masks import mixed_mask

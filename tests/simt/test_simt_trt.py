@@ -19,7 +19,7 @@ import torch
 
 from attncal.calibration import reference
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import attention_op_spec, op_spec
+from attncal.graphs.ops.contract import attention_op_spec, op_spec
 from attncal.runtime import oplib
 from gpu.test_calibrated_attention_cuda import ATTN_TOL
 from gpu.test_calibration_cuda import TOL

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from attncal.graphs.contract import FULL_ATTENTION, AttentionGeometry, is_all_rows, op_spec
+from attncal.graphs.ops.contract import FULL_ATTENTION, AttentionGeometry, is_all_rows, op_spec
 from attncal.runtime import attributes_def, oplib
 
 CUDA_SOURCES = ("calibration_cuda.cu", "calibrated_attention_cuda.cu")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from attncal.calibration.oracle import attention_reference
-from attncal.graphs.contract import FULL_ATTENTION, AttentionGeometry, op_spec, resolved_from_attrs
+from attncal.graphs.ops.contract import FULL_ATTENTION, AttentionGeometry, op_spec, resolved_from_attrs
 
 from .cases import random_config
 from .masks import mixed_mask

@@ -1,5 +1,5 @@
 """Small graphs of what an export builds from `attention_mask` (a mask, a relative position bias), for the tests
-of the probes that read them (attncal.graphs.mask_probe, attncal.graphs.position_bias_probe)."""
+of the probes that read them (attncal.graphs.placements.mask_probe, attncal.graphs.placements.position_bias_probe)."""
 
 from __future__ import annotations
 

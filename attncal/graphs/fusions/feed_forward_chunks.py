@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .pass_base import IR, PROTO, GraphPass
+from ..pass_base import IR, PROTO, GraphPass
 
 CHUNK_ROWS = 1024
 

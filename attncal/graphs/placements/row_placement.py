@@ -43,12 +43,12 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from ..artifact import ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_metadata, save_onnx, write_metadata
-from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from ...artifact import ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_metadata, save_onnx, write_metadata
+from ...calibration.config import CalibrationConfig, ResolvedCalibration
 from . import placement_names
-from .builder import Ops as _Ops
-from .contract import DOMAIN, POOLED_OP, VERSION, op_spec
-from .function_body import make_function
+from ..builder import Ops as _Ops
+from ..ops.contract import DOMAIN, POOLED_OP, VERSION, op_spec
+from ..ops.function_body import make_function
 from .placement_base import (FUSED, PlacementResult, Refusal, Rule, accepted, count_fused_attention,
                              fused_attention_parts, fused_layers)
 from .rewrite import model_opset

@@ -35,9 +35,9 @@ import itertools
 import onnx
 from onnx import AttributeProto, TensorProto, helper
 
-from ..calibration.config import ROW_MARK
-from .contract import (ALL_OP_TYPES, DOMAIN, OPTIONAL_DEFAULTS, attribute_names, input_names, is_all_rows,
-                       is_attention, is_projected, takes_scores)
+from ...calibration.config import ROW_MARK
+from .contract import (ALL_OP_TYPES, DOMAIN, OPTIONAL_DEFAULTS, attribute_names, input_names, is_all_rows, is_attention,
+                       is_projected, takes_scores)
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18 on
 
@@ -459,5 +459,5 @@ def make_function(op_type: str, opset: int, relative_bias: bool = False) -> onnx
         opset_imports=[helper.make_opsetid("", opset)],
         attributes=[n for n in names if n not in OPTIONAL_DEFAULTS],
         attribute_protos=defaults,
-        doc_string=f"attncal calibration op {op_type} (contract v1); see attncal.graphs.contract",
+        doc_string=f"attncal calibration op {op_type} (contract v1); see attncal.graphs.ops.contract",
     )

@@ -1,7 +1,7 @@
 """Attention placement's one rule (fused graph): each layer's fused attention becomes its Q/K/V
 projections plus one calibrated attention op (`AllRowsCalibratedAttention` for mean pooling,
 `PooledRowCalibratedAttention` for cls / last pooling; the all-rows op on the rows marked in its mask,
-`attncal.graphs.row_marks`, for landmark and mean-every pooling), which computes softmax, calibration and the
+`attncal.graphs.placements.row_marks`, for landmark and mean-every pooling), which computes softmax, calibration and the
 product with V in one pass; a layer the config does not calibrate, and every layer of an uncalibrated
 export, gets the same op at strength 0, which is plain attention.  The projected-attention placement's
 rule is the same `find` and `rewrite` with `projected=True` (`projected_attention_placement`).
@@ -32,11 +32,11 @@ from functools import partial
 import numpy as np
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from ...calibration.config import CalibrationConfig, ResolvedCalibration
 from . import row_marks
-from .builder import Ops
-from .contract import DOMAIN, VERSION, attention_op_spec
-from .function_body import make_function
+from ..builder import Ops
+from ..ops.contract import DOMAIN, VERSION, attention_op_spec
+from ..ops.function_body import make_function
 from .placement_base import (FUSED, PlacementResult, Rule, count_fused_attention, fused_attention_parts, fused_layers,
                              has_fused_attention, qkv_projections)
 from .rewrite import model_opset

@@ -30,7 +30,7 @@ keep their meaning and run on libraries built before them:
 * `marked_rows` (0): 1 = calibrate only the query rows q whose `attention_mask[b,q]`
   is `ROW_MARK` (2): a valid token marked as pooled.  Every non-zero mask value
   is a valid key as before; the graph derives the marks from `input_ids` and
-  `attention_mask` (`attncal.graphs.row_marks`), so the ops keep their inputs.
+  `attention_mask` (`attncal.graphs.placements.row_marks`), so the ops keep their inputs.
   Why in the mask and not an input of its own: the calibrated attention ops'
   `relative_bias` is already an optional input, and ONNX Runtime's custom-op API
   and TensorRT's plugins take no absent input before a present one; the mask is
@@ -79,7 +79,7 @@ The calibrated attention ops below state theirs.
 Calibrated attention: `PooledRowCalibratedAttention` and
 `AllRowsCalibratedAttention`, the whole attention of one layer with the
 calibration of `PooledRowCalibration` / `AllRowsCalibration` inside.  The
-attention placement (`attncal.graphs.attention_placement`) writes them into the
+attention placement (`attncal.graphs.placements.attention_placement`) writes them into the
 ORT-optimized graph; the native CPU kernel is
 `plugins/kernels/cpu/calibrated_attention.h` (tests/test_calibrated_attention_kernel.py),
 the CUDA kernel `plugins/kernels/cuda/attention_tiled.cuh` (compiled in CI,
@@ -169,7 +169,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..calibration.config import ResolvedCalibration
+from ...calibration.config import ResolvedCalibration
 
 DOMAIN = "ai.attncal"
 VERSION = 1

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import onnx_ir as ir
 
-from .builder import Ops
+from ..builder import Ops
 from .softmax_pattern import AttentionSoftmax
 
 _CHAIN_OPS = {"Add", "Mul", "Div", "Sub", "Cast", "Identity", "Where"}

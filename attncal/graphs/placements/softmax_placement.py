@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig
+from ...calibration.config import CalibrationConfig
 from .placement_base import PLAIN, PlacementResult, Rule, count_fused_attention, has_fused_attention
 from .rewrite import AlreadyCalibratedError, CalibrationPlan, apply_calibration, plan_calibration
 from .softmax_pattern import SoftmaxPatternError

@@ -1,13 +1,13 @@
 """Rewrites of the portable graph that let ONNX Runtime apply, at load time, the fusions it applies to
 optimum's and TorchScript exports of the same model.  Values are unchanged; the
-graph stays standard ONNX.  The exporter runs both (`ERF_GELU`, `INTERMEDIATE_SHAPES`: `attncal.graphs.passes`)
+graph stays standard ONNX.  The exporter runs both (`ERF_GELU`, `INTERMEDIATE_SHAPES`: `attncal.graphs.fusions.passes`)
 after the placement, before saving `onnx/model.onnx` and the native graph of a plain export (docs/cli.md,
 "The exporter")."""
 
 from __future__ import annotations
 
-from .builder import scalar_value
-from .pass_base import IR, GraphPass
+from ..builder import scalar_value
+from ..pass_base import IR, GraphPass
 
 
 def _scalar_is(value, expected: float) -> bool:

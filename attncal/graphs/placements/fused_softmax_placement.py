@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig
+from ...calibration.config import CalibrationConfig
 from . import softmax_placement
-from .contract import DOMAIN, takes_scores, with_softmax
-from .function_body import make_function
+from ..ops.contract import DOMAIN, takes_scores, with_softmax
+from ..ops.function_body import make_function
 from .placement_base import PLAIN, PlacementResult, Rule, count_fused_attention
 from .rewrite import CalibrationPlan, apply_calibration, model_opset
 from .softmax_pattern import SoftmaxPatternError

@@ -1,7 +1,7 @@
 """The calibration mask of a row-set pooling (landmark, mean-every), built in the graph from its token ids: the one
 helper of every placement that calibrates marked rows.
 
-The calibration ops take the rows to calibrate in their `attention_mask` input (attncal.graphs.contract, "Marked
+The calibration ops take the rows to calibrate in their `attention_mask` input (attncal.graphs.ops.contract, "Marked
 rows"): 0 at padding, 1 at a valid token, `ROW_MARK` at a valid token whose row is pooled.  The exported graph's
 inputs stay `input_ids` and `attention_mask`; these few nodes derive the marks from them once per batch, as
 `ResolvedCalibration.marked_mask` does in PyTorch:
@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..calibration.config import ResolvedCalibration
-from .builder import Ops, graph_input
+from ...calibration.config import ResolvedCalibration
+from ..builder import Ops, graph_input
 
 IDS_INPUT = "input_ids"
 NODE_PREFIX = "attncal_row_marks"

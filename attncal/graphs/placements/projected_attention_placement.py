@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..calibration.config import ResolvedCalibration
+from ...calibration.config import ResolvedCalibration
 from .attention_placement import find, rewrite
 from .placement_base import FUSED, Refusal, Rule
 from .softmax_pattern import SoftmaxPatternError

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..calibration.config import MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+from ...calibration.config import MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
 from .attention_chain import PlainAttention, replay_chain, side_inputs, walk_layer
-from .builder import Ops, graph_input
+from ..builder import Ops, graph_input
 from .placement_base import PLAIN, PlacementResult, Rule, checked_on_inferred_shapes, keep_inferred_shapes
 from .softmax_pattern import AttentionSoftmax, SoftmaxPatternError, find_attention_softmaxes
-from .split_placement import (NODE_PREFIX, Geometry, SplitPlacementError, coefficients, equal_or_fixed_share, f32,
-                              i64, item, split_result, unsupported_config)
+from .split_placement import (NODE_PREFIX, Geometry, SplitPlacementError, coefficients, equal_or_fixed_share, f32, i64,
+                              item, split_result, unsupported_config)
 
 
 def _basket_side(val: ir.Value, node: ir.Node) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from .contract import DOMAIN
+from ..ops.contract import DOMAIN
 
 # The first indexed layer container on the module path: `layer.3` (BERT), `layers.3` (Qwen3), `block.3` (T5,
 # whose block then holds `layer.0` = self-attention, `layer.1` = feed-forward).

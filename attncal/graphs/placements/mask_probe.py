@@ -29,7 +29,7 @@ import onnx
 import onnx.numpy_helper
 import onnx_ir as ir
 
-from .contract import AttentionGeometry
+from ..ops.contract import AttentionGeometry
 
 # Probe lengths: 2,048 tokens (a valid span of 1,365 keys) by default, longer where the model declares a window
 # that wide, up to 4,096.  The mask and its subgraph's intermediates are a few [2,1,L,L] tensors: about

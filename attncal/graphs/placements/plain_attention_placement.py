@@ -39,12 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from ...calibration.config import CalibrationConfig, ResolvedCalibration
 from . import row_marks
 from .attention_chain import PlainAttention, walk_layer
-from .builder import Ops, const_array, graph_input, scalar_value
-from .contract import DOMAIN, VERSION, AttentionGeometry, attention_op_spec
-from .function_body import make_function
+from ..builder import Ops, const_array, graph_input, scalar_value
+from ..ops.contract import DOMAIN, VERSION, AttentionGeometry, attention_op_spec
+from ..ops.function_body import make_function
 from .mask_probe import MaskProbeError, probe_geometry
 from .placement_base import PlacementResult, count_fused_attention
 from .position_bias_probe import PositionBiasError, find_table, probe_relative

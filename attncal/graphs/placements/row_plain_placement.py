@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from ...calibration.config import CalibrationConfig, ResolvedCalibration
 from .attention_chain import PlainAttention, replay_chain, side_inputs, walk_layer
-from .builder import Ops as _Ops
-from .builder import graph_input
-from .contract import DOMAIN, VERSION, op_spec
+from ..builder import Ops as _Ops
+from ..builder import graph_input
+from ..ops.contract import DOMAIN, VERSION, op_spec
 from .placement_base import PLAIN, PlacementResult, Rule, checked_on_inferred_shapes, keep_inferred_shapes
 from .row_placement import NODE_PREFIX, REFUSES, RowPlacementError, check_request, pooled_function, row_result
 from .softmax_pattern import AttentionSoftmax, find_attention_softmaxes

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
-from .builder import Ops
+from ...calibration.config import MODE_EQUAL, MODE_FIXED, MODE_ORIGINAL, CalibrationConfig, ResolvedCalibration
+from ..builder import Ops
 from .placement_base import (FUSED, PlacementResult, Refusal, Rule, count_fused_attention, fused_attention_parts,
                              fused_layers, qkv_projections)
 

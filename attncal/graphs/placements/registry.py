@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..calibration.config import ResolvedCalibration
+from ...calibration.config import ResolvedCalibration
 from . import (attention_placement, fused_softmax_placement, placement_names, projected_attention_placement,
                row_placement, row_plain_placement, softmax_placement, split_placement, split_plain_placement)
 from .placement_base import OPTIMIZED, PORTABLE, PRECISIONS, Placement

@@ -9,8 +9,9 @@ optimizer, which makes its own fusions: they get `STAGED` only.
 
 from __future__ import annotations
 
-from . import feed_forward_chunks, inplace_shapes, load_time_fusions, native_fusions, rotary_fusion
-from .pass_base import IR, GraphPass, Ordered
+from . import feed_forward_chunks, load_time_fusions, native_fusions, rotary_fusion
+from ..ops import inplace_shapes
+from ..pass_base import IR, GraphPass, Ordered
 
 NATIVE_FUSIONS = GraphPass(
     "onnxruntime fusions", IR,

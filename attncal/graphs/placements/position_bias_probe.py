@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..calibration.relative_position import relative_buckets
+from ...calibration.relative_position import relative_buckets
 from .mask_probe import MaskProbeError, evaluate, probe_batch
 
 PROBE = 1024  # tokens: offsets up to 1,023 each way; the bias is a [B,N,L,L] float32 tensor (48 MiB at N = 12)

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from .builder import Ops, const_array, scalar_value
-from .contract import DOMAIN
-from .pass_base import IR, GraphPass
+from ..builder import Ops, const_array, scalar_value
+from ..ops.contract import DOMAIN
+from ..pass_base import IR, GraphPass
 
 MS_DOMAIN = "com.microsoft"
 ROTARY_OP = "RotaryEmbedding"  # com.microsoft, version 1 (contrib_defs.cc); CPU kernel for float and float16

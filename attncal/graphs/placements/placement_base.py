@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 import onnx_ir as ir
 
 from .attention_chain import inferred_shapes
-from .builder import graph_input
-from .contract import ATTENTION_OP_TYPES, DOMAIN, PROJECTED_OP_TYPES
+from ..builder import graph_input
+from ..ops.contract import ATTENTION_OP_TYPES, DOMAIN, PROJECTED_OP_TYPES
 from .softmax_pattern import FUSED_ATTENTION_OPS
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..calibration.config import CalibrationConfig, ResolvedCalibration
-    from .builder import Ops
+    from ...calibration.config import CalibrationConfig, ResolvedCalibration
+    from ..builder import Ops
 
 PLAIN, FUSED = "plain", "fused"  # the kind of graph a rule rewrites
 PORTABLE, OPTIMIZED = "portable", "optimized"  # the written graphs (onnx/model.onnx; the ORT-optimized ones)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from ..calibration.config import CalibrationConfig, ResolvedCalibration
+from ...calibration.config import CalibrationConfig, ResolvedCalibration
 from . import row_marks
-from .builder import graph_input
-from .contract import DOMAIN, VERSION, is_attention, op_spec, takes_scores
-from .function_body import MIN_OPSET, make_function
+from ..builder import graph_input
+from ..ops.contract import DOMAIN, VERSION, is_attention, op_spec, takes_scores
+from ..ops.function_body import MIN_OPSET, make_function
 from .softmax_pattern import AttentionSoftmax, SoftmaxPatternError, find_attention_softmaxes
 
 

@@ -7,7 +7,7 @@ graph's value_info benefits.
 from __future__ import annotations
 
 from .contract import DOMAIN, takes_scores
-from .pass_base import PROTO, GraphPass
+from ..pass_base import PROTO, GraphPass
 
 
 def annotate_inplace_shapes(model) -> int:
