@@ -167,6 +167,9 @@ def test_encoder_keeps_the_memory_pattern_for_short_exports_only(tiny_models, tm
         (["--seq", "100000"], "exceeds the model's 256 positions"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--memory-probes", "0"], "--memory-probes must be >= 1, got 0 (--no-memory skips the probes)"),
+        (["--clock", "cpu", "--threads", "2"], "--clock cpu: the cpu clock needs one intra-op thread (--threads 1), got 2"),
+        (["--clock", "cpu", "--threads", "1", "--engines", "ort,torch-sdpa"],
+         "--clock cpu: the cpu clock times this process, and torch-sdpa runs in its own process"),
     ],
 )
 def test_bad_engine_or_shape_is_a_clear_error(tiny_models, tmp_path, capsys, args, message):

@@ -65,6 +65,31 @@ def test_a_library_being_built_is_handed_out_only_when_the_build_ends(built, mon
     assert got == [built]
 
 
+def test_a_library_missing_while_it_is_rebuilt_is_waited_for(built, monkeypatch):
+    """The linker writes the library anew, so during another worker's rebuild it is missing: the resolver waits
+    for the build's lock and then finds it, instead of falling back for good (an Encoder picking the split graph
+    because a test on the other worker was relinking the library)."""
+    asking = threading.Event()
+
+    def flock(fd, op):
+        if op == fcntl.LOCK_SH:
+            asking.set()
+        return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(oplib, "fcntl", SimpleNamespace(flock=flock, LOCK_SH=fcntl.LOCK_SH, LOCK_EX=fcntl.LOCK_EX,
+                                                         LOCK_UN=fcntl.LOCK_UN))
+    got = []
+    with oplib._locked(built.parent):  # the rebuild: the library is gone until it ends
+        built.unlink()
+        t = threading.Thread(target=lambda: got.append(oplib.resolve_library(notice=False)))
+        t.start()
+        wait_until(lambda: asking.is_set() or got, 60, "the resolver to ask for the build's lock, or return")
+        assert asking.is_set() and not got, "resolved while the build was running"
+        built.write_bytes(b"relinked")
+    t.join(timeout=60)
+    assert got == [built]
+
+
 @pytest.mark.parametrize("value", ["0", "off", "false", "OFF", " False "])
 def test_env_turns_it_off(built, monkeypatch, value):
     monkeypatch.setenv(oplib.NATIVE_ENV, value)

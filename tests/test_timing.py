@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from attncal.bench.timing import interleaved_times, medians
+from attncal.bench.timing import interleaved_times, median_ratio, medians
 
 
 def _recorder():
@@ -34,3 +34,32 @@ def test_medians_and_bad_arguments():
         interleaved_times({"a": lambda: None}, 0)
     with pytest.raises(ValueError, match="warmup must be >= 0, got -1"):
         interleaved_times({"a": lambda: None}, 1, warmup=-1)
+    with pytest.raises(ValueError, match="clock must be one of wall, cpu, got 'gpu'"):
+        interleaved_times({"a": lambda: None}, 1, clock="gpu")
+
+
+def test_cpu_clock_counts_this_process_work_not_its_sleep():
+    """A call that sleeps takes wall time and almost no CPU time; one that computes takes both."""
+    import time
+
+    def busy():
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+
+    cpu = interleaved_times({"sleep": lambda: time.sleep(0.05), "busy": busy}, 2, warmup=0, clock="cpu")
+    wall = interleaved_times({"sleep": lambda: time.sleep(0.05)}, 2, warmup=0, clock="wall")
+    assert max(cpu["sleep"]) < 0.02 <= min(wall["sleep"])
+    assert min(cpu["busy"]) >= 0.05
+
+
+def test_median_ratio_interval_pairs_the_rounds():
+    """Rounds where both sides slowed together (a loaded machine) leave the paired ratio's interval narrow; a
+    real 10 % difference is inside it, and a side compared with itself gets exactly 1."""
+    base = [10.0, 30.0, 11.0, 29.0, 10.5, 31.0, 9.5, 30.5]
+    slower = [1.1 * t for t in base]
+    ratio, lo, hi = median_ratio(slower, base)
+    assert abs(ratio - 1.1) < 1e-9 and lo <= 1.1 <= hi and hi - lo < 0.05
+    assert median_ratio(base, base) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="same number of rounds"):
+        median_ratio([1.0], [1.0, 2.0])

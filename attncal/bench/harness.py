@@ -31,7 +31,7 @@ from pathlib import Path
 from ..cpuinfo import cpu_class
 from ..runtime import oplib
 from ..versions import library_versions
-from .engines import EngineUnavailable, Workspace, make_engine, make_feeds, peer_engine
+from .engines import OWN_PROCESS, EngineUnavailable, Workspace, make_engine, make_feeds, peer_engine
 from .timing import interleaved_times
 
 
@@ -52,6 +52,7 @@ class Row:
     memory_vs_torch: float | None = None
     latency_vs_peer: float | None = None  # against the model's peer (engines.peer_engine)
     memory_vs_peer: float | None = None
+    times_ms: list[float] | None = None  # every timed round, in round order (the engines took turns in each)
 
 
 def _vocab(ws: Workspace) -> int:
@@ -132,6 +133,20 @@ def measure_memory(ws: Workspace, engine: str, seq: int, batch: int) -> float:
     return float(json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"])
 
 
+def clock_problem(clock: str, threads: int, engines: list[str]) -> str | None:
+    """Why `clock` cannot time these engines at `threads` intra-op threads, or None: the cpu clock counts this
+    process's CPU time, so it needs engines that run in this process, on one thread (no worker spinning)."""
+    if clock != "cpu":
+        return None
+    elsewhere = [e for e in engines if e in OWN_PROCESS]
+    if elsewhere:
+        verb = "runs in its" if len(elsewhere) == 1 else "run in their"
+        return f"the cpu clock times this process, and {', '.join(elsewhere)} {verb} own process"
+    if threads != 1:
+        return f"the cpu clock needs one intra-op thread (--threads 1), got {threads}"
+    return None
+
+
 def run_bench(
     ws: Workspace,
     engines: list[str],
@@ -142,13 +157,18 @@ def run_bench(
     memory: bool = True,
     memory_probes: int = 3,
     progress: bool = True,
+    clock: str = "wall",
 ) -> tuple[list[Row], dict[str, str]]:
     """Measure every (engine, seq, batch); returns rows and notes on skipped engines.
 
     With `memory`, every (engine, seq, batch) is probed in `memory_probes` fresh processes (see the module
-    docstring), the engines taking turns."""
+    docstring), the engines taking turns.  `clock` "cpu" times this process's CPU time (timing.CLOCKS): it
+    needs one intra-op thread and engines that run in this process."""
     if memory and memory_probes < 1:
         raise ValueError(f"memory_probes must be >= 1, got {memory_probes}")
+    problem = clock_problem(clock, ws.threads, engines) if clock != "wall" else None
+    if problem:
+        raise ValueError(problem)
     from tqdm.auto import tqdm
 
     notes: dict[str, str] = {}
@@ -166,8 +186,9 @@ def run_bench(
     times: dict[tuple[str, int, int], list[float]] = {}
     for seq, batch in shapes:
         feeds = make_feeds(batch, seq, vocab)
+        # rotate: each engine takes each place in the round in turn, so that its place does not bias its time
         shape_times = interleaved_times({e: partial(run, feeds) for e, run in runners.items()}, repeats,
-                                        on_run=bar.update)
+                                        on_run=bar.update, clock=clock, rotate=True)
         times.update(((e, seq, batch), ts) for e, ts in shape_times.items())
     peaks: dict[tuple[str, int, int], list[float]] = {}
     if memory:
@@ -186,7 +207,7 @@ def run_bench(
         p95 = ts_sorted[min(len(ts_sorted) - 1, max(0, int(round(0.95 * (len(ts_sorted) - 1)))))]
         probes = peaks.get((e, seq, batch))
         rows.append(Row(e, seq, batch, 1e3 * p50, 1e3 * p95, batch / p50, batch * seq / p50,
-                        statistics.median(probes) if probes else None, probes))
+                        statistics.median(probes) if probes else None, probes, times_ms=[1e3 * t for t in ts]))
     by_key = {(r.engine, r.seq, r.batch): r for r in rows}
     for r in rows:
         for ref, attr in (("ort", "vs_ort"), ("torch", "vs_torch"), (peer, "vs_peer")):

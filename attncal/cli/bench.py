@@ -14,6 +14,7 @@ from ..bench import engines as bench_engines
 from ..bench import harness
 from ..bench.engines import DEFAULT_ENGINES, ENGINES, MEM_PATTERN, Workspace, build_exports, is_engine, peer_engine
 from ..bench.report import write_results
+from ..bench.timing import CLOCKS
 from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
 from ..modelinfo import load_model_info, position_limit, resolve_model_path
 from ..serving.bench import bench_triton, format_table
@@ -66,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default="1,8,32", help="batch sizes (default %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per shape (default %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads (default: all cores)")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="what a run is timed in: wall time, or this process's CPU time (with --threads 1 and "
+                        "in-process engines: a figure that other load on the machine moves far less) "
+                        "(default %(default)s)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory probes")
     p.add_argument("--memory-probes", type=int, default=3,
                    help="fresh processes per engine and shape for peak memory; the median is reported (default "
@@ -113,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
     if args.memory_probes < 1:
         raise CLIError(f"--memory-probes must be >= 1, got {args.memory_probes} (--no-memory skips the probes)")
+    problem = harness.clock_problem(args.clock, args.threads, engines)
+    if problem:
+        raise CLIError(f"--clock {args.clock}: {problem}")
     if (args.model is None) == (args.synthetic is None):
         raise CLIError(f"give either MODEL or --synthetic {{{','.join(SYNTHETIC_SHAPES)}}}")
     out = Path(args.out)
@@ -154,12 +162,13 @@ def run(args: argparse.Namespace) -> int:
                    pooling_spec=spec_dict)
     notes = build_exports(ws, engines)
     rows, skipped = harness.run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
-                                      memory=not args.no_memory, memory_probes=args.memory_probes)
+                                      memory=not args.no_memory, memory_probes=args.memory_probes,
+                                      clock=args.clock)
     notes.update(skipped)
     meta = {"model": args.model or f"--synthetic {args.synthetic}", "model_name": name, "config": config.to_dict(), "pooling_spec": spec_dict,
             "engines": engines,
             "peer": peer_engine([r.engine for r in rows]),
-            "seq": seqs, "batch": batches, "repeats": args.repeats,
+            "seq": seqs, "batch": batches, "repeats": args.repeats, "clock": args.clock,
             "memory_probes": None if args.no_memory else args.memory_probes,
             "machine": harness.machine_info(args.threads),
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "command": command_line("bench"),

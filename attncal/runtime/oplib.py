@@ -97,7 +97,13 @@ def default_library_path() -> Path | None:
     env = os.environ.get("ATTNCAL_ORT_LIBRARY")
     if env:
         return Path(env) if Path(env).is_file() else None
-    return find_library(ORT_LIBRARY)
+    found = find_library(ORT_LIBRARY)
+    if found is None and (default_build_dir() / BUILD_LOCK).is_file():
+        # A build of the checkout's library may be running (another process's build_library): the linker
+        # writes the library anew, so it is missing until the build ends.  Wait for it, then look again.
+        _wait_for_build(default_build_dir())
+        found = find_library(ORT_LIBRARY)
+    return found
 
 
 _fallback_lock = threading.Lock()
@@ -215,12 +221,18 @@ def _settled(lib: Path) -> Path:
     """`lib` once no build of its directory is running: the linker writes the library in place, so one handed out
     mid-link (a parallel test worker building while another loads it) fails to load.  Waits on the build's lock
     (`_locked`), shared; a library outside a build directory has no lock and is returned at once."""
-    lock = lib.parent / BUILD_LOCK
+    _wait_for_build(lib.parent)
+    return lib
+
+
+def _wait_for_build(build_dir: Path) -> None:
+    """Returns once no build of `build_dir` is running (its `_locked` lock, taken shared); at once where it has
+    no lock."""
+    lock = build_dir / BUILD_LOCK
     if lock.is_file():
         with open(lock) as fh:
             fcntl.flock(fh, fcntl.LOCK_SH)
             fcntl.flock(fh, fcntl.LOCK_UN)
-    return lib
 
 
 def _run(cmd: Sequence[str], log: Path, quiet: bool) -> None:

@@ -71,12 +71,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_both(lib, q, k, v, mask, rc, N: int, scale: float, device: str = "cuda", launch=attention_launch):
+def run_both(lib, q, k, v, mask, rc, N: int, scale: float, device: str = "cuda", launch=attention_launch,
+             kernels=TILED_PER_ROW):
     """[tiled, per-row] outputs (float64, on the host), each written into a NaN-filled buffer, so that an
-    unwritten row shows."""
+    unwritten row shows; `kernels` a subset of TILED_PER_ROW runs only those launchers."""
     dq, dk, dv, dm = (x.to(device) for x in (q, k, v, mask))
     outs = []
-    for reference in TILED_PER_ROW:
+    for reference in kernels:
         out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype, device=device)
         launch(lib, dq, dk, dv, dm, out, rc, N, scale, reference=reference)
         _sync(device)
@@ -84,9 +85,10 @@ def run_both(lib, q, k, v, mask, rc, N: int, scale: float, device: str = "cuda",
     return outs
 
 
-def assert_within(outs, ref: torch.Tensor, bound: torch.Tensor, what: str) -> float:
-    """Each output finite and within `bound` ([B], per item) of the oracle; the tiled output's max error."""
-    for reference, out in zip(TILED_PER_ROW, outs):
+def assert_within(outs, ref: torch.Tensor, bound: torch.Tensor, what: str, kernels=TILED_PER_ROW) -> float:
+    """Each output (of run_both with the same `kernels`) finite and within `bound` ([B], per item) of the
+    oracle; the first output's max error."""
+    for reference, out in zip(kernels, outs):
         kernel = "per-row" if reference else "tiled"
         if not bool(torch.isfinite(out).all()):
             raise AssertionError(f"{kernel} {what}: non-finite output ({int((~torch.isfinite(out)).sum())} values)")

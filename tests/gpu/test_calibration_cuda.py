@@ -1,8 +1,8 @@
 """The CUDA launchers of the calibration ops through ctypes: attncal_cuda_calibrate (PooledRowCalibration,
 AllRowsCalibration, on probabilities) and attncal_cuda_softmax_calibrate (their Softmax-fused forms, on
-scores) against the float64 oracle `attncal.calibration.reference`, float32 (<= 1e-6) and float16
-(<= 2e-3), out of place into a NaN-filled buffer (a row left unwritten fails; the input must stay
-untouched) and in place.
+scores) against the float64 oracle `attncal.calibration.reference`, float32 (<= 1e-6), float16 (<= 2e-3)
+and bfloat16 (<= 4e-3: two half-units in the last place of a probability in [0.5, 1]), out of place into a
+NaN-filled buffer (a row left unwritten fails; the input must stay untouched) and in place.
 
 * random cases with random attributes: mostly short rows (64- and 128-thread blocks), sometimes long ones
   (256 threads), Q = 1 for the pooled op, both padding sides, masked columns inside the span, empty baskets;
@@ -33,8 +33,8 @@ from support.tensors import random_probs, random_scores
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"float32": 1e-6, "float16": 2e-3}
-DTYPES = (torch.float32, torch.float16)
+TOL = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 4e-3}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def random_case(rng: random.Random):
@@ -93,7 +93,7 @@ def _sync(device: str) -> None:
 
 def random_inputs(rng: random.Random, gen: torch.Generator, rc, H: int, Q: int, K: int, mask: torch.Tensor,
                   softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, the oracle's output) of one random case, float32 or float16: the fused op's scores (sometimes offset,
+    """(x, the oracle's output) of one random case, in one of DTYPES: the fused op's scores (sometimes offset,
     so that the max subtraction matters) or the separate op's probabilities (sometimes with empty baskets)."""
     if softmax:
         dt = rng.choice(DTYPES)
@@ -114,7 +114,7 @@ def check_random_cases(lib, n_cases: int, seed: int, softmax: bool, device: str 
     kernel's test does; the scores at masked keys are the dtype's lowest value)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    worst = {"float32": 0.0, "float16": 0.0}
+    worst = dict.fromkeys(TOL, 0.0)
 
     def run(case, seen):
         rc, B, H, Q, K, mask = case
@@ -133,7 +133,7 @@ def check_random_cases(lib, n_cases: int, seed: int, softmax: bool, device: str 
         return 1, err
 
     loop = run_oracle_loop(n_cases, lambda: random_case(rng), run, runs_per_config=1,
-                           seen=("float32", "float16", "in_place", "out_of_place", "q1", "long_rows"))
+                           seen=(*TOL, "in_place", "out_of_place", "q1", "long_rows"))
     print(f"\n{'fused' if softmax else 'separate'} launcher: {loop.cases} cases, max abs err {worst}, {loop.seen}")
     return loop
 
@@ -175,7 +175,7 @@ def corner_inputs() -> dict:
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["out_of_place", "in_place"])
 @pytest.mark.parametrize("softmax", [False, True], ids=["separate", "fused"])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_corner_cases(launchers, pooling, dtype, softmax, in_place):
     check_corner_case(launchers, pooling, dtype, softmax, in_place)

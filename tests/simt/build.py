@@ -23,7 +23,11 @@ SIMT = ROOT / "tests" / "simt"
 KERNELS = ROOT / "plugins" / "kernels"
 CACHE = ROOT / "build" / "simt"
 LAUNCHERS = ("calibration_cuda.cu", "calibrated_attention_cuda.cu")
+# -fsanitize=bounds: an index past the end of a fixed-size array (a kernel's static __shared__ arrays, which
+# share one section and have no guard page between them) traps, and the runtime reports the trap as the
+# block's error (runtime.cpp, on_trap).
 FLAGS = ("-std=c++20", "-O1", "-g0", "-fPIC", "-pthread", "-ffp-contract=off", "-fvisibility=hidden",
+         "-fsanitize=bounds", "-fsanitize-undefined-trap-on-error",
          "-DATTNCAL_SIMT", "-Wall", "-Wno-unknown-pragmas", "-Werror")
 TSAN_FLAGS = ("-fsanitize=thread", "-O1", "-g")
 

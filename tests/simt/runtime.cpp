@@ -489,6 +489,23 @@ struct Job {
   dim3 grid, block;
 };
 
+// The CPU the workers share (-1: no pinning).  A block's threads synchronise at every barrier and warp
+// collective, so most of a launch is thread switches: on one CPU each switch stays on its core (no
+// cross-core wake-up), and two processes (pytest's workers) take different CPUs.  SIMT_CPU=<n> picks the CPU, SIMT_CPU=none lets the threads
+// run on every CPU (the ThreadSanitizer target, for preemption across cores).
+int pool_cpu() {
+  const char* e = std::getenv("SIMT_CPU");
+  if (e != nullptr && std::strcmp(e, "none") == 0) return -1;
+  if (e != nullptr) return std::atoi(e);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0 || CPU_COUNT(&set) < 2) return -1;
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus[static_cast<size_t>(getpid()) % cpus.size()];
+}
+
 class Pool {
  public:
   void run(const Job& job, unsigned n) {
@@ -499,6 +516,12 @@ class Pool {
       Worker* raw = w.get();
       workers_.push_back(std::move(w));
       raw->th = std::thread([this, raw] { loop(raw); });
+      if (cpu_ >= 0) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu_, &one);
+        pthread_setaffinity_np(raw->th.native_handle(), sizeof one, &one);
+      }
       raw->th.detach();
     }
     job_ = job;
@@ -522,6 +545,7 @@ class Pool {
   }
   void run_thread(unsigned tid);
   std::vector<std::unique_ptr<Worker>> workers_;
+  const int cpu_ = pool_cpu();
   Job job_{};
   std::atomic<unsigned> remaining_{0};
   std::binary_semaphore done_{0};
@@ -594,6 +618,25 @@ void on_segv(int sig, siginfo_t* info, void* uc) {
   siglongjmp(ctx->jmp, 1);
 }
 
+// The SIGILL handler: the trap of -fsanitize=bounds (build.py) in a CUDA thread, an index past the end of a
+// fixed-size array, becomes that block's error; any other SIGILL goes to the previous handler.
+struct sigaction g_old_ill;
+void on_trap(int sig, siginfo_t* info, void* uc) {
+  ThreadCtx* ctx = t_ctx;
+  if (ctx == nullptr) {
+    sigaction(SIGILL, &g_old_ill, nullptr);
+    raise(sig);
+    return;
+  }
+  const BlockState& b = *ctx->blk;
+  char buf[320];
+  snprintf(buf, sizeof buf, "%s block (%u,%u,%u) thread %u: index out of the bounds of a fixed-size array (static "
+           "shared memory or a local array; trap at %p)", b.kernel, b.idx.x, b.idx.y, b.idx.z, ctx->tid,
+           info->si_addr);
+  record_error(*ctx->blk, buf);
+  siglongjmp(ctx->jmp, 1);
+}
+
 struct InstallHandler {
   InstallHandler() {
     struct sigaction sa {};
@@ -601,6 +644,8 @@ struct InstallHandler {
     sa.sa_flags = SA_SIGINFO | SA_NODEFER;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGSEGV, &sa, &g_old_segv);
+    sa.sa_sigaction = on_trap;
+    sigaction(SIGILL, &sa, &g_old_ill);
   }
 } g_install;
 

@@ -289,6 +289,13 @@ __global__ void oob_read_kernel(float* out) {
   out[threadIdx.x] = sm[threadIdx.x + 1];  // thread 31 reads one past the end
 }
 
+__global__ void static_oob_kernel(float* out) {
+  __shared__ float s_row[32];
+  s_row[threadIdx.x] = 1.f;  // 33 threads, 32 floats
+  __syncthreads();
+  out[0] = s_row[0];
+}
+
 // ---- float16 / bfloat16 conversions of a spread of float bit patterns, written for the test to compare
 int dump_conversions(const char* path) {
   FILE* f = std::fopen(path, "wb");
@@ -330,5 +337,6 @@ int main(int argc, char** argv) {
   if (what == "lane_not_in_mask") ATTNCAL_LAUNCH(lane_not_in_mask_kernel, 1, 32, 0, nullptr)(buf.data());
   if (what == "oob_write") ATTNCAL_LAUNCH(oob_kernel, 1, 33, 32 * 4, nullptr)(fbuf.data());
   if (what == "oob_read") ATTNCAL_LAUNCH(oob_read_kernel, 1, 32, 32 * 4, nullptr)(fbuf.data());
+  if (what == "static_oob") ATTNCAL_LAUNCH(static_oob_kernel, 1, 33, 0, nullptr)(fbuf.data());
   return report(what.c_str());
 }

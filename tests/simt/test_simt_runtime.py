@@ -2,7 +2,7 @@
 its runtime must report, each provoked by a small CUDA kernel (tests/simt/runtime_test.cpp, compiled with the
 runtime): a divergent __syncthreads, a barrier after threads exited, a deadlock (the timeout names the site), a
 shuffle reading a lane outside its mask and one called by a lane outside it, a dynamic shared memory write and a
-read past the allocation; and the float16 / bfloat16 conversions against torch's (round to nearest even)."""
+read past the allocation, a static shared array indexed past its end; and the float16 / bfloat16 conversions against torch's (round to nearest even)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def test_ptx_models_and_warp_operations(runtime_test, model, expect):
     ("lane_not_in_mask", "lane_not_in_mask_kernel", ["which is not in its mask 0x0000ffff"]),
     ("oob_write", "oob_kernel", ["dynamic shared memory access at byte 128 of a 128-byte allocation (out of bounds)"]),
     ("oob_read", "oob_read_kernel", ["dynamic shared memory access at byte 128 of a 128-byte allocation (out of bounds)"]),
+    ("static_oob", "static_oob_kernel", ["index out of the bounds of a fixed-size array (static shared memory"]),
 ])
 def test_runtime_reports_kernel_errors(runtime_test, case, kernel, messages):
     rc, out = runtime_test(case)

@@ -27,8 +27,10 @@ def run_under_tsan(lib: Path, kind: str) -> tuple[int, subprocess.CompletedProce
     tests = Path(__file__).resolve().parents[1]
     code = (f"import sys; sys.path.insert(0, {str(tests)!r}); from simt.test_simt_mutations import probe; "
             f"probe({str(lib)!r}, {kind!r})")
+    # SIMT_CPU=none: the block's threads on every CPU, preempting each other across cores (the suite pins them
+    # to one CPU, where a thread switches only where it blocks or its time slice ends).
     env = dict(os.environ, LD_PRELOAD=libtsan, TSAN_OPTIONS="halt_on_error=0 exitcode=66 report_signal_unsafe=0",
-               SIMT_TIMEOUT_S="600", OMP_NUM_THREADS="1")
+               SIMT_TIMEOUT_S="600", OMP_NUM_THREADS="1", SIMT_CPU="none")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3000, env=env, cwd=tests)
     return r.stderr.count("WARNING: ThreadSanitizer"), r
 

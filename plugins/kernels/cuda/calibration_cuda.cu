@@ -13,6 +13,7 @@
 //
 // Compiled with nvcc for sm_80 and sm_90 wherever it is found; it has not run on a GPU (none where the
 // library is built and tested), so its correctness there rests on benchmarks/gpu_check.py.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -86,12 +87,20 @@ int check_args(int dtype, const AttncalParams* params, int64_t B, int64_t H, int
   if (params == nullptr) return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "params is NULL");
   char msg[200];
   if (attncal_validate_params(params, msg, sizeof msg) != ATTNCAL_OK) return fail(ATTNCAL_ERR_INVALID_ARGUMENT, msg);
-  if (dtype != ATTNCAL_DTYPE_FLOAT32 && dtype != ATTNCAL_DTYPE_FLOAT16)
-    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "dtype must be float32 (0) or float16 (1)");
+  if (dtype != ATTNCAL_DTYPE_FLOAT32 && dtype != ATTNCAL_DTYPE_FLOAT16 && dtype != ATTNCAL_DTYPE_BFLOAT16)
+    return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "dtype must be float32 (0), float16 (1) or bfloat16 (2)");
   if (B < 0 || H < 0 || Q < 0 || K < 0) return fail(ATTNCAL_ERR_INVALID_ARGUMENT, "negative dimension");
   if (B > 65535 || H > 65535 || Q > 0x7fffffff || K > 0x7fffffff)
     return fail(ATTNCAL_ERR_UNSUPPORTED, "B and H must be <= 65535, Q and K < 2^31");
   return ATTNCAL_OK;
+}
+
+// Calls f with a value of the element type of ATTNCAL_DTYPE_* `dtype` (check_args accepted it).
+template <typename F>
+int by_dtype(int dtype, F f) {
+  if (dtype == ATTNCAL_DTYPE_FLOAT32) return f(0.0f);
+  if (dtype == ATTNCAL_DTYPE_FLOAT16) return f(__half());
+  return f(__nv_bfloat16());
 }
 
 // Runs one of the launchers with the span workspace (allocated stream-ordered when the caller passes
@@ -135,11 +144,10 @@ extern "C" int attncal_cuda_calibrate(int dtype, const void* probs, void* out, c
   if (out == probs && params->strength == 0.0f) return ATTNCAL_OK;  // in place, nothing to change
   const AttncalParams& p = *params;
   return with_workspace(params, B, workspace, stream, [&](int* spans) {
-    if (dtype == ATTNCAL_DTYPE_FLOAT32)
-      return launch_calibrate(static_cast<const float*>(probs), static_cast<float*>(out), mask, B, H, Q, K, p, spans,
-                              stream);
-    return launch_calibrate(static_cast<const __half*>(probs), static_cast<__half*>(out), mask, B, H, Q, K, p, spans,
-                            stream);
+    return by_dtype(dtype, [&](auto zero) {
+      using T = decltype(zero);
+      return launch_calibrate(static_cast<const T*>(probs), static_cast<T*>(out), mask, B, H, Q, K, p, spans, stream);
+    });
   });
 }
 
@@ -152,10 +160,9 @@ extern "C" int attncal_cuda_softmax_calibrate(int dtype, const void* scores, voi
   if (B == 0 || H == 0 || Q == 0 || K == 0) return ATTNCAL_OK;  // nothing to launch
   const AttncalParams& p = *params;
   return with_workspace(params, B, workspace, stream, [&](int* spans) {
-    if (dtype == ATTNCAL_DTYPE_FLOAT32)
-      return launch_softmax(static_cast<const float*>(scores), static_cast<float*>(out), mask, B, H, Q, K, p, spans,
-                            stream);
-    return launch_softmax(static_cast<const __half*>(scores), static_cast<__half*>(out), mask, B, H, Q, K, p, spans,
-                          stream);
+    return by_dtype(dtype, [&](auto zero) {
+      using T = decltype(zero);
+      return launch_softmax(static_cast<const T*>(scores), static_cast<T*>(out), mask, B, H, Q, K, p, spans, stream);
+    });
   });
 }

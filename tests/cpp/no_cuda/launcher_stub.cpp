@@ -18,8 +18,8 @@ int check(const AttncalParams* params, int dtype, int64_t B, int64_t H, int64_t 
     return ATTNCAL_ERR_INVALID_ARGUMENT;
   }
   if (attncal_validate_params(params, g_error, sizeof g_error) != ATTNCAL_OK) return ATTNCAL_ERR_INVALID_ARGUMENT;
-  if (dtype != ATTNCAL_DTYPE_FLOAT32 && dtype != ATTNCAL_DTYPE_FLOAT16) {
-    std::snprintf(g_error, sizeof g_error, "dtype must be float32 (0) or float16 (1)");
+  if (dtype != ATTNCAL_DTYPE_FLOAT32 && dtype != ATTNCAL_DTYPE_FLOAT16 && dtype != ATTNCAL_DTYPE_BFLOAT16) {
+    std::snprintf(g_error, sizeof g_error, "dtype must be float32 (0), float16 (1) or bfloat16 (2)");
     return ATTNCAL_ERR_INVALID_ARGUMENT;
   }
   if (B < 0 || H < 0 || Q < 0 || K < 0) {

@@ -3,7 +3,8 @@
 // in plugins/kernels/cuda when g++ compiles them as C++20 with -DATTNCAL_SIMT.
 //
 // * A block runs with one OS thread per CUDA thread (a pool of std::threads, reused across blocks;
-//   the blocks of a grid run one after another).  threadIdx / blockIdx / blockDim / gridDim are
+//   the blocks of a grid run one after another; the pool shares one CPU, SIMT_CPU, since a launch's
+//   time is its thread switches).  threadIdx / blockIdx / blockDim / gridDim are
 //   thread_local.  Within a block the start order and extra yields at every synchronisation point are
 //   drawn from a seeded generator (SIMT_SEED), so runs are reproducible in what the runtime decides and
 //   still interleave for real.
@@ -20,7 +21,8 @@
 //   write past its end or before its start is an error naming the offset; the few bytes below a 16-byte
 //   boundary are checked by a canary for writes), and filled with 0xff bytes (NaN floats) before each
 //   block, as is static shared memory (__shared__ variables live in one ELF section), so a read of
-//   shared memory nothing wrote in this block shows.
+//   shared memory nothing wrote in this block shows.  An index past the end of a static __shared__
+//   array traps (the library is compiled with -fsanitize=bounds) and is the block's error.
 // * An intrinsic this runtime does not define fails the build: nothing falls back silently.
 #ifndef SIMT_RUNTIME_H_
 #define SIMT_RUNTIME_H_
