@@ -110,9 +110,8 @@ _GENERATED = re.compile(r"<!-- generated: (\S+) by docs/generate.py -->.*?<!-- e
 HISTORY_PAGES = {"performance-log.md", "changelog.md"}
 # Pages whose figures do not all carry their commit yet; the list may only shrink.
 FIGURES_NOT_YET_STAMPED = {
-    "README.md", "evaluation.md", "large-models.md", "native-kernels.md",
-    "performance.md", "pooling.md", "quantization.md", "reindexing.md",
-    "status.md", "tuning.md"}
+    "README.md", "status.md", "tuning.md", "evaluation.md", "reindexing.md", "pooling.md",
+    "large-models.md", "performance.md", "native-kernels.md"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,11 +372,13 @@ def test_name_check_sees_what_does_not_exist():
 # -- figures and claims --------------------------------------------------------------------------------------
 
 # A number with a unit of time (seconds with a space: "1s" is a plural), memory, throughput, a ratio (× not
-# followed by a number: "2 × 255" is a product) or a percentage (not a confidence level).
-FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?(?:ns|µs|us|ms|min|KiB|MiB|GiB|KB|MB|GB|%|req/s|rows/s|"
+# followed by a number: "2 × 255" is a product) or a percentage (not a confidence level). A thousands comma is
+# followed by a digit: "2e-3, min cosine" is a list.
+FIGURE = re.compile(r"(?<![\w.])\d(?:[\d,]*\d)?(?:\.\d+)?(?:\s?(?:ns|µs|us|ms|min|KiB|MiB|GiB|KB|MB|GB|%|req/s|rows/s|"
                     r"tokens/s|texts/s|GFLOP/s)|\ss|\s?×(?!\s*\d))(?![\w/])"
                     r"(?!\s*(?:confidence|bootstrap|interval|CI\b))")
-_COMMIT = re.compile(r"\bcommits? `?[0-9a-f]{7,40}\b")
+# The prose may wrap between "commit" and its hash.
+_COMMIT = re.compile(r"\bcommits?\s+`?[0-9a-f]{7,40}\b")
 _DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 CLAIM = re.compile(r"(?<!not )(?<!never )\b(tested|checked|verified)\b", re.IGNORECASE)
 _NAMES_CHECK = re.compile(r"`[^`]*(?:tests/|test_\w|benchmarks/|attncal\.\w|attncal (?:check|doctor)\b|make (?:test|gpu-check)\b)"
@@ -482,11 +483,11 @@ def test_figures_carry_commit_and_date():
 
 
 def test_figure_check_needs_the_stamp_in_the_section():
-    text = ("# A\n\nIt takes 12.5 ms.\n\n## B\n\nMeasured at commit 1a2b3c4 on 2026-12-07: 3.1 s.\n\n"
+    text = ("# A\n\nIt takes 12.5 ms.\n\n## B\n\nMeasured at commit\n1a2b3c4 on 2026-12-07: 3.1 s.\n\n"
             "Then 40 MiB.\n\n## C\n\n| x | t |\n|---|---:|\n| a | 7 ms |\n\n"
             "<!-- not measured: a limit -->\nAt most 60 s.\n\nA `--seq 512` option, 3 layers, a 95 % confidence interval, "
-            "1s and 0s, 2 × 255 × 64.\n")
-    assert [p.split(":")[1] for p in figure_problems(text, "p")] == ["3", "15"]
+            "1s and 0s, 2 × 255 × 64, tolerance 2e-3, min cosine 0.9995.\n")
+    assert [p.split(":")[1] for p in figure_problems(text, "p")] == ["3", "16"]
 
 
 def test_claims_name_their_test():
