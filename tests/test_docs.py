@@ -108,9 +108,6 @@ _GENERATED = re.compile(r"<!-- generated: (\S+) by docs/generate.py -->.*?<!-- e
 # The record of superseded measurements (dated entries, naming what existed then) and the changelog page that
 # includes CHANGELOG.md: history, exempt from the name, figure and claim checks.
 HISTORY_PAGES = {"performance-log.md", "changelog.md"}
-# Pages whose figures do not all carry their commit yet; the list may only shrink.
-FIGURES_NOT_YET_STAMPED = {
-    "native-kernels.md"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,17 +464,8 @@ def claim_problems(text: str, name: str) -> list[str]:
 
 
 def test_figures_carry_commit_and_date():
-    problems, clean_listed = [], []
-    for page in PAGES:
-        if page.name in HISTORY_PAGES:
-            continue
-        found = figure_problems(page.read_text(encoding="utf-8"), str(page.relative_to(REPO)))
-        if page.name in FIGURES_NOT_YET_STAMPED:
-            if not found:
-                clean_listed.append(page.name)
-        else:
-            problems += found
-    assert not clean_listed, f"remove from FIGURES_NOT_YET_STAMPED, they pass now: {clean_listed}"
+    problems = [p for page in PAGES if page.name not in HISTORY_PAGES
+                for p in figure_problems(page.read_text(encoding="utf-8"), str(page.relative_to(REPO)))]
     assert not problems, "figures in prose (docs/development.md, Writing docs):\n" + "\n".join(problems)
 
 
