@@ -1,7 +1,8 @@
 """The TensorRT plugin (plugins/tensorrt/) compiled against both public TensorRT header
 sets (10.5.0, the version in Triton 24.10, and 11.1) named by $ATTNCAL_TENSORRT_HEADERS (the one
 setting the CMake build reads too; see attncal.runtime.oplib.tensorrt_headers),
-linked with the CUDA launchers (nvcc) or, without nvcc, a test-only launcher stub, and its
+linked with the CUDA launchers (the checkout build's libattncal_cuda.so, nvcc compiling them once for the
+suite) or, without nvcc, a test-only launcher stub, and its
 host test (tests/cpp/trt_plugin_host_test.cpp) run for the four op types (PooledRowCalibration,
 AllRowsCalibration, SoftmaxPooledRowCalibration, SoftmaxAllRowsCalibration): creators (8: 4 ops x
 namespaces "" and "ai.attncal"), field parsing (with the refusals of the shared attribute parser:
@@ -61,12 +62,13 @@ def _cuda_home(nvcc: str) -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def launcher(tmp_path_factory) -> tuple[list[str], list[str]]:
-    """(objects/sources, extra compile+link flags) providing the attncal_cuda_* launchers: the
-    calibration ops' and the calibrated attention ops' (both plugins link them)."""
+def launcher() -> tuple[list[str], list[str]]:
+    """(objects/sources/libraries, extra compile+link flags) providing the attncal_cuda_* launchers: the
+    calibration ops' and the calibrated attention ops' (both plugins link them).  With nvcc, the checkout's
+    build's libattncal_cuda.so (oplib.build_library: nvcc compiles the launchers once for the suite); without,
+    the test stubs."""
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++)")
-    out = tmp_path_factory.mktemp("trt")
     nvcc = oplib.find_nvcc()
     if nvcc is None:
         return ([str(CPP / "no_cuda" / "launcher_stub.cpp"), str(CPP / "no_cuda" / "attention_launcher_stub.cpp")],
@@ -74,17 +76,11 @@ def launcher(tmp_path_factory) -> tuple[list[str], list[str]]:
     cuda = _cuda_home(nvcc)
     if cuda is None:
         pytest.fail(f"nvcc at {nvcc} but no cuda_runtime_api.h found (set CUDA_HOME)")
-    objs = []
-    for name in ("calibration_cuda.cu", "calibrated_attention_cuda.cu"):  # one arch: this is a host test
-        obj = out / name.replace(".cu", ".o")
-        subprocess.run([nvcc, "-std=c++17", "-O2", "-c", "-Xcompiler", "-fPIC", "-gencode",
-                        "arch=compute_80,code=sm_80", "-I", str(KERNELS), str(KERNELS / "cuda" / name),
-                        "-o", str(obj)],
-                       check=True, capture_output=True, text=True, timeout=300)
-        objs.append(str(obj))
+    cuda_lib = oplib.build_library().parent / oplib.CUDA_LIBRARY
+    assert cuda_lib.is_file(), f"nvcc is installed but the build made no {cuda_lib}"
     lib_dirs = [d for d in (cuda / "lib64", cuda / "lib", cuda / "targets/x86_64-linux/lib") if d.is_dir()]
-    return objs, ["-I", str(cuda / "include"), *[f"-L{d}" for d in lib_dirs], "-lcudart_static", "-ldl",
-                  "-lrt", "-lpthread"]
+    return [str(cuda_lib)], [f"-Wl,-rpath,{cuda_lib.parent}", "-I", str(cuda / "include"),
+                             *[f"-L{d}" for d in lib_dirs], "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
 
 
 def _build_and_run(cmd: list[str], exe: Path) -> str:
@@ -226,7 +222,7 @@ def test_cuda_launcher_geometry_checks_host(launcher, tmp_path):
     S_q != S_k; a bias table with too few buckets or a max distance not above num_buckets / 4, with S_q != S_k,
     without relative_max_distance, or relative_max_distance without a table or below 0."""
     objs, flags = launcher
-    if not any(o.endswith(".o") for o in objs):
+    if not any(o.endswith(".so") for o in objs):
         pytest.skip("nvcc not found: the launchers are a test stub here")
     src = tmp_path / "geometry_checks.cpp"
     src.write_text(GEOMETRY_CHECKS_CPP)

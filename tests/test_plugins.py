@@ -225,19 +225,35 @@ def test_default_library_path(library, monkeypatch):
     assert oplib.default_library_path() is None
 
 
-def test_cuda_sources_compile_for_sm80_sm90(library):
+def test_cuda_sources_compile_for_the_configured_archs(library):
+    """The checkout's build compiles the CUDA sources for oplib.default_cuda_archs(): the suite sets
+    ATTNCAL_CUDA_ARCHS=90 (tests/conftest.py), and the wheel test builds sm_80, so each of the default
+    architectures is compiled once per run."""
     if oplib.find_nvcc() is None:
         pytest.skip("nvcc is not installed: the CUDA kernel cannot be compiled here")
+    archs = oplib.default_cuda_archs()
     info = oplib.build_info()
-    assert info["cuda"] and info["cuda_archs"] == "80;90", info
+    assert info["cuda"] and info["cuda_archs"] == ";".join(map(str, archs)), info
     blob = (library.parent / oplib.CUDA_LIBRARY).read_bytes()
-    for arch in ("sm_80", "sm_90"):
-        assert f"-arch {arch} ".encode() in blob, f"no {arch} code in {oplib.CUDA_LIBRARY}"
+    for arch in archs:
+        assert f"-arch sm_{arch} ".encode() in blob, f"no sm_{arch} code in {oplib.CUDA_LIBRARY}"
     fn = ctypes.CDLL(str(library.parent / oplib.CUDA_LIBRARY)).attncal_cuda_workspace_bytes
     fn.restype, fn.argtypes = ctypes.c_size_t, [ctypes.c_int64]
     assert fn(32) == 32 * 3 * 4
     lib = ctypes.CDLL(str(library))
     assert lib.attncal_has_cuda() == 1  # the ORT library carries the CUDA kernels
+
+
+@pytest.mark.parametrize("value,archs", [("", (80, 90)), ("90", (90,)), ("80;90", (80, 90)), ("75, 86", (75, 86))])
+def test_cuda_archs_setting(monkeypatch, value, archs):
+    monkeypatch.setenv(oplib.CUDA_ARCHS_ENV, value)
+    assert oplib.default_cuda_archs() == archs
+
+
+def test_cuda_archs_setting_refuses_a_malformed_value(monkeypatch):
+    monkeypatch.setenv(oplib.CUDA_ARCHS_ENV, "sm_90")
+    with pytest.raises(ValueError, match=r"ATTNCAL_CUDA_ARCHS='sm_90': expected architectures like '80;90'"):
+        oplib.default_cuda_archs()
 
 
 def test_gpu_check_rejects_bad_arguments():

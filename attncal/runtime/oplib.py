@@ -248,13 +248,28 @@ def _run(cmd: Sequence[str], log: Path, quiet: bool) -> None:
         raise BuildError(f"{cmd[0]} failed (exit {proc.returncode}); see {log}:\n{tail}")
 
 
+CUDA_ARCHS_ENV = "ATTNCAL_CUDA_ARCHS"
+
+
+def default_cuda_archs() -> tuple[int, ...]:
+    """The CUDA architectures build_library compiles for: $ATTNCAL_CUDA_ARCHS ("80;90", the CMake option's own
+    form; commas are taken too), else 80 and 90.  ValueError names a malformed setting."""
+    env = os.environ.get(CUDA_ARCHS_ENV, "").strip()
+    if not env:
+        return (80, 90)
+    parts = [p.strip() for p in env.replace(",", ";").split(";") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{CUDA_ARCHS_ENV}={env!r}: expected architectures like '80;90'")
+    return tuple(int(p) for p in parts)
+
+
 def build_library(
     build_dir: str | os.PathLike | None = None,
     *,
     cuda: Literal["auto", "on", "off"] = "auto",
     ort: bool = True,
     tensorrt: Literal["auto", "on", "off"] = "auto",
-    cuda_archs: Sequence[int] = (80, 90),
+    cuda_archs: Sequence[int] | None = None,
     jobs: int = 2,
     quiet: bool = True,
     gemm: Literal["auto", "openblas", "eigen", "builtin"] = "auto",
@@ -262,7 +277,10 @@ def build_library(
     """Configure and build plugins/ with CMake; return the ORT library's path
     (or the CUDA library's when `ort=False`).  Incremental: a second call only
     re-runs what changed.  Needs cmake and a C++17 compiler; the first build
-    fetches the ONNX Runtime headers with npm (see plugins/cmake/OrtHeaders.cmake)."""
+    fetches the ONNX Runtime headers with npm (see plugins/cmake/OrtHeaders.cmake).  `cuda_archs`: the CUDA
+    architectures (default_cuda_archs: $ATTNCAL_CUDA_ARCHS, else 80 and 90)."""
+    if cuda_archs is None:
+        cuda_archs = default_cuda_archs()
     if cuda not in ("auto", "on", "off") or tensorrt not in ("auto", "on", "off"):
         raise ValueError("cuda and tensorrt must be 'auto', 'on' or 'off'")
     if gemm not in GEMM_CHOICES:
