@@ -219,6 +219,10 @@ def position_limit(config) -> int | None:
 
 
 def load_model_info(model: str | os.PathLike) -> ModelInfo:
+    """The sentence-transformers conventions of a model directory: modules.json and its modules' configs, then
+    config.json, then the tokenizer config, each filling what the ones before left open.
+
+    long: one reader per file, in the order their values take precedence."""
     root = resolve_model_path(model)
     modules_file = root / "modules.json"
     path = root

@@ -95,7 +95,9 @@ def make_config(
     default 24; ModernBERT's local attention, default 64) and `global_every` (every how many layers Gemma3 and
     ModernBERT attend globally); `buckets` and `max_distance` set the relative position bias of T5 (default 8 and
     64, so that a tiny model's bias varies across the test lengths) and MPNet (`buckets`; default 32, and MPNet's
-    distance is always 128)."""
+    distance is always 128).
+
+    long: one config per architecture family, each in that family's field names, and 12 keyword parameters."""
     from transformers import (BertConfig, DistilBertConfig, Gemma3TextConfig, ModernBertConfig, MPNetConfig,
                               Qwen3Config, RobertaConfig, T5Config, XLMRobertaConfig)
 

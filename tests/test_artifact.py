@@ -146,7 +146,7 @@ def test_public_api_short_and_deep_paths(good):
             "from attncal.runtime import Encoder as DeepEncoder, check_parity\n"
             "import attncal.export.exporter as ex\n"
             "assert callable(export) and Encoder is DeepEncoder and check is check_parity and ex.export is deep_export\n"
-            "assert save_onnx.__module__ == 'attncal.artifact' and ONNX_FILE == 'model.onnx'\n"
+            "assert save_onnx.__module__ == 'attncal.artifact.onnx_io' and ONNX_FILE == 'model.onnx'\n"
             "try:\n    from attncal import encode_corpus\nexcept ImportError:\n    encode_corpus = None\n"
             "print(light, encode_corpus is not None)\n")
     light, has_corpus = _fresh_python(code).split()
@@ -167,10 +167,10 @@ def test_inspect_and_the_runtime_modules_do_not_import_torch_or_the_rewrite_pass
             "CalibrationConfig(pooling='mean').resolve()\n"
             "print(sorted(m for m in ('torch', 'onnx_ir', 'sympy', 'transformers') if m in sys.modules))\n"
             "import attncal, attncal.calibration as cal, attncal.graphs as g\n"
-            "from attncal.calibration import efficient, oracle, patching\n"
+            "from attncal.calibration import attention_functions, efficient, oracle\n"
             "from attncal.graphs.placements import rewrite\n"
             "assert attncal.apply is cal.apply is efficient.apply and attncal.reference is oracle.reference\n"
-            "assert cal.UnsupportedArchitectureError is patching.UnsupportedArchitectureError\n"
+            "assert cal.UnsupportedArchitectureError is attention_functions.UnsupportedArchitectureError\n"
             "assert g.insert_calibration is rewrite.insert_calibration and 'insert_calibration' in dir(g)\n"
             "assert issubclass(cal.UnsupportedArchitectureError, ValueError)  # the CLI's USER_ERRORS catch it\n"
             "print('ok')\n")

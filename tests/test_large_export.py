@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 
-from attncal import artifact
+from attncal.artifact import onnx_io
 from attncal.artifact import graph_digest, stage_onnx, stored_digest, write_graph_file
 from attncal.memory import MIB, interpreter_rss
 from attncal.runtime.parity import ATTENTION_COPIES, attention_bytes, plan_batches
@@ -135,6 +135,22 @@ def test_a_killed_optimizer_child_is_reported_by_its_signal(tmp_path, monkeypatc
         ort_optimize.run(tmp_path / "in.onnx", tmp_path / "out" / "model.onnx", num_heads=4, hidden_size=32)
 
 
+def test_a_killed_export_child_is_reported_by_its_signal(tmp_path, monkeypatch):
+    """A large model's dynamo export runs in a child process (attncal.export.from_torch): killed, it is named,
+    and the request it was given is not left behind."""
+    from attncal.export import from_torch
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nkill -KILL $$\n")  # what the out-of-memory killer does to the child
+    python.chmod(0o755)
+    monkeypatch.setattr(from_torch.sys, "executable", str(python))
+    raw = tmp_path / ".raw" / "model.onnx"
+    with pytest.raises(from_torch.ChildExportError, match=r"^torch.onnx's dynamo export \(child\) was killed by "
+                       r"SIGKILL \(the kernel's out-of-memory killer sends it\)$"):
+        from_torch.torch_export(None, "cls", raw, 18, "dynamo")
+    assert list(raw.parent.iterdir()) == []
+
+
 def test_basic_optimizations_are_onnxruntimes_byte_for_byte(tiny_models, tmp_path):
     """The optimizer child's level-1 step builds its own session (ONNX Runtime's helper imports torch): the
     graph and data file it writes are the bytes `optimize_by_onnxruntime` writes with the same options."""
@@ -171,7 +187,7 @@ def test_streamed_graph_file_is_the_ordinary_save(tiny_models, tmp_path, monkeyp
     staged = stage_onnx(ir.load(_small_graph(tiny_models, tmp_path)), tmp_path / "stage" / "model.onnx")
     ref = onnx.load(str(staged))  # weights read back from the staged data file
     if external:
-        monkeypatch.setattr(artifact, "INLINE_LIMIT", 0)
+        monkeypatch.setattr(onnx_io, "INLINE_LIMIT", 0)
     dest = tmp_path / "final" / "model.onnx"
     digest = write_graph_file(onnx.load(str(staged), load_external_data=False), staged.parent, dest)
     got = onnx.load(str(dest))
@@ -206,7 +222,7 @@ def external_export(tiny_models, tmp_path_factory):
     from attncal.export.exporter import ExportOptions, export
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(artifact, "INLINE_LIMIT", 0)
+    mp.setattr(onnx_io, "INLINE_LIMIT", 0)
     out = tmp_path_factory.mktemp("external") / "out"
     try:
         meta = export(tiny_models["bert"], out, ExportOptions(exporter="torchscript"), quiet=True)

@@ -14,7 +14,8 @@ Layers, lowest first; a module may import its own layer and lower ones:
 
 Inside a layer's package, its rooms (`ROOMS`) are ordered the same way: `attncal.graphs`' own modules (the node
 builder, the graph-pass protocol) lowest, then the calibration ops (`graphs.ops`), then the placements and the
-fusions, siblings.
+fusions, siblings; in `attncal.artifact`, the layout, then the checks on untrusted input, then the metadata and
+the ONNX files (siblings), then the whole export, and the package's front that re-exports them last.
 
 `attncal/__init__.py` and `attncal/__main__.py` are the package's lazy_loader front and are exempt as importers.
 Imports under `if TYPE_CHECKING:` are not executed and are not checked.  Top-level imports (module body,
@@ -48,6 +49,8 @@ LAYERS = {
 # Rooms inside a layer's package: subpackage -> (rank, sibling group); the package's own modules are room "".
 ROOMS = {
     "graphs": {"": (0, "graphs"), "ops": (1, "ops"), "placements": (2, "placements"), "fusions": (2, "fusions")},
+    "artifact": {"layout": (0, "layout"), "checks": (1, "checks"), "metadata": (2, "metadata"),
+                 "onnx_io": (2, "onnx_io"), "export_dir": (3, "export_dir"), "": (4, "artifact")},
 }
 EXEMPT = ("__init__", "__main__")  # the root package's own files, as dotted tails
 LAYER_NAMES = {0: "foundation", 1: "calibration", 2: "artifact", 3: "graphs", 4: "runtime",

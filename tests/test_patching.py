@@ -134,7 +134,7 @@ def test_untested_architecture_is_calibrated_by_capability():
     layer, attncal's eager attention reproduces it, and calibration changes long sequences only."""
     from transformers import GPT2Config, GPT2Model
 
-    from attncal.calibration.patching import find_attention
+    from attncal.calibration.probing import find_attention
 
     torch.manual_seed(0)
     gpt2 = GPT2Model(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=120, n_positions=64)).eval()
@@ -152,7 +152,7 @@ def test_untested_architecture_is_calibrated_by_capability():
 def test_refusals_name_what_the_probe_saw(monkeypatch):
     from transformers import BertConfig, PreTrainedModel
 
-    from attncal.calibration.patching import find_attention
+    from attncal.calibration.probing import find_attention
 
     with pytest.raises(UnsupportedArchitectureError, match="not a transformers PreTrainedModel"):
         calibrate(torch.nn.Linear(2, 2), CalibrationConfig(pooling="cls"))

@@ -23,12 +23,6 @@ OWN_PREFIX = "_attncal"
 
 # (module, what the scan reports): still in the code, to be replaced.
 KNOWN: dict[tuple[str, str], str] = {
-    ("attncal/export/from_torch.py", "gc.get_objects"): "an upstream-supported release of the exported graph",
-    ("attncal/export/from_torch.py", "write obj._graph"): "an upstream-supported release of the exported graph",
-    ("attncal/export/from_torch.py", "write obj._current_node"):
-        "an upstream-supported release of the exported graph",
-    ("attncal/export/from_torch.py", "write obj._tracer"): "an upstream-supported release of the exported graph",
-    ("attncal/export/from_torch.py", "write obj._match"): "an upstream-supported release of the exported graph",
     ("attncal/export/__init__.py", "write sys.modules[__name__].__class__"):
         "`attncal.export` a plain function: the package renamed",
 }

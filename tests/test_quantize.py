@@ -308,7 +308,7 @@ def test_external_data_in_and_out_small_blocks(xlmr_int8, tmp_path, monkeypatch)
     _assert_same_graph(tmp_path / "ref" / name, inline)
     load_onnx_checked(inline, interface=True, require_digest=True)
 
-    monkeypatch.setattr(artifact, "INLINE_LIMIT", 1024)
+    monkeypatch.setattr(artifact.onnx_io, "INLINE_LIMIT", 1024)
     external = _external_copy(root / "fp32" / name, tmp_path / "external")
     fp32_data = (external.parent / external_data_name(name)).stat().st_size
     quantize_graph(external)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attncal import artifact
+from attncal.artifact import onnx_io
 from attncal.serving.repository import RepoOptions, build_repository
 from attncal.serving.server import TritonServer, free_port
 
@@ -56,7 +56,7 @@ def served(tmp_path_factory):
         out = root / name
         with pytest.MonkeyPatch.context() as mp:
             if external:
-                mp.setattr(artifact, "INLINE_LIMIT", 0)
+                mp.setattr(onnx_io, "INLINE_LIMIT", 0)
             export(str(src), out, ExportOptions(config=CalibrationConfig(basket_size=8, strength=1.0), check=False,
                                                 optimized=False, quantize=quantize, exporter=quick_exporter(arch)),
                    quiet=True)

@@ -16,7 +16,9 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
     "efficient": ["BatchGeometry", "apply", "compute_geometry"],
     "encode": ["TorchEncoder", "encode_torch", "pool"],
     "oracle": ["reference"],
-    "patching": ["CalibrationPatch", "UnsupportedArchitectureError", "attention_modules", "calibrate"],
+    "attention_functions": ["UnsupportedArchitectureError"],
+    "patching": ["CalibrationPatch", "calibrate"],
+    "probing": ["attention_modules"],
 })
 
 if TYPE_CHECKING:  # what type checkers and editors see
@@ -24,4 +26,6 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .efficient import BatchGeometry, apply, compute_geometry
     from .encode import TorchEncoder, encode_torch, pool
     from .oracle import reference
-    from .patching import CalibrationPatch, UnsupportedArchitectureError, attention_modules, calibrate
+    from .attention_functions import UnsupportedArchitectureError
+    from .patching import CalibrationPatch, calibrate
+    from .probing import attention_modules

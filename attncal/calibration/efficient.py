@@ -193,6 +193,9 @@ def _calibrate(x: torch.Tensor, g: BatchGeometry, rc: ResolvedCalibration,
                own: torch.Tensor | None = None) -> torch.Tensor:
     """Calibrate rows `x[A,R,K]` (R rows per active item), overwriting `x`, and return it.
 
+    long: the calibration's steps 4-10 in order, in place on one tensor, each padding or subnormal branch beside
+    the step it changes; split apart, each step would hand on most of the others' tensors.
+
     `own` [A]: the key of each entry's rows that is their own (their pooling token), which `rc.isolate_self`
     isolates.  `x` must be a private copy (the caller gathers it).  Apart from it, only O(A·R·n_baskets)
     memory is allocated on the right-padding path; the left-padding path allocates two more

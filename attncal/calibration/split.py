@@ -87,6 +87,9 @@ def split_calibrated_attention(
     row only.  `bias` is an additive score bias broadcastable to [B,H,Q,K] (T5's relative
     position bias), added to the scaled scores of every term.  Returns `full`, with the
     calibrated rows overwritten in place.
+
+    long: 10 parameters and their documentation; the identity's terms in the order its docstring
+    (`attncal.calibration.split`) states them.
     """
     if mode not in SPLIT_MODES:
         raise ValueError(f"mode must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
@@ -233,7 +236,9 @@ def _basket_terms(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_b Attn(q; basket b) over non-empty baskets, and the count of non-empty baskets per row
-    (`bias`: the additive score bias, [A,h,R|1,K] in `work` precision)."""
+    (`bias`: the additive score bias, [A,h,R|1,K] in `work` precision).
+
+    long: 10 parameters, and the two split modes' forms of the same sum side by side, so they stay comparable."""
     A, H, R, d = q.shape
     K = k.shape[2]
     dev = q.device

@@ -35,7 +35,7 @@ from .common import (  # noqa: F401  (CLIError and the shared flags: public here
 CAPTURED_COMMANDS = ("export", "check", "bench", "eval", "encode", "demo", "tune")
 VERBOSE_HELP = ("show the warnings and messages of torch, transformers and ONNX Runtime as they come "
                 "(by default they are kept off the console){where}")
-# ValueError covers calibration.patching's UnsupportedArchitectureError, which is not imported here: that
+# ValueError covers calibration.attention_functions' UnsupportedArchitectureError, which is not imported here: that
 # module needs torch, and commands that do not (--help, inspect) start without it.
 USER_ERRORS = (ArtifactError, ValueError, FileNotFoundError, FileExistsError, ModelNotFoundError,
                UnsupportedModelError)

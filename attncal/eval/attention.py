@@ -16,7 +16,8 @@ import torch
 
 from ..calibration.config import CalibrationConfig
 from ..calibration.encode import TorchEncoder
-from ..calibration.patching import base_model_of, calibrate, restore_attn_implementation, set_attn_implementation
+from ..calibration.patching import calibrate
+from ..calibration.probing import base_model_of, restore_attn_implementation, set_attn_implementation
 from ..modelinfo import forward_kwargs
 
 

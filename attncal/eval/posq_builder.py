@@ -303,7 +303,10 @@ def build_posq(
     tokenizer_label: str = "",
     source: dict | None = None,
 ) -> PosqSet:
-    """Passages, queries and the manifest; raises DataError when no usable passage can be built."""
+    """Passages, queries and the manifest; raises DataError when no usable passage can be built.
+
+    long: the passages, the repeated-sentence filter, the cap, the queries and the manifest, in order, each a few
+    lines over the previous step's lists."""
     opts = opts or PosqOptions()
     opts.validate()
     budget = opts.passage_tokens or max_length

@@ -138,7 +138,10 @@ def _scores_dict(data: Dataset, run: dict, qids: Sequence[str], bucket_of_query:
 
 def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | None = None,
              overwrite: bool = False) -> dict:
-    """Run the evaluation; write the report to `out` (atomically) when given. Returns results.json's content."""
+    """Run the evaluation; write the report to `out` (atomically) when given. Returns results.json's content.
+
+    long: the evaluation's steps in order (the options, the data, the jobs, one encode per configuration, the
+    rows, the report), sharing the run's state."""
     from tqdm.auto import tqdm
 
     require_ir_measures()

@@ -249,7 +249,7 @@ class Sweep:
     def __init__(self, backend: TorchBackend, texts: Sequence[str], configs: Sequence[CalibrationConfig],
                  labels: Sequence[str], *, cache: EncodeCache, hidden: HiddenCache, data_fp: str,
                  budget_bytes: int, progress: bool = True) -> None:
-        from ..calibration.patching import layer_blocks  # lazy: torch (the export extra), not needed to import eval
+        from ..calibration.probing import layer_blocks  # lazy: torch (the export extra), not needed to import eval
 
         self.t_start = time.perf_counter()
         self.sw = sw = _Sweep(backend, texts, cache, hidden, data_fp, progress)
@@ -287,7 +287,10 @@ class Sweep:
         self.planned = time.perf_counter()
 
     def run(self) -> SweepOutput:
-        """The uncalibrated embeddings and those of every config (see the module docstring)."""
+        """The uncalibrated embeddings and those of every config (see the module docstring).
+
+        long: the sweep's passes (uncalibrated, then the configurations by layer) share the cache, the hidden
+        states and the timing, through closures over one run."""
         from tqdm.auto import tqdm
 
         sw, backend, cache, fp, n_layers = self.sw, self.backend, self.cache, self.fp, self.n_layers

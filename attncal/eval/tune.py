@@ -101,7 +101,7 @@ def fitted_layers(backend: TorchBackend) -> list:
     """The last layer, and the last two: a calibrated layer costs about one and a half uncalibrated ones, so
     24 configurations over at most three layers each stay within the sweep's budget (8 uncalibrated encodes
     with the confirmation) on a 6-layer model; the last half of a deeper model would not."""
-    from ..calibration.patching import layer_blocks  # lazy: torch (the export extra), not needed to import eval
+    from ..calibration.probing import layer_blocks  # lazy: torch (the export extra), not needed to import eval
 
     return ["last", [-2, -1]] if len(layer_blocks(backend.encoder.model).blocks) > 1 else ["last"]
 
@@ -484,6 +484,12 @@ def _combined_timing(parts: list[dict]) -> dict:
 def _run(model, data: Dataset, opts: TuneOptions, backend: TorchBackend, hidden: HiddenCache,
          general: Dataset | None, out_path: Path | None, set_source: Path | None, manifest: dict | None, t0: float,
          export_step: ExportStep | None) -> dict:
+    """One tuning run: split by document, sweep the grid on the selection part, select, confirm on the held-out
+    part, check the general set, decide, and write the report.
+
+    long: the steps share one run's state (the parts, both sweeps, the rows, the decision), most of which the
+    report records; each step's logic is a function of its own (`split_set`, `select`, `decide`, `_part_rows`,
+    `write_report`)."""
     qids = data.query_ids()
     if not qids:
         raise ValueError(f"{data.name}: no query has both a relevant document and a position group")

@@ -2,19 +2,33 @@
 export of encoder + pooling with its weights moved to a data file.
 
 Later steps call `torch_export` through this module (`from_torch.torch_export`), so a test that replaces it
-replaces every export the run makes (the TorchScript one ONNX Runtime's optimizer takes too)."""
+replaces every export the run makes (the TorchScript one ONNX Runtime's optimizer takes too).
+
+A model of `RELEASE_FROM_BYTES` float32 weight bytes or more is exported by the dynamo exporter in a child
+process (`python -m attncal.export.from_torch`), which loads the model itself: the exporter optimizes its graph
+with onnxscript's rewrite rules, module-level objects whose pattern matchers each keep the last graph they
+matched, and that graph's initializers wrap the model's parameters, so in this process the weights would stay
+resident for the rest of the export.  onnxscript (0.7) offers no public way to release them; a child's memory
+ends with it.  This process probes the model first and drops it before the child starts, so the two never
+hold the weights at once.  A smaller model is exported here: what the matchers keep of it is below what a
+child's start-up costs.
+"""
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
+import pickle
 import shutil
+import sys
 from pathlib import Path
 
 from ..artifact import METADATA_FILE, ONNX_FILE, weights_on_disk
 from ..memory import RELEASE_FROM_BYTES, release_freed_memory
 from ..messages import first_line
 from ..modelinfo import ModelInfo, forward_kwargs, load_dense_head, load_transformer
+from .child import run_child
 from .errors import ExportError
 from .plan import EXPORTERS, TORCH_EXPORT
 from .run import Run
@@ -78,8 +92,16 @@ def torch_export(
     info: ModelInfo, pooling: str | tuple, onnx_path: Path, opset: int, exporter: str, fp16: bool = False, model=None
 ) -> list[str]:
     """Export encoder + pooling to `onnx_path` (single file, external data when needed); returns input names.
-    `pooling`: `ExportPlan.pooling_head`; `model`: the already loaded model (`load_for_export`), else it is
-    loaded here."""
+    `pooling`: `ExportPlan.pooling_head`; `model`: the already loaded model (`load_for_export`), exported in this
+    process.  Without one, the dynamo exporter runs in a child process that loads the model (`export_in_child`),
+    and the TorchScript exporter loads it here."""
+    if model is None and exporter == "dynamo":
+        return export_in_child(info, pooling, onnx_path, opset, fp16)
+    return _export_here(info, pooling, onnx_path, opset, exporter, fp16, model)
+
+
+def _export_here(info: ModelInfo, pooling: str | tuple, onnx_path: Path, opset: int, exporter: str, fp16: bool,
+                 model) -> list[str]:
     import torch  # the export's own dependencies (torch, transformers): lazy, as above
     from transformers import AutoTokenizer
 
@@ -119,26 +141,27 @@ def torch_export(
     return names
 
 
-def release_onnxscript_matchers() -> int:
-    """Drop the graph that onnxscript's pattern matchers keep after torch.onnx's dynamo exporter optimized it.
+class ChildExportError(RuntimeError):
+    """The dynamo export's child process failed or was killed; the message says how, in one line."""
 
-    The rewrite rules are module-level objects, and each `SimplePatternMatcher` keeps the last graph, node and
-    match it saw; that graph's initializers wrap the torch model's parameters, so without this the model's
-    weights stay in memory (memory-mapped from its safetensors) for the rest of the export.  Returns how many
-    matchers held a graph."""
-    import gc
 
+def export_in_child(info: ModelInfo, pooling: str | tuple, onnx_path: Path, opset: int, fp16: bool) -> list[str]:
+    """The dynamo export of `torch_export` in a child process that loads the model (the module docstring says
+    why); returns the input names, or ChildExportError.  The child's output goes to this process's file
+    descriptors as the child wrote it (the export log has it under a command)."""
+    onnx_path.parent.mkdir(parents=True, exist_ok=True)
+    request, result = onnx_path.with_name(".export-request.pickle"), onnx_path.with_name(".export-result.json")
+    request.write_bytes(pickle.dumps({"info": info, "pooling": pooling, "onnx_path": onnx_path, "opset": opset,
+                                      "fp16": fp16}))
     try:
-        from onnxscript.rewriter import _basics, _matcher
-    except ImportError:  # another onnxscript layout: nothing of ours to release
-        return 0
-    held = 0
-    for obj in gc.get_objects():
-        if isinstance(obj, _matcher.SimplePatternMatcher) and getattr(obj, "_graph", None) is not None:
-            obj._graph = obj._current_node = obj._tracer = None
-            obj._match = _basics.MatchResult()
-            held += 1
-    return held
+        run_child([sys.executable, "-m", __name__, str(request), str(result)], "torch.onnx's dynamo export (child)",
+                  ChildExportError)
+        if not result.is_file():
+            raise ChildExportError("torch.onnx's dynamo export (child) wrote no result")
+        return json.loads(result.read_text())
+    finally:
+        request.unlink(missing_ok=True)
+        result.unlink(missing_ok=True)
 
 
 def load(run: Run):
@@ -146,7 +169,8 @@ def load(run: Run):
     hold the same weights).  Whether it can be calibrated in PyTorch (the parity reference) is probed here, before
     exporting; the probe also says what the attention holds, which decides whether ORT's optimizer is worth
     trying (`attncal.export.optimized_graphs`)."""
-    from ..calibration.patching import UnsupportedArchitectureError, find_attention  # lazy: imports torch
+    from ..calibration.attention_functions import UnsupportedArchitectureError  # lazy: imports torch
+    from ..calibration.probing import find_attention  # lazy: imports torch
 
     plan, info = run.plan, run.plan.info
     copy_model_files(info, run.tmp)
@@ -167,21 +191,45 @@ def load(run: Run):
     except UnsupportedArchitectureError:
         if plan.config is not None:
             raise
+    if _exports_in_child(run):  # the child loads its own: this process holds no weights while it runs
+        del torch_model
+        release_freed_memory(plan.estimate.weights)
+        return None
     return torch_model
 
 
+def _exports_in_child(run: Run) -> bool:
+    """Whether the torch export runs in a child process (the module docstring says why)."""
+    return run.plan.opts.exporter == "dynamo" and run.plan.estimate.weights >= RELEASE_FROM_BYTES
+
+
 def export_torch(run: Run, torch_model) -> None:
-    """torch.onnx's export of encoder + pooling, with its weights moved to a data file; the torch model is freed."""
+    """torch.onnx's export of encoder + pooling, with its weights moved to a data file; the torch model is freed.
+    `torch_model`: what `load` returned (None where the export runs in a child process)."""
     plan, info = run.plan, run.plan.info
     raw_path = run.tmp / ".raw" / ONNX_FILE
     try:
         run.input_names = torch_export(info, plan.pooling_head, raw_path, plan.opts.opset, plan.opts.exporter,
                                        fp16=plan.opts.fp16, model=torch_model)
         del torch_model
-        if plan.opts.exporter == "dynamo" and plan.estimate.weights >= RELEASE_FROM_BYTES:
-            release_onnxscript_matchers()  # a scan of every Python object: worth it where the weights are large
         release_freed_memory(plan.estimate.weights)
     except Exception as exc:  # torch.onnx failures are long; report the cause in one line
         raise ExportError(f"torch.onnx ({plan.opts.exporter}) failed to export {info.model_type}: "
                           f"{type(exc).__name__}: {first_line(exc)[:300]}") from exc
     run.raw_path = weights_on_disk(raw_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child of `export_in_child`: read its request, export, write the input names."""
+    p = argparse.ArgumentParser(prog="python -m attncal.export.from_torch", description=main.__doc__)
+    p.add_argument("request", type=Path)
+    p.add_argument("result", type=Path)
+    a = p.parse_args(argv)
+    req = pickle.loads(a.request.read_bytes())  # written by this module's parent process, in its working directory
+    names = _export_here(req["info"], req["pooling"], req["onnx_path"], req["opset"], "dynamo", req["fp16"], None)
+    a.result.write_text(json.dumps(names))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

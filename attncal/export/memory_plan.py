@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..memory import GIB, available_bytes, float32_weight_bytes
+from ..memory import GIB, RELEASE_FROM_BYTES, available_bytes, float32_weight_bytes
 from ..runtime.parity import ACTIVATION_SHARE
 
 RUNTIME_BASE = 0.6 * GIB  # Python, torch, transformers, ONNX Runtime and onnx_ir loaded
@@ -49,6 +49,10 @@ QUANTIZE_STEP = "int8 quantization (attncal's streamed quantizer)"
 QUANTIZE_WEIGHTS = 3.2
 PARITY_FIXED = 0.25 * GIB
 OPTIMIZER_CHILD = 0.15 * GIB  # the optimizer's child interpreter: Python, onnx, ONNX Runtime
+# The dynamo export's child interpreter (Python, torch, transformers, onnxscript: 0.32 GiB resident before it
+# loads the model), for a model the export runs in a child process (attncal.export.from_torch: from
+# RELEASE_FROM_BYTES of weights); this process, without the model, stays at RUNTIME_BASE meanwhile.
+TORCH_CHILD = 0.4 * GIB
 DISK_WEIGHTS = 6.0  # the graphs (up to three) and their staged copies, beside OUT until the final rename
 
 
@@ -90,6 +94,8 @@ def estimate(model_dir: Path, *, exporter: str, optimized: bool, check: bool, fp
     if w < PROTO_LIMIT and TORCHSCRIPT_STEP in steps:
         steps[TORCHSCRIPT_STEP] = TORCHSCRIPT_INLINE_WEIGHTS
     fixed = {"parity check": PARITY_FIXED, "ONNX Runtime's optimizer": OPTIMIZER_CHILD, NATIVE_PLAIN_STEP: MASK_PROBE_FIXED}
+    if exporter == "dynamo" and w >= RELEASE_FROM_BYTES:
+        fixed["torch export (dynamo)"] = TORCH_CHILD
     per = {k: int(RUNTIME_BASE + v * w + fixed.get(k, 0)) for k, v in steps.items()}
     disk = DISK_WEIGHTS * w * (0.5 if fp16 else 1) + (w if inlined else 0)  # inlined graph: one more copy
     return MemoryEstimate(weights=w, steps=per, disk=int(disk),

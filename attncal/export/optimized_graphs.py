@@ -32,7 +32,7 @@ from .ort_optimize import run as run_optimizer
 from .plan import GRAPHS, ExportPlan
 from .run import Run
 
-# Attention features (attncal.calibration.patching.attention_features) that ORT's BERT attention fusion
+# Attention features (attncal.calibration.probing.attention_features) that ORT's BERT attention fusion
 # (onnxruntime.transformers FusionAttention) does not match: its pattern is Q/K/V MatMul + Add, scale, mask Add,
 # Softmax, ·V.  Skipping the attempt spares a TorchScript export and an optimizer run of the whole model
 # (minutes for a multi-billion-parameter embedder) that cannot fuse; every other model is tried and counted.

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from ..artifact import stage_onnx
 from ..versions import warn_if_not_mirrored
+from .child import run_child
 
 MIRRORS_ORT = "1.32"  # the onnxruntime release whose optimize_model stages `_optimize` rebuilds
 _DISABLED = ["ConstantSharing"]  # what optimize_model disables at level 1 (its ConstantSharing note)
@@ -78,18 +78,8 @@ def run(src: Path, dst: Path, num_heads: int, hidden_size: int) -> tuple[Path, s
     dst.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "attncal.export.ort_optimize", str(src), str(dst), "--num-heads", str(num_heads),
            "--hidden-size", str(hidden_size)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if proc.stderr:  # on file descriptor 2, as ONNX Runtime's output: under a command, its log has it
-        sys.stderr.flush()
-        os.write(2, proc.stderr.encode("utf-8", "replace"))
-    if proc.returncode < 0:
-        sig = signal.Signals(-proc.returncode).name
-        why = " (the kernel's out-of-memory killer sends it)" if proc.returncode == -signal.SIGKILL else ""
-        raise OptimizerError(f"ONNX Runtime's transformer optimizer was killed by {sig}{why}")
-    if proc.returncode != 0:
-        last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "no message")
-        raise OptimizerError(f"ONNX Runtime's transformer optimizer failed: {last.strip()[:300]}")
-    return dst, proc.stderr
+    stderr = run_child(cmd, "ONNX Runtime's transformer optimizer", OptimizerError, stdout=subprocess.PIPE)
+    return dst, stderr
 
 
 def main(argv: list[str] | None = None) -> int:

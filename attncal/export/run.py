@@ -19,7 +19,7 @@ class Run:
     quiet: bool
     meter: StepMeter
     log_start: int  # where this export's lines begin in the console's capture (a command may export twice)
-    features: frozenset[str] = frozenset()  # what the attention holds (attncal.calibration.patching)
+    features: frozenset[str] = frozenset()  # what the attention holds (attncal.calibration.probing)
     input_names: list[str] = field(default_factory=list)
     raw_path: Path | None = None  # torch's export, weights on disk
     result: object | None = None  # the portable graph's PlacementResult

@@ -304,7 +304,10 @@ def check_parity(
     "onnx/model_optimized.onnx") against the PyTorch reference.  `reference_cache`: a dict the caller
     keeps across calls on the same export (the exporter checks up to three graphs), so the PyTorch
     reference is computed once.  `batch_size`: the largest batch; `memory_budget`: bytes of attention
-    activations per batch (default `activation_budget`)."""
+    activations per batch (default `activation_budget`).
+
+    long: 11 parameters; the reference (computed once, cached), then each graph's comparison, then the
+    report, over one set of batches."""
     from transformers import AutoTokenizer
 
     from ..calibration.encode import TorchEncoder  # lazy: imports torch, which the runtime install lacks

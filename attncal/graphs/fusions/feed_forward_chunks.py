@@ -148,7 +148,10 @@ def _cone(last: int, g: _Graph) -> tuple[set[int], str, int] | None:
 
 def chunk_feed_forwards(model, rows: int = CHUNK_ROWS) -> int:
     """Rewrite every feed-forward block of `model` (a ModelProto, structure only is enough) to run over
-    chunks of at most `rows` rows, in place; returns how many blocks were rewritten."""
+    chunks of at most `rows` rows, in place; returns how many blocks were rewritten.
+
+    long: the blocks are found, then each block's Scan is built from the same node list it is cut from and
+    spliced in; the pieces share the graph's names and the nodes' positions."""
     import numpy as np
     from onnx import helper, numpy_helper
 

@@ -31,6 +31,7 @@ ops'), multiply by V and merge the heads.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import onnx
 from onnx import AttributeProto, TensorProto, helper
@@ -80,17 +81,32 @@ class _Builder:
         return out
 
 
-def _body(b: _Builder, all_rows: bool) -> str:
-    """Emit the body; returns the name of the output tensor. Inputs: `probs`, `attention_mask`.
+@dataclass
+class _Attrs:
+    """The calling node's attributes as tensors, and the constants every step uses."""
 
-    Basket sums and the per-position multiplier are two small MatMuls against a
-    per-item basket membership matrix P[B,K,n] (1 where key k is content of
-    basket n), so a calibrated row costs one read and one write of the row plus
-    O(K·n) work, and no index tensor of the row's size is built.
-    """
-    i64 = TensorProto.INT64
-    f32 = TensorProto.FLOAT
-    # --- attributes as tensors
+    S: str
+    lam: str
+    iso_f: str
+    iso_l: str
+    mode_f: str
+    mode_l: str
+    w_f: str
+    w_l: str
+    skip: str
+    zero_i: str
+    one_i: str
+    two_i: str
+    neg1: str
+    zero_f: str
+    one_f: str
+    ax0: str
+    ax1: str
+    ax_last: str
+    ax_12: str
+
+
+def _attributes(b: _Builder) -> _Attrs:
     S = b.attr("basket_size", "int")
     lam = b.attr("strength", "float")
     iso_f = b.attr("isolate_first", "int")
@@ -102,75 +118,124 @@ def _body(b: _Builder, all_rows: bool) -> str:
     skip = b.attr("skip_short", "int")
     zero_i, one_i, two_i, neg1 = b.const_i(0), b.const_i(1), b.const_i(2), b.const_i(-1)
     zero_f, one_f = b.const_f(0.0), b.const_f(1.0)
-    ax0, ax1, ax2, ax_last = b.axes(0), b.axes(1), b.axes(2), b.axes(-1)
+    ax0, ax1, _, ax_last = b.axes(0), b.axes(1), b.axes(2), b.axes(-1)
     ax_12 = b.axes(1, 2)
+    return _Attrs(S, lam, iso_f, iso_l, mode_f, mode_l, w_f, w_l, skip, zero_i, one_i, two_i, neg1, zero_f, one_f,
+                  ax0, ax1, ax_last, ax_12)
 
-    # --- batch geometry from the mask (steps 1-3, 5): [B,1] int64 tensors
-    valid = b.op("Not", b.op("Equal", "attention_mask", zero_i))  # [B,K] bool
-    K = b.op("Gather", b.op("Shape", "attention_mask"), one_i, axis=0)  # scalar
-    pos = b.op("Range", zero_i, K, one_i)  # [K]
-    start = b.op("ReduceMin", b.op("Where", valid, pos, K), ax1, keepdims=1)
-    end = b.op("ReduceMax", b.op("Where", valid, pos, neg1), ax1, keepdims=1)
-    length = b.op("Add", b.op("Sub", end, start), one_i)
-    n_iso = b.op("Add", iso_f, iso_l)
-    c0 = b.op("Add", start, iso_f)
+
+@dataclass
+class _Geometry:
+    """The batch geometry from the mask ([B,1] int64 tensors unless noted) and the basket membership."""
+
+    K: str          # keys, a scalar
+    pos: str        # [K]: 0 .. K-1
+    start: str      # the first valid key
+    end: str        # the last valid key
+    start_c: str    # start, clamped into range for an empty item
+    end_c: str      # end, likewise
+    active: str     # [B,1] bool: the item is calibrated
+    t: str          # [B,1] float: baskets plus isolated keys
+    n_max: str      # the batch's most baskets (at least 1)
+    P_read: str     # [B,1,K,n+3]: membership, one-hot first / last valid key, ones (the row sum)
+    P_ext: str      # [B,K,n+1]: membership and a ones column
+    P_write: str    # [B,1,n+1,K]: P_ext transposed, for the write
+
+
+def _geometry(b: _Builder, a: _Attrs) -> _Geometry:
+    """Steps 1-3 and 5: the valid span, the content and its baskets, whether the item is calibrated."""
+    i64 = TensorProto.INT64
+    f32 = TensorProto.FLOAT
+    valid = b.op("Not", b.op("Equal", "attention_mask", a.zero_i))  # [B,K] bool
+    K = b.op("Gather", b.op("Shape", "attention_mask"), a.one_i, axis=0)  # scalar
+    pos = b.op("Range", a.zero_i, K, a.one_i)  # [K]
+    start = b.op("ReduceMin", b.op("Where", valid, pos, K), a.ax1, keepdims=1)
+    end = b.op("ReduceMax", b.op("Where", valid, pos, a.neg1), a.ax1, keepdims=1)
+    length = b.op("Add", b.op("Sub", end, start), a.one_i)
+    n_iso = b.op("Add", a.iso_f, a.iso_l)
+    c0 = b.op("Add", start, a.iso_f)
     C = b.op("Sub", length, n_iso)  # <= 0 for empty or too-short items
-    has = b.op("Greater", b.op("ReduceSum", b.op("Cast", valid, to=i64), ax1, keepdims=1), zero_i)
-    long_enough = b.op("Or", b.op("Equal", skip, zero_i), b.op("GreaterOrEqual", C, S))
-    active = b.op("And", b.op("And", has, b.op("Greater", C, zero_i)),
-                  b.op("And", long_enough, b.op("Greater", lam, zero_f)))  # [B,1]
-    n = b.op("Div", b.op("Sub", b.op("Add", b.op("Max", C, zero_i), S), one_i), S)  # ceil(C/S)
+    has = b.op("Greater", b.op("ReduceSum", b.op("Cast", valid, to=i64), a.ax1, keepdims=1), a.zero_i)
+    long_enough = b.op("Or", b.op("Equal", a.skip, a.zero_i), b.op("GreaterOrEqual", C, a.S))
+    active = b.op("And", b.op("And", has, b.op("Greater", C, a.zero_i)),
+                  b.op("And", long_enough, b.op("Greater", a.lam, a.zero_f)))  # [B,1]
+    n = b.op("Div", b.op("Sub", b.op("Add", b.op("Max", C, a.zero_i), a.S), a.one_i), a.S)  # ceil(C/S)
     t = b.op("Cast", b.op("Add", n, n_iso), to=f32)  # [B,1]
-    n_max = b.op("Max", b.op("ReduceMax", b.op("Mul", n, b.op("Cast", active, to=i64)), keepdims=0), one_i)
-    last_pos = b.op("Sub", K, one_i)
+    n_max = b.op("Max", b.op("ReduceMax", b.op("Mul", n, b.op("Cast", active, to=i64)), keepdims=0), a.one_i)
+    last_pos = b.op("Sub", K, a.one_i)
     start_c = b.op("Min", start, last_pos)  # empty items: any in-range index
-    end_c = b.op("Max", end, zero_i)
+    end_c = b.op("Max", end, a.zero_i)
     # Basket membership P[B,K,n]: key k is content (c0 <= k < c0 + C) of basket (k - c0) // S.
-    rel = b.op("Sub", b.op("Unsqueeze", pos, ax0), c0)  # [B,K]
+    rel = b.op("Sub", b.op("Unsqueeze", pos, a.ax0), c0)  # [B,K]
     # Masked keys inside the span (holes) are not content: out of the basket masses, 0 in calibrated rows.
-    content = b.op("And", b.op("And", b.op("GreaterOrEqual", rel, zero_i), b.op("Less", rel, C)), valid)
-    basket_of = b.op("Div", b.op("Max", rel, zero_i), S)  # [B,K]
-    baskets = b.op("Range", zero_i, n_max, one_i)  # [n]
-    member = b.op("And", b.op("Unsqueeze", content, ax_last),
-                  b.op("Equal", b.op("Unsqueeze", basket_of, ax_last), baskets))  # [B,K,n]
+    content = b.op("And", b.op("And", b.op("GreaterOrEqual", rel, a.zero_i), b.op("Less", rel, C)), valid)
+    basket_of = b.op("Div", b.op("Max", rel, a.zero_i), a.S)  # [B,K]
+    baskets = b.op("Range", a.zero_i, n_max, a.one_i)  # [n]
+    member = b.op("And", b.op("Unsqueeze", content, a.ax_last),
+                  b.op("Equal", b.op("Unsqueeze", basket_of, a.ax_last), baskets))  # [B,K,n]
     P = b.op("Cast", member, to=f32)
     # One-hot columns of the first and last valid token: [B,K,2]
-    ends = b.op("Unsqueeze", b.op("Concat", start_c, end_c, axis=1), ax1)  # [B,1,2]
-    E = b.op("Cast", b.op("Equal", b.op("Unsqueeze", b.op("Unsqueeze", pos, ax0), ax_last), ends), to=f32)
-    ones_col = b.op("Expand", one_f, b.op("Concat", b.op("Shape", rel), b.axes(1), axis=0))  # [B,K,1]
-    P_read = b.op("Unsqueeze", b.op("Concat", P, E, ones_col, axis=2), ax1)  # [B,1,K,n+3]
+    ends = b.op("Unsqueeze", b.op("Concat", start_c, end_c, axis=1), a.ax1)  # [B,1,2]
+    E = b.op("Cast", b.op("Equal", b.op("Unsqueeze", b.op("Unsqueeze", pos, a.ax0), a.ax_last), ends), to=f32)
+    ones_col = b.op("Expand", a.one_f, b.op("Concat", b.op("Shape", rel), b.axes(1), axis=0))  # [B,K,1]
+    P_read = b.op("Unsqueeze", b.op("Concat", P, E, ones_col, axis=2), a.ax1)  # [B,1,K,n+3]
     P_ext = b.op("Concat", P, ones_col, axis=2)  # [B,K,n+1]
-    P_write = b.op("Unsqueeze", b.op("Transpose", P_ext, perm=[0, 2, 1]), ax1)  # [B,1,n+1,K]
+    P_write = b.op("Unsqueeze", b.op("Transpose", P_ext, perm=[0, 2, 1]), a.ax1)  # [B,1,n+1,K]
+    return _Geometry(K, pos, start, end, start_c, end_c, active, t, n_max, P_read, P_ext, P_write)
 
-    # --- the rows to calibrate: x [B,H,R,K] (R = 1 for the pooling row, Q for all rows)
+
+def _rows(b: _Builder, a: _Attrs, g: _Geometry, all_rows: bool) -> tuple[str, str, str | None]:
+    """The rows to calibrate, x [B,H,R,K] in the input's type (R = 1 for the pooling row, Q for all rows),
+    whether each row is calibrated ([B,1,R|1,1]), and for the pooling row its index into `probs`."""
     if all_rows:
-        x_native = "probs"
-        pos_b = b.op("Unsqueeze", pos, ax0)  # [1,Q] (Q == K)
-        in_span = b.op("And", b.op("GreaterOrEqual", pos_b, start), b.op("LessOrEqual", pos_b, end))  # [B,Q]
+        pos_b = b.op("Unsqueeze", g.pos, a.ax0)  # [1,Q] (Q == K)
+        in_span = b.op("And", b.op("GreaterOrEqual", pos_b, g.start), b.op("LessOrEqual", pos_b, g.end))  # [B,Q]
         # marked_rows: the rows whose mask value is ROW_MARK, else every row of the valid span.
         marked = b.op("Equal", "attention_mask", b.const_i(ROW_MARK))
-        by_mark = b.op("Equal", b.attr("marked_rows", "int"), one_i)
+        by_mark = b.op("Equal", b.attr("marked_rows", "int"), a.one_i)
         rows = b.op("Or", b.op("And", by_mark, marked), b.op("And", b.op("Not", by_mark), in_span))  # [B,Q]
-        row_active = b.op("And", b.op("Unsqueeze", active, ax_12),
+        row_active = b.op("And", b.op("Unsqueeze", g.active, a.ax_12),
                           b.op("Unsqueeze", rows, b.axes(1, 3)))  # [B,1,Q,1]
-    else:
-        pool_last = b.attr("pool_last", "int")
-        row = b.op("Where", b.op("Equal", pool_last, one_i), end_c, start_c)  # [B,1]
-        shape_p = b.op("Shape", "probs")
-        # Q == 1: the single row is the pooling row (row placement computes it separately).
-        q_is_one = b.op("Equal", b.op("Gather", shape_p, two_i, axis=0), one_i)
-        row = b.op("Where", q_is_one, b.op("Mul", row, zero_i), row)
-        row_shape = b.op("Concat", b.op("Slice", shape_p, b.axes(0), b.axes(2)), b.axes(1),
-                         b.op("Slice", shape_p, b.axes(3), b.axes(4)), axis=0)  # [B,H,1,K]
-        row_idx = b.op("Expand", b.op("Unsqueeze", row, ax_12), row_shape)
-        x_native = b.op("GatherElements", "probs", row_idx, axis=2)
-        row_active = b.op("Unsqueeze", active, ax_12)  # [B,1,1,1]
-    x = b.op("Cast", x_native, to=f32)
-    own = _OwnKey(b, all_rows, x, pos, start, end, iso_f, iso_l, row_active)
+        return "probs", row_active, None
+    pool_last = b.attr("pool_last", "int")
+    row = b.op("Where", b.op("Equal", pool_last, a.one_i), g.end_c, g.start_c)  # [B,1]
+    shape_p = b.op("Shape", "probs")
+    # Q == 1: the single row is the pooling row (row placement computes it separately).
+    q_is_one = b.op("Equal", b.op("Gather", shape_p, a.two_i, axis=0), a.one_i)
+    row = b.op("Where", q_is_one, b.op("Mul", row, a.zero_i), row)
+    row_shape = b.op("Concat", b.op("Slice", shape_p, b.axes(0), b.axes(2)), b.axes(1),
+                     b.op("Slice", shape_p, b.axes(3), b.axes(4)), axis=0)  # [B,H,1,K]
+    row_idx = b.op("Expand", b.op("Unsqueeze", row, a.ax_12), row_shape)
+    x_native = b.op("GatherElements", "probs", row_idx, axis=2)
+    row_active = b.op("Unsqueeze", g.active, a.ax_12)  # [B,1,1,1]
+    return x_native, row_active, row_idx
 
+
+@dataclass
+class _Shares:
+    """What the write needs of steps 4 and 6-10: the per-basket multipliers and the isolated keys' values."""
+
+    coef: str       # [B,H,R,n+1]: each basket's multiplier in calibrated rows, then the ones column's
+    total: str      # the normaliser (1 where it is 0)
+    one_minus: str  # 1 - λ
+    poison: str     # 0 for a finite row, NaN for a row holding a NaN or an infinity
+    s_f: str        # the first key's share
+    s_l: str        # the last key's share
+    s_o: str        # the own key's share (all-rows ops with isolate_self)
+    z_first: str    # the first key's probability
+    z_last: str     # the last key's probability
+    up: str         # 2^32
+    down: str       # 2^-32
+
+
+def _shares(b: _Builder, a: _Attrs, g: _Geometry, own: "_OwnKey", row_active: str) -> _Shares:
+    """Steps 4 and 6-10: basket masses, the isolated keys' shares, the budget rescale, the normalisation and the
+    blend, as one multiplier per basket."""
+    f32 = TensorProto.FLOAT
+    zero_i, one_i, zero_f, one_f, lam, ax_last = a.zero_i, a.one_i, a.zero_f, a.one_f, a.lam, a.ax_last
     # --- basket masses, the isolated tokens' probabilities and the row sum in one MatMul (steps 4, 6)
-    read = b.op("MatMul", own.x_mass, P_read)  # [B,H,R,n+3]; pads enter the row sum only
-    n_1d = b.op("Unsqueeze", n_max, ax0)
+    read = b.op("MatMul", own.x_mass, g.P_read)  # [B,H,R,n+3]; pads enter the row sum only
+    n_1d = b.op("Unsqueeze", g.n_max, a.ax0)
     mass = b.op("Slice", read, b.axes(0), n_1d, ax_last)
     z_first = b.op("Slice", read, n_1d, b.op("Add", n_1d, b.axes(1)), ax_last)
     z_last = b.op("Slice", read, b.op("Add", n_1d, b.axes(1)), b.op("Add", n_1d, b.axes(2)), ax_last)
@@ -178,7 +243,7 @@ def _body(b: _Builder, all_rows: bool) -> str:
     # NaN in, NaN out (contract.py): 0 for a row of finite probabilities, NaN for a row holding a NaN
     # or an infinity at any key (pads included); added to the calibrated rows' multipliers below.
     poison = b.op("Add", b.op("Mul", row_sum, zero_f), b.op("Mul", own.z, zero_f))  # [B,H,R,1]
-    t4 = b.op("Add", b.op("Unsqueeze", t, ax_12), own.extra_t)  # [B,1,R|1,1]
+    t4 = b.op("Add", b.op("Unsqueeze", g.t, a.ax_12), own.extra_t)  # [B,1,R|1,1]
     nz = b.op("Not", b.op("Equal", mass, zero_f))
     # Multipliers are kept scaled by 2^-32 and x by 2^32 (powers of two: exact), so a basket whose
     # mass is subnormal (1/mass beyond the float range) still gets a finite multiplier, and the
@@ -197,13 +262,13 @@ def _body(b: _Builder, all_rows: bool) -> str:
         return b.op("Mul", by_mode, b.op("Cast", iso, to=f32))
 
     # The first and last keys' shares, 0 in rows whose own key takes their place (isolate_self).
-    s_f = b.op("Mul", share(iso_f, mode_f, w_f, z_first), own.keep_first)
-    s_l = b.op("Mul", share(iso_l, mode_l, w_l, z_last), own.keep_last)
+    s_f = b.op("Mul", share(a.iso_f, a.mode_f, a.w_f, z_first), own.keep_first)
+    s_l = b.op("Mul", share(a.iso_l, a.mode_l, a.w_l, z_last), own.keep_last)
     s_o = share(own.on_i, own.mode, own.weight, own.z)
     # --- budget rescale (step 8), only where one of the row's isolated keys is not 'equal'
-    non_eq_f = b.op("And", b.op("And", b.op("Equal", iso_f, one_i), b.op("Not", b.op("Equal", mode_f, zero_i))),
+    non_eq_f = b.op("And", b.op("And", b.op("Equal", a.iso_f, one_i), b.op("Not", b.op("Equal", a.mode_f, zero_i))),
                     b.op("Cast", own.keep_first, to=TensorProto.BOOL))
-    non_eq_l = b.op("And", b.op("And", b.op("Equal", iso_l, one_i), b.op("Not", b.op("Equal", mode_l, zero_i))),
+    non_eq_l = b.op("And", b.op("And", b.op("Equal", a.iso_l, one_i), b.op("Not", b.op("Equal", a.mode_l, zero_i))),
                     b.op("Cast", own.keep_last, to=TensorProto.BOOL))
     non_eq_o = b.op("And", b.op("Equal", own.on_i, one_i), b.op("Not", b.op("Equal", own.mode, zero_i)))
     budget = b.op("Max", b.op("Sub", b.op("Sub", b.op("Sub", one_f, s_f), s_l), s_o), zero_f)
@@ -224,25 +289,52 @@ def _body(b: _Builder, all_rows: bool) -> str:
     # NaN included.
     keep_col = b.op("Where", row_active, poison, down)  # [B,H,R,1], as poison
     coef = b.op("Concat", b.op("Where", row_active, mult, zero_f), keep_col, axis=-1)  # [B,H,R,n+1]
-    out = b.op("Mul", b.op("Mul", x, up), b.op("MatMul", coef, P_write))
+    return _Shares(coef, total, one_minus, poison, s_f, s_l, s_o, z_first, z_last, up, down)
+
+
+def _write(b: _Builder, a: _Attrs, g: _Geometry, own: "_OwnKey", s: _Shares, x: str, row_active: str) -> str:
+    """The calibrated rows: x times its basket's multiplier at every key, then the isolated keys' values (the
+    first, the last, the own key) written in calibrated rows; float32."""
+    lam, one_i = a.lam, a.one_i
+    out = b.op("Mul", b.op("Mul", x, s.up), b.op("MatMul", s.coef, g.P_write))
     # Isolated tokens: out = λ·share/total + (1-λ)·z at their position, in calibrated rows only.
     # Each ScatterElements is the only reader of `out`, so ONNX Runtime updates it in place; the value
     # kept in other rows is recomputed from small tensors (x·M at that key, bit-identical to `out`).
-    idx_shape = b.op("Concat", b.op("Shape", coef, end=3), b.axes(1), axis=0)
-    n_ext = b.op("Gather", b.op("Shape", P_ext), two_i, axis=0)
-    for iso, s, p, z_p in ((iso_f, s_f, start_c, z_first), (iso_l, s_l, end_c, z_last)):
-        idx = b.op("Expand", b.op("Unsqueeze", p, ax_12), idx_shape)  # [B,H,R,1]
-        p_row = b.op("GatherElements", P_ext, b.op("Expand", b.op("Unsqueeze", p, ax_last),
-                                                     b.op("Concat", b.op("Shape", p), b.op("Unsqueeze", n_ext, ax0),
-                                                          axis=0)), axis=1)  # [B,1,n+1]
-        m_at = b.op("ReduceSum", b.op("Mul", coef, b.op("Unsqueeze", p_row, ax1)), ax_last, keepdims=1)
-        current = b.op("Mul", b.op("Mul", z_p, up), m_at)
-        value = b.op("Add", b.op("Add", b.op("Mul", lam, b.op("Div", s, total)), b.op("Mul", one_minus, z_p)),
-                     poison)
+    idx_shape = b.op("Concat", b.op("Shape", s.coef, end=3), b.axes(1), axis=0)
+    n_ext = b.op("Gather", b.op("Shape", g.P_ext), a.two_i, axis=0)
+    for iso, share, p, z_p in ((a.iso_f, s.s_f, g.start_c, s.z_first), (a.iso_l, s.s_l, g.end_c, s.z_last)):
+        idx = b.op("Expand", b.op("Unsqueeze", p, a.ax_12), idx_shape)  # [B,H,R,1]
+        p_row = b.op("GatherElements", g.P_ext, b.op("Expand", b.op("Unsqueeze", p, a.ax_last),
+                                                       b.op("Concat", b.op("Shape", p),
+                                                            b.op("Unsqueeze", n_ext, a.ax0), axis=0)),
+                     axis=1)  # [B,1,n+1]
+        m_at = b.op("ReduceSum", b.op("Mul", s.coef, b.op("Unsqueeze", p_row, a.ax1)), a.ax_last, keepdims=1)
+        current = b.op("Mul", b.op("Mul", z_p, s.up), m_at)
+        value = b.op("Add", b.op("Add", b.op("Mul", lam, b.op("Div", share, s.total)),
+                                 b.op("Mul", s.one_minus, z_p)), s.poison)
         use = b.op("And", row_active, b.op("Equal", iso, one_i))
         out = b.op("ScatterElements", out, idx, b.op("Where", use, value, current), axis=3)
-    out = own.write(out, coef, P_ext, up, b.op("Add", b.op("Add", b.op("Mul", lam, b.op("Div", s_o, total)),
-                                                           b.op("Mul", one_minus, own.z)), poison))
+    own_value = b.op("Add", b.op("Add", b.op("Mul", lam, b.op("Div", s.s_o, s.total)),
+                                 b.op("Mul", s.one_minus, own.z)), s.poison)
+    return own.write(out, s.coef, g.P_ext, s.up, own_value)
+
+
+def _body(b: _Builder, all_rows: bool) -> str:
+    """Emit the body; returns the name of the output tensor. Inputs: `probs`, `attention_mask`.
+
+    Basket sums and the per-position multiplier are two small MatMuls against a
+    per-item basket membership matrix P[B,K,n] (1 where key k is content of
+    basket n), so a calibrated row costs one read and one write of the row plus
+    O(K·n) work, and no index tensor of the row's size is built.  The steps: the node's attributes
+    (`_attributes`), the batch geometry and membership (`_geometry`), the rows (`_rows`), the multipliers
+    (`_shares`), the write (`_write`).
+    """
+    a = _attributes(b)
+    g = _geometry(b, a)
+    x_native, row_active, row_idx = _rows(b, a, g, all_rows)
+    x = b.op("Cast", x_native, to=TensorProto.FLOAT)
+    own = _OwnKey(b, all_rows, x, g.pos, g.start, g.end, a.iso_f, a.iso_l, row_active)
+    out = _write(b, a, g, own, _shares(b, a, g, own, row_active), x, row_active)
     out_native = b.op("CastLike", out, "probs")
     if all_rows:
         return out_native

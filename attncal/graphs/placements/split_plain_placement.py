@@ -89,7 +89,10 @@ def find(model: ir.Model, config: CalibrationConfig, num_layers: int,
 
 def rewrite(model: ir.Model, edits: _PlainEdits) -> PlacementResult:
     """The split attention of each checked layer (shapes inferred again, as the check saw them; the
-    written graph keeps them, at strength 0 too)."""
+    written graph keeps them, at strength 0 too).
+
+    long: a layer's basket attention is one sequence of nodes (the basket gathers, the replayed chain, Softmax,
+    MatMul, the blend), each read by the next only."""
     keep_inferred_shapes(model)
     if edits.layers is None:
         return split_result(model, edits.rc, edits.selected)
