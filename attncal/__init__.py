@@ -3,7 +3,7 @@
 The short public API::
 
     from attncal import CalibrationConfig, export, Encoder, check
-    export("path/to/model", "out/")          # the attncal.export package forwards to exporter.export
+    export("path/to/model", "out/")          # attncal.exporting.exporter.export
     emb = Encoder("out/").encode(texts)      # attncal.runtime.Encoder
     report = check("out/")                   # attncal.runtime.parity.check_parity
     get_library_path()                       # the packaged ONNX Runtime custom-op library (attncal.native)
@@ -12,9 +12,8 @@ Every name but `__version__` and the `get_*_path` functions is imported on first
 `attncal.calibration` and `attncal.graphs`), so `import attncal`
 loads neither torch (the calibration math, about 3 s on a 2-core machine) nor ONNX Runtime nor the exporter:
 commands that do not need them (`attncal --help`, `attncal inspect`) start without them.
-`export` is the `attncal.export` package, which is callable (see attncal/export/__init__.py: a package
-cannot also be a function, and `attncal.export.exporter` must stay importable).  The deep module paths keep
-working.
+`export` is the function `attncal.exporting.exporter.export`; the exporter's modules are the package
+`attncal.exporting`, so the name `attncal.export` is the function and nothing else.
 """
 
 from __future__ import annotations
@@ -27,11 +26,12 @@ from .native import get_cuda_library_path, get_library_path, get_tensorrt_plugin
 
 __version__ = "0.1.0"
 
-__getattr__, _lazy_dir, _ = lazy_loader.attach(__name__, submodules=["export"], submod_attrs={
+__getattr__, _lazy_dir, _ = lazy_loader.attach(__name__, submod_attrs={
     "artifact": ["ArtifactError"],
     "calibration": ["CalibrationConfig", "apply", "calibrate", "compute_geometry", "encode_torch", "reference"],
     "corpus": ["encode_corpus"],
-    "export.plan": ["ExportOptions"],
+    "exporting.exporter": ["export"],
+    "exporting.plan": ["ExportOptions"],
     "runtime.encoder": ["Encoder"],
     "runtime.parity": ["check"],
 })
@@ -46,7 +46,9 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .calibration.oracle import reference
     from .calibration.patching import calibrate
     from .corpus import encode_corpus
-    from .export.plan import ExportOptions
+    from .exporting.exporter import export
+    from .exporting.exporter import export
+    from .exporting.plan import ExportOptions
     from .runtime.encoder import Encoder
     from .runtime.parity import check
 

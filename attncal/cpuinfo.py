@@ -43,7 +43,7 @@ _INT16_MAX = 32767
 _CPUINFO = Path("/proc/cpuinfo")
 
 # The key of the record an int8 graph carries in its ONNX metadata (`quantization_record` of
-# attncal.export.quantize, JSON): its weight range and the classes its figures cover.
+# attncal.exporting.quantize, JSON): its weight range and the classes its figures cover.
 INT8_RECORD_KEY = "attncal.int8"
 
 

@@ -229,7 +229,7 @@ class StepMeter:
     """Wall time and peak resident memory (this process and its children: the optimizer's) of each export step,
     recorded in `attncal.json` under `export_steps`, so a user sees what an export of this size takes.
 
-    `watch`, where given (the CLI's `attncal.export.watch.Watch`), is told each step and the working directory,
+    `watch`, where given (the CLI's `attncal.exporting.watch.Watch`), is told each step and the working directory,
     so an export killed by the kernel is reported with its step and leaves nothing behind."""
 
     def __init__(self, watch=None) -> None:

@@ -52,7 +52,7 @@ def main() -> None:
 def _run(args: argparse.Namespace, work: Path) -> dict:
     from attncal.bench.engines import interleaved_session_options
     from attncal.bench.timing import interleaved_times, medians
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.modelinfo import default_model_path
     from attncal.runtime import Encoder
 

@@ -58,7 +58,7 @@ def run_case(arch: str, pooling: str, placement: str, precision: str, work: Path
 
     from attncal import CalibrationConfig
     from attncal.artifact import stored_digest
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.synthetic import save_synthetic_model
 
     src = work / f"src-{arch}-{pooling}"

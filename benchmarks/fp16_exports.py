@@ -41,7 +41,7 @@ def run(model: str | Path, workdir: str | Path, provider: str = "CUDAExecutionPr
     import onnxruntime as ort
 
     from attncal.bench.timing import interleaved_times, medians
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime import Encoder
     from attncal.runtime.parity import check_parity
 

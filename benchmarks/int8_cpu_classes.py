@@ -4,7 +4,7 @@ all-MiniLM-L6-v2 (the default model), calibrated with default options, exported 
 
 * `portable`: uint8 weights per channel (U8U8 kernels, exact on every x86-64 class);
 * `avx2`: 7-bit int8 weights per channel (U8S8, exact on every class), the most sensitive MatMuls in fp32
-  (attncal.export.quantize.sensitivity, measured at export on the first Python Language Reference topics);
+  (attncal.exporting.quantize.sensitivity, measured at export on the first Python Language Reference topics);
 * `vnni`: 8-bit int8 weights per channel (U8S8: exact on VNNI, saturating int16 pair sums on AVX2).
 
 `measure` embeds the last 48 of the 79 Python Language Reference documents (unseen by the sensitivity
@@ -45,7 +45,7 @@ from attncal.bench.engines import interleaved_session_options
 from attncal.bench.harness import machine_info, source_commit
 from attncal.bench.timing import interleaved_times, medians
 from attncal.eval.realtext import python_reference_documents
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 

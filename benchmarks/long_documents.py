@@ -36,7 +36,7 @@ from attncal.calibration.config import CalibrationConfig
 from attncal.eval.bootstrap import draw_resamples, paired_mean_delta
 from attncal.eval.posq_builder import PosqOptions, build_posq
 from attncal.eval.realtext import python_reference_documents
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.modelinfo import default_model_path
 from attncal.runtime.encoder import Encoder
 from attncal.runtime.landmarks import PoolingSpec

@@ -155,7 +155,7 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
 def build_export(work: Path) -> Path:
     """A calibrated random-weight BERT export (2 layers, a 768-wide dense head, no optimized graph)."""
     from attncal.calibration.config import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.synthetic import save_synthetic_model
 
     model = save_synthetic_model("bert", work / "model", seed=7, max_positions=128, max_seq_length=64, layers=2,

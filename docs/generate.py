@@ -17,7 +17,7 @@ The blocks:
 
 * `docs/cli.md`: the subcommands (`cli-commands`), every option of every subcommand (`cli-options`), read
   from `attncal.cli.build_parser()`, and the option combinations `attncal export` refuses (`export-conflicts`),
-  read from `attncal.export.plan.CONFLICTS`.
+  read from `attncal.exporting.plan.CONFLICTS`.
 * `README.md`: the "which file to load" table (`readme-which-file`), copied from docs/which-file.md.
 * `docs/evaluation.md`: the two example result tables (`eval-pyref`, `eval-synthetic`), rendered from the
   committed `docs/eval/*/results.json` by the function that writes `attncal eval`'s own results.md.
@@ -48,7 +48,7 @@ from typing import Callable
 from attncal.bench.timing import median_ratio
 from attncal.cli import build_parser
 from attncal.eval.report import markdown_table
-from attncal.export.plan import CONFLICTS, ExportOptions
+from attncal.exporting.plan import CONFLICTS, ExportOptions
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

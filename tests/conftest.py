@@ -116,7 +116,7 @@ def shared_raw_exports(tmp_path_factory):
     copies of `tiny_models` share).  The first request of a key runs the real torch.onnx export; later ones
     copy its files.  Everything after that step (placement, ORT's optimizer, parity, the artifact) runs as
     usual.  The cache lives in this run's own temporary root (shared by its xdist workers): no other run sees it."""
-    import attncal.export.from_torch as from_torch
+    import attncal.exporting.from_torch as from_torch
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "raw-exports"

@@ -18,7 +18,7 @@ import torch
 from attncal import CalibrationConfig
 from attncal.calibration import TorchEncoder, UnsupportedArchitectureError, calibrate
 from attncal.cli import main
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.modelinfo import UnsupportedModelError, load_model_info
 from attncal.runtime import Encoder
 from attncal.synthetic import make_tokenizer, save_synthetic_model, synthetic_text

@@ -134,17 +134,17 @@ def test_importing_artifact_loads_no_higher_layer():
     """What importing the export format pulls in at run time (tests/test_layers.py checks the imports as written)."""
     code = "import sys, attncal.artifact; print(sorted(m for m in sys.modules if m.startswith('attncal.')))"
     mods = _fresh_python(code)
-    assert "attncal.export" not in mods and "attncal.runtime" not in mods
+    assert "attncal.exporting" not in mods and "attncal.runtime" not in mods
 
 
 def test_public_api_short_and_deep_paths(good):
     code = ("import sys, attncal\n"
             "light = not any(m in sys.modules for m in ('torch', 'onnxruntime', 'attncal.runtime', 'attncal.corpus'))\n"
             "from attncal import export, Encoder, check, CalibrationConfig, ExportOptions, ArtifactError\n"
-            "from attncal.export.exporter import export as deep_export\n"
+            "from attncal.exporting.exporter import export as deep_export\n"
             "from attncal.artifact import save_onnx, ONNX_FILE, METADATA_FILE\n"
             "from attncal.runtime import Encoder as DeepEncoder, check_parity\n"
-            "import attncal.export.exporter as ex\n"
+            "import attncal.exporting.exporter as ex\n"
             "assert callable(export) and Encoder is DeepEncoder and check is check_parity and ex.export is deep_export\n"
             "assert save_onnx.__module__ == 'attncal.artifact.onnx_io' and ONNX_FILE == 'model.onnx'\n"
             "try:\n    from attncal import encode_corpus\nexcept ImportError:\n    encode_corpus = None\n"

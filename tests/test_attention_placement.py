@@ -21,7 +21,7 @@ from attncal import CalibrationConfig
 from attncal.artifact import NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
-from attncal.export.exporter import ExportError, ExportOptions, export
+from attncal.exporting.exporter import ExportError, ExportOptions, export
 from attncal.graphs import placements
 from attncal.graphs.placements.attention_placement import AttentionPlacementError
 from attncal.graphs.placements.projected_attention_placement import ProjectedAttentionPlacementError

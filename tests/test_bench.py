@@ -136,7 +136,7 @@ def test_encoder_keeps_the_memory_pattern_for_short_exports_only(tiny_models, tm
     caller's own options are taken as given."""
     import onnxruntime as ort
 
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime import Encoder
     from attncal.artifact import LONG_CONTEXT_TOKENS
     from attncal.runtime.encoder import default_session_options

@@ -6,7 +6,7 @@ import json
 
 from attncal import CalibrationConfig, cpuinfo
 from attncal.cli import doctor, main
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.graphs.ops.contract import ALL_OP_TYPES
 from attncal.runtime import oplib
 from attncal.synthetic import save_synthetic_model

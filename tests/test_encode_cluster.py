@@ -107,7 +107,7 @@ def export(s3, tmp_path_factory):
     """A calibrated 2-layer BERT with a 768-wide dense head (so the embeddings weigh what a real model's
     do) and no ORT-optimized graph (its optimizer costs seconds here), uploaded to s3://BUCKET/export."""
     from attncal.calibration.config import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export as make_export
+    from attncal.exporting.exporter import ExportOptions, export as make_export
     from attncal.synthetic import save_synthetic_model
 
     root = tmp_path_factory.mktemp("cluster-export")

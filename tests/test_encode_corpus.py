@@ -30,7 +30,7 @@ SMALL = dict(batch_size=8, window=32, shard_size=70, show_progress=False)
 def tiny_export(tmp_path_factory):
     """A calibrated tiny BERT export (max length 64, basket 4 so calibration changes long rows)."""
     from attncal.calibration.config import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.synthetic import save_synthetic_model
 
     root = tmp_path_factory.mktemp("encode-corpus")

@@ -297,7 +297,7 @@ def test_end_to_end_minilm_with_a_yaml_grid(tmp_path):
 def test_export_evaluates_its_stored_config_only(tmp_path, tiny_bert):
     from attncal.cli import CLIError
     from attncal.eval.encoders import OnnxBackend
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
 
     cfg = CalibrationConfig(strength=1.0)
     exp = tmp_path / "exp"

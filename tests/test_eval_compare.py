@@ -25,7 +25,7 @@ GROUPS = ("begin", "middle", "end")
 
 
 def _export(model: Path, out: Path, config: CalibrationConfig | None) -> Path:
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
 
     opts = ExportOptions(config=config or CalibrationConfig(), calibrate=config is not None, exporter="torchscript",
                          check=False)

@@ -18,7 +18,7 @@ from attncal import CalibrationConfig
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
 from attncal.artifact import save_onnx
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.graphs import AlreadyCalibratedError, SoftmaxPatternError, insert_calibration
 from attncal.graphs.ops.contract import DOMAIN
 from attncal.graphs.fusions.feed_forward_chunks import CHUNK_ROWS
@@ -284,7 +284,7 @@ def test_cli_export_check_inspect_and_errors(tiny_models, tmp_path, capsys, monk
     assert "model_optimized_native.onnx" in err(["check", str(out), "--graph", "native"])[1]
 
     # A graph without the softmax pattern: a clear error, and nothing left behind.
-    import attncal.export.from_torch as from_torch
+    import attncal.exporting.from_torch as from_torch
 
     def no_softmax(info, pooling, onnx_path, opset, exporter_name, fp16=False, model=None):
         onnx_path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from attncal.artifact import ExportMetadata, validate_metadata
-from attncal.export.exporter import export
-from attncal.export.plan import CONFLICTS, ExportOptions, check_options
+from attncal.exporting.exporter import export
+from attncal.exporting.plan import CONFLICTS, ExportOptions, check_options
 
 
 @pytest.mark.parametrize("index", range(len(CONFLICTS)), ids=lambda i: "-".join(map(str, CONFLICTS[i].example.values())))

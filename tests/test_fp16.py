@@ -12,7 +12,7 @@ import pytest
 
 from attncal import CalibrationConfig
 from attncal.cli import main
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.graphs import placements
 from attncal.runtime import Encoder
 from attncal.runtime.parity import TOLERANCES
@@ -111,8 +111,8 @@ def test_on_disk_conversion_is_the_converters_graph_weight_for_weight(tmp_path, 
     import onnx_ir as ir
 
     from attncal.artifact import stage_onnx
-    from attncal.export import fp16
-    from attncal.export.fp16 import convert_model_to_fp16, convert_to_fp16
+    from attncal.exporting import fp16
+    from attncal.exporting.fp16 import convert_model_to_fp16, convert_to_fp16
 
     monkeypatch.setattr(fp16, "_BLOCK", 100)  # many blocks per weight of this tiny model
 

@@ -234,7 +234,7 @@ def test_auto_mean_export_fuses_softmax_and_runs_the_native_kernel_in_place(libr
     """`auto` gives mean pooling's portable graph the fused ops; the native kernel runs in place once
     per calibrated layer, and the embeddings match the function body and the softmax placement."""
     from attncal.cli import main
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime import Encoder, oplib
     from attncal.synthetic import save_synthetic_model, synthetic_text
 

@@ -1,7 +1,7 @@
 """The documentation that is generated or checked against the code:
 
 * every block `docs/generate.py` writes (the command-line reference from `attncal.cli.build_parser()`, the
-  option conflicts from `attncal.export.plan.CONFLICTS`, the evaluation tables from the committed
+  option conflicts from `attncal.exporting.plan.CONFLICTS`, the evaluation tables from the committed
   `docs/eval/*/results.json`) is what the script writes now;
 * the API reference pages (mkdocstrings) document every public name of `attncal`;
 * the configuration page names every environment variable the code reads, and its version ranges are the
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import re
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import attncal
 from attncal.artifact import GRAPH_FILES
 from attncal.cli import build_parser
 from attncal.cli.doctor import _TESTED as TESTED_LIBRARIES
-from attncal.export.plan import CONFLICTS
+from attncal.exporting.plan import CONFLICTS
 from attncal.graphs.placements import CHOICES, PLACEMENTS
 from attncal.versions import declared_ranges
 
@@ -141,10 +140,6 @@ def _resolve(path: str):
     raise ImportError(path)
 
 
-# `attncal.export` is a callable package (attncal/export/__init__.py); calling it calls this function.
-CALLABLE_PACKAGES = {"export": "attncal.export.exporter.export"}
-
-
 def test_api_reference_documents_every_public_name():
     documented = {}
     for path in _documented():
@@ -157,8 +152,6 @@ def test_api_reference_documents_every_public_name():
         if name == "__version__":
             continue
         obj = getattr(attncal, name)
-        if inspect.ismodule(obj):
-            obj = _resolve(CALLABLE_PACKAGES[name])
         if id(obj) not in documented:
             missing.append(name)
     assert not missing, f"attncal.__all__ names without a page in docs/reference/: {missing}"

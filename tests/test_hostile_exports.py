@@ -36,7 +36,7 @@ import pytest
 from attncal import artifact
 from attncal.artifact import ArtifactError, graph_digest, load_onnx_checked, open_export, write_graph_file
 from attncal.cli import main
-from attncal.export.quantize import _blocks
+from attncal.exporting.quantize import _blocks
 from attncal.runtime.encoder import Encoder
 from attncal.serving.repository import RepoOptions, build_repository, validate_repository
 from test_artifact import tiny_export

@@ -16,9 +16,9 @@ from attncal.artifact import INLINED_GRAPH, PORTABLE_GRAPH, stamp_onnx
 from attncal.calibration.config import CalibrationConfig
 from attncal.calibration.encode import TorchEncoder
 from attncal.cli import main
-from attncal.export.exporter import export
-from attncal.export.inline import STANDARD_DOMAINS
-from attncal.export.plan import ExportOptions
+from attncal.exporting.exporter import export
+from attncal.exporting.inline import STANDARD_DOMAINS
+from attncal.exporting.plan import ExportOptions
 from attncal.runtime.encoder import Encoder
 from attncal.runtime.parity import check_parity
 from attncal.synthetic import save_synthetic_model
@@ -139,7 +139,7 @@ def test_openvino_runs_the_inlined_graph_at_parity_and_refuses_the_portable_one(
 
 def test_inlined_option_is_on_the_command_line_and_in_the_disk_estimate(tiny_models):
     from attncal.cli import build_parser
-    from attncal.export import memory_plan
+    from attncal.exporting import memory_plan
 
     args = build_parser().parse_args(["export", str(tiny_models["bert"]), "-o", "x", "--inlined"])
     assert args.inlined is True

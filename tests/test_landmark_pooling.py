@@ -16,7 +16,7 @@ import pytest
 
 from attncal.artifact import read_metadata
 from attncal.cli import main
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
 from attncal.runtime.landmarks import Landmarks, PoolingSpec, place, resolve, transformers_encode

@@ -465,7 +465,7 @@ def test_split_calibration_refuses_marked_rows():
 def uncalibrated_bert(tmp_path_factory, library):
     """The portable and the ORT-optimized graph of an uncalibrated export of a random-weight BERT (mean pooling),
     its layer count, and a batch of token ids with both padding sides in which id 7 marks some tokens."""
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.synthetic import save_synthetic_model
 
     root = tmp_path_factory.mktemp("landmark-placements")

@@ -20,7 +20,7 @@ TEXTS = ["a", "One sentence. And [SEP] spelled out, then another one!", "naïve 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     _env_or_skip()
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime.encoder import Encoder
     from attncal.runtime.landmarks import PoolingSpec
     from attncal.serving.repository import RepoOptions, build_repository

@@ -47,7 +47,7 @@ def test_export_steps_stay_within_their_memory_budgets(large_vocab_model, tmp_pa
     it: the figure an export is refused by must not be exceeded.  The peaks are high-water marks read in the
     export process at its step boundaries (support.hooks.StepPeaks): an upper bound of the tree's peak that no
     short spike escapes and no late label misplaces, on any machine."""
-    from attncal.export import memory_plan
+    from attncal.exporting import memory_plan
 
     plan = memory_plan.estimate(large_vocab_model, exporter="dynamo", optimized=True, check=True)
     weights = plan.weights
@@ -88,7 +88,7 @@ def test_export_steps_stay_within_their_memory_budgets(large_vocab_model, tmp_pa
 
 def test_export_refuses_in_one_line_when_memory_cannot_suffice(tiny_models, tmp_path, monkeypatch, capsys):
     from attncal.cli import main
-    from attncal.export import memory_plan
+    from attncal.exporting import memory_plan
 
     monkeypatch.setattr(memory_plan, "available_bytes", lambda: 64 * MIB)
     out = tmp_path / "out"
@@ -124,7 +124,7 @@ def test_a_killed_export_names_its_step_and_leaves_nothing_behind(tiny_models, t
 
 
 def test_a_killed_optimizer_child_is_reported_by_its_signal(tmp_path, monkeypatch):
-    from attncal.export import ort_optimize
+    from attncal.exporting import ort_optimize
 
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\nkill -KILL $$\n")  # what the out-of-memory killer does to the child
@@ -136,9 +136,9 @@ def test_a_killed_optimizer_child_is_reported_by_its_signal(tmp_path, monkeypatc
 
 
 def test_a_killed_export_child_is_reported_by_its_signal(tmp_path, monkeypatch):
-    """A large model's dynamo export runs in a child process (attncal.export.from_torch): killed, it is named,
+    """A large model's dynamo export runs in a child process (attncal.exporting.from_torch): killed, it is named,
     and the request it was given is not left behind."""
-    from attncal.export import from_torch
+    from attncal.exporting import from_torch
 
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\nkill -KILL $$\n")  # what the out-of-memory killer does to the child
@@ -156,7 +156,7 @@ def test_basic_optimizations_are_onnxruntimes_byte_for_byte(tiny_models, tmp_pat
     graph and data file it writes are the bytes `optimize_by_onnxruntime` writes with the same options."""
     from onnxruntime.transformers.optimizer import optimize_by_onnxruntime
 
-    from attncal.export import ort_optimize
+    from attncal.exporting import ort_optimize
 
     src = _small_graph(tiny_models, tmp_path)
     theirs, ours = tmp_path / "theirs" / "m.onnx", tmp_path / "ours" / "m.onnx"
@@ -171,7 +171,7 @@ def test_basic_optimizations_are_onnxruntimes_byte_for_byte(tiny_models, tmp_pat
 
 
 def _small_graph(tiny_models, tmp_path) -> Path:
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
 
     export(tiny_models["bert"], tmp_path / "e", ExportOptions(check=False, optimized=False, exporter="torchscript"),
            quiet=True)
@@ -219,7 +219,7 @@ def test_batches_fit_the_budget_down_to_one_text_and_cap_what_cannot():
 @pytest.fixture(scope="module")
 def external_export(tiny_models, tmp_path_factory):
     """A calibrated export whose every graph is written with external data, as a model above 2 GiB is."""
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
 
     mp = pytest.MonkeyPatch()
     mp.setattr(onnx_io, "INLINE_LIMIT", 0)

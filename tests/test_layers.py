@@ -8,7 +8,7 @@ Layers, lowest first; a module may import its own layer and lower ones:
     2 artifact
     3 graphs
     4 runtime
-    5 export, serving, eval   (siblings: none imports another)
+    5 exporting, serving, eval   (siblings: none imports another)
     6 bench, corpus           (siblings)
     7 cli
 
@@ -42,7 +42,7 @@ LAYERS = {
     "artifact": (2, "artifact"),
     "graphs": (3, "graphs"),
     "runtime": (4, "runtime"),
-    "export": (5, "export"), "serving": (5, "serving"), "eval": (5, "eval"),
+    "exporting": (5, "exporting"), "serving": (5, "serving"), "eval": (5, "eval"),
     "bench": (6, "bench"), "corpus": (6, "corpus"),
     "cli": (7, "cli"),
 }
@@ -54,7 +54,7 @@ ROOMS = {
 }
 EXEMPT = ("__init__", "__main__")  # the root package's own files, as dotted tails
 LAYER_NAMES = {0: "foundation", 1: "calibration", 2: "artifact", 3: "graphs", 4: "runtime",
-               5: "export/serving/eval", 6: "bench/corpus", 7: "cli"}
+               5: "exporting/serving/eval", 6: "bench/corpus", 7: "cli"}
 
 
 @dataclass(frozen=True)
@@ -356,13 +356,13 @@ _SYNTHETIC = {
                          "    # lazy: explained on the line above\n"
                          "    from ..runtime.encoder import Encoder\n"
                          "    from ..artifact import messages\n"),
-    "export/__init__.py": "",
-    "export/run.py": ("from ..serving import thing\n"
+    "exporting/__init__.py": "",
+    "exporting/run.py": ("from ..serving import thing\n"
                       "def h():\n"
                       "    from ..runtime import Encoder  # lazy: optional dependency\n"),
     "serving/__init__.py": "thing = 1\n",
     "cli/__init__.py": "from .main import run\n",
-    "cli/main.py": "import attncal\nfrom ..export import run\nfrom attncal.bench import *\nfrom .. import __version__\n",
+    "cli/main.py": "import attncal\nfrom ..exporting import run\nfrom attncal.bench import *\nfrom .. import __version__\n",
     "bench/__init__.py": "from attncal import main\n",
 }
 
@@ -397,7 +397,7 @@ def test_layer_check_reports_violations(tmp_path):
     assert any(b.startswith("attncal/artifact.py:6: attncal.artifact (artifact: artifact) imports attncal.cli.main "
                             "(a higher layer: cli: cli)") for b in bad)
     assert any(b.startswith("attncal/graphs/passes.py:4: ") and "attncal.runtime.encoder" in b for b in bad)
-    assert any(b.startswith("attncal/export/run.py:1: ") and "(a sibling: export/serving/eval: serving)" in b
+    assert any(b.startswith("attncal/exporting/run.py:1: ") and "(a sibling: exporting/serving/eval: serving)" in b
                for b in bad)
     assert any(b.startswith("attncal/cli/main.py:1: ") and "package front" in b for b in bad)
     assert any(b.startswith("attncal/bench/__init__.py:1: ") and "imports 'main' from the package front" in b
@@ -422,7 +422,7 @@ def test_lazy_check_reports_unexplained_and_too_many(tmp_path):
                    "comment"]
     over = lazy_problems(imports, root, limit=3)
     assert len(over) == 2 and over[1].startswith("4 function-level imports of attncal modules (at most 3): ")
-    assert "attncal/artifact.py:6" in over[1] and "attncal/export/run.py:3" in over[1]
+    assert "attncal/artifact.py:6" in over[1] and "attncal/exporting/run.py:3" in over[1]
 
 
 def test_room_check_reports_violations(tmp_path):

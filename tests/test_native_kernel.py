@@ -221,7 +221,7 @@ def test_exported_encoder_runs_the_kernel_in_place_once_annotated(library, count
     one carries no op either).  With the probs shapes labelled (oplib.annotate_inplace_shapes)
     every native call runs in place, with the same bits as out of place; the embeddings match
     the function body."""
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime import Encoder
     from attncal.synthetic import save_synthetic_model, synthetic_text
 

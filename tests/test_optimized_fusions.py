@@ -4,7 +4,7 @@ optimized graph: its symbolic shape inference must get through the whole TorchSc
 It has no handler for ReduceL2 / ReduceMin / ReduceMax with an opset-18 `axes` input, so a pooling
 head written with F.normalize (ReduceL2 -> Clip -> Expand) or amin/amax (cls / last pooling)
 made it raise a TypeError and the optimizer left every Add + LayerNormalization unfused
-(attncal.export.wrapper writes the head with ReduceSum / ArgMin / ArgMax instead)."""
+(attncal.exporting.wrapper writes the head with ReduceSum / ArgMin / ArgMax instead)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 from attncal import CalibrationConfig, console
 from attncal.calibration.encode import pool
 from attncal.artifact import EXPORT_LOG_FILE
-from attncal.export.exporter import ExportOptions, export
-from attncal.export.wrapper import export_normalize, export_pool
+from attncal.exporting.exporter import ExportOptions, export
+from attncal.exporting.wrapper import export_normalize, export_pool
 from attncal.synthetic import save_synthetic_model
 
 pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options

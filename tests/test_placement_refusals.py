@@ -393,7 +393,7 @@ def test_the_registry_is_the_one_list_of_placement_names():
 
     from attncal.cli import bench as bench_cli
     from attncal.cli import export as export_cli
-    from attncal.export import exporter
+    from attncal.exporting import exporter
     from attncal.graphs.placements import placement_names
 
     assert tuple(placements.PLACEMENTS) == placement_names.NAMES

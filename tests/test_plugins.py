@@ -119,7 +119,7 @@ def test_native_kernel_wins_over_function_body(library, counter, pooling, tmp_pa
 @pytest.mark.parametrize("arch,pooling", [("bert", "cls"), ("xlm-roberta", "mean"), ("qwen3", "last")])
 def test_exported_model_same_embeddings_with_and_without_library(library, counter, tiny_models, tmp_path, arch,
                                                                    pooling):
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime import Encoder
     from attncal.synthetic import synthetic_text
 

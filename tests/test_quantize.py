@@ -5,7 +5,7 @@ classes an int8 graph records, and the warning where it runs on another.
 
 The comparisons with ONNX Runtime are of structure (nodes, names, wiring: stable across its releases) and of
 numbers within stated tolerances (`_assert_close_tensor`, `_assert_same_outputs`), not of bytes: with the
-release the quantizer mirrors (attncal.export.quantize.MIRRORS_ORT) they are equal, and another release may
+release the quantizer mirrors (attncal.exporting.quantize.MIRRORS_ORT) they are equal, and another release may
 round a tie differently without the graph being wrong."""
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from attncal import CalibrationConfig, cpuinfo
 from attncal.calibration import TorchEncoder
 from attncal.corpus.shards import read_embeddings
 from attncal.cli import main
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal import artifact
 from attncal.artifact import DIGEST_KEY, external_data_name, load_onnx_checked
-from attncal.export import exporter, quantize
-from attncal.export.quantize import graph_record, quantization_record, quantize_graph, weight_nodes
+from attncal.exporting import exporter, quantize
+from attncal.exporting.quantize import graph_record, quantization_record, quantize_graph, weight_nodes
 from attncal.graphs.ops.contract import DOMAIN
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder

@@ -15,7 +15,7 @@ import torch
 from attncal import CalibrationConfig
 from attncal.bench.engines import optimize_export
 from attncal.calibration import TorchEncoder, apply, reference
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.graphs.ops.contract import op_spec
 from attncal.graphs.placements.row_placement import RowPlacementError, calibrate_optimized
 from attncal.graphs.ops.single_op import single_op_model

@@ -54,7 +54,7 @@ def _env_or_skip():
 
 def _build_exports(root: Path) -> None:
     from attncal.calibration.config import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.synthetic import save_synthetic_model
 
     model = save_synthetic_model("bert", root / "m", seed=3, max_positions=128, max_seq_length=MAX_LEN)

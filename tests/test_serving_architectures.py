@@ -34,7 +34,7 @@ TEXTS = ["a", "hello world", "calibrated attention " * 3, "position bias in long
 def served(tmp_path_factory):
     _env_or_skip()
     from attncal.calibration.config import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime.encoder import Encoder
     from attncal.synthetic import save_synthetic_model
 

@@ -17,7 +17,7 @@ import pytest
 from attncal import CalibrationConfig
 from attncal.calibration import TorchEncoder
 from attncal.cli import main
-from attncal.export.exporter import ExportOptions, export
+from attncal.exporting.exporter import ExportOptions, export
 from attncal.graphs.placements import plan
 from attncal.graphs.placements.split_placement import SplitPlacementError
 from attncal.runtime import Encoder

@@ -14,7 +14,7 @@ from attncal.runtime.encoder import length_batches
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
     """An uncalibrated tiny BERT export, max length 64."""
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.synthetic import save_synthetic_model
 
     root = tmp_path_factory.mktemp("token-batches")

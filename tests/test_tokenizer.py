@@ -109,7 +109,7 @@ print(json.dumps({"transformers": "transformers" in sys.modules, "feeds": {k: v.
 
 def test_export_records_the_fast_tokenizer_and_the_encoder_runs_without_transformers(tiny_models, tmp_path):
     from attncal import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime import Encoder
 
     out = tmp_path / "export"

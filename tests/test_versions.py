@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from attncal import versions
-from attncal.export import fp16, ort_optimize, quantize
+from attncal.exporting import fp16, ort_optimize, quantize
 
 
 def test_declared_ranges_come_from_the_package_metadata():

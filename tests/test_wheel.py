@@ -71,7 +71,7 @@ def _runtime_without_torch(vpy: str, root: Path, env: dict[str, str], tiny_model
     from transformers import AutoTokenizer
 
     from attncal import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.modelinfo import default_model_path, read_prompts
     from attncal.runtime import Encoder
 

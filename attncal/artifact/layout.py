@@ -30,7 +30,7 @@ OPTIMIZED_FILE = "model_optimized.onnx"  # optimum's name for the ORT-optimized 
 # native library is loaded; the calibrated export writes it beside model_optimized.onnx (split placement,
 # no custom op), which runs everywhere else.
 NATIVE_FILE = "model_optimized_native.onnx"
-# The portable graph with every model-local function inlined, attribute references bound (attncal.export.inline):
+# The portable graph with every model-local function inlined, attribute references bound (attncal.exporting.inline):
 # standard ONNX only, for the runtimes that do not read ONNX functions (OpenVINO); `attncal export --inlined`.
 INLINED_FILE = "model_inlined.onnx"
 EXTERNAL_DATA_FILE = "model.onnx_data"

@@ -8,7 +8,7 @@ where the graph's folder is given.
 
 A graph is written once, from a staged copy whose weights are on disk (`write_graph`, `write_graph_file`): the
 weights are streamed as protobuf fragments (`varint_bytes`, `field_header`, also the int8 quantizer's,
-`attncal.export.quantize`) or into an external-data file, never held in a message.  `load_onnx_checked` parses
+`attncal.exporting.quantize`) or into an external-data file, never held in a message.  `load_onnx_checked` parses
 a graph and verifies its interface, its external data (`attncal.artifact.checks`) and its digest.
 """
 

@@ -31,11 +31,10 @@ from typing import Callable
 
 import numpy as np
 
-from .. import export  # the callable package: a call loads the exporter (attncal/export/__init__.py)
 from ..artifact import (INLINED_GRAPH, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, PORTABLE_GRAPH, ArtifactError,
                         config_int, open_export, read_metadata, save_onnx_proto, write_metadata)
 from ..calibration.config import CalibrationConfig
-from ..export.plan import ExportOptions
+from ..exporting.plan import ExportOptions
 from ..runtime import oplib
 from ..runtime.encoder import Encoder, default_session_options
 from ..runtime.landmarks import PoolingSpec, place
@@ -173,6 +172,8 @@ class Workspace:
 
 def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict[str, str]:
     """Create the exports the selected engines need (once; reused when present). Returns notes."""
+    from ..exporting.exporter import export  # lazy: onnx_ir and sympy, not loaded at start-up
+
     notes: dict[str, str] = {}
     needed = {_ort_engine(e)[0] for e in engines if _is_ort_engine(e)} | \
              {_OPENVINO_ENGINES[e][0] for e in engines if e in _OPENVINO_ENGINES}
@@ -222,7 +223,7 @@ def export_code_fingerprint() -> str:
     """What a cached bench export depends on besides the model, the config and the placement: attncal's own
     code (every module's source: a checkout's next commit keeps the version string, and must not reuse the
     last commit's exports) and the versions of the libraries that export and rewrite it."""
-    from ..export.exporter import library_versions  # lazy: the exporter, which attncal --help must not load
+    from ..exporting.exporter import library_versions  # lazy: the exporter, which attncal --help must not load
 
     h = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import export  # the callable package: a call loads the exporter (attncal/export/__init__.py)
 from ..bench.engines import interleaved_session_options
 from ..bench.timing import interleaved_times, medians
-from ..export.plan import ExportOptions
+from ..exporting.plan import ExportOptions
 from ..runtime import Encoder
 from ..runtime.encoder import graph_has_custom_op
 from ..runtime.oplib import resolve_library
@@ -69,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     out = Path(args.out)
     dirs = {"uncalibrated": out / "uncalibrated", "calibrated": out / "calibrated"}
+    from ..exporting.exporter import export  # lazy: onnx_ir and sympy, not loaded at start-up
+
     metas = {}
     for name, path in dirs.items():
         print(f"== export {name} -> {path}", file=sys.stderr, flush=True)

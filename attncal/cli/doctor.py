@@ -21,7 +21,7 @@ from typing import Any
 from .. import cpuinfo
 from ..artifact import open_export
 from ..calibration.config import CalibrationConfig
-from ..export.quantize import graph_record
+from ..exporting.quantize import graph_record
 from ..graphs.ops.contract import ALL_OP_TYPES, attention_op_spec, op_spec, with_softmax
 from ..runtime import oplib
 from ..runtime.encoder import default_providers, select_graph

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import export  # the callable package: the exporter loads on the first call
 from ..artifact import EXPORT_LOG_FILE
-from ..export.errors import ExportError, ParityError
-from ..export.plan import DEFAULT_OPSET, EXPORTERS, ExportOptions
-from ..export.quantize import INT8_TARGETS, QUANTIZATIONS
-from ..export.watch import Watch
+from ..exporting.errors import ExportError, ParityError
+from ..exporting.plan import DEFAULT_OPSET, EXPORTERS, ExportOptions
+from ..exporting.quantize import INT8_TARGETS, QUANTIZATIONS
+from ..exporting.watch import Watch
 from ..graphs.placements.placement_names import CHOICES as PLACEMENT_CHOICES
 from ..modelinfo import TESTED_MODEL_TYPES
 from ..runtime.landmarks import PoolingSpec
@@ -97,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         memory_check=args.memory_check,
         pooling_spec=spec,
     )
+    from ..exporting.exporter import export  # lazy: onnx_ir and sympy, not loaded at start-up
+
     try:
         with Watch() as watch:  # a kill (out of memory) is reported with its step, and leaves nothing behind
             meta = export(args.model, args.out, opts, watch=watch)

@@ -14,13 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import export
 from ..calibration.config import CalibrationConfig
 from ..eval.posq_builder import PosqOptions
 from ..eval.realtext import python_reference_documents
 from ..eval.tune import PRESETS, ExportStep, TuneOptions, grid_label, tune
 from ..eval.tune_report import delta_table, encode_command
-from ..export.plan import ExportOptions
+from ..exporting.plan import ExportOptions
 from .common import CLIError, command_line, write_command_log
 from .eval import load_grid
 
@@ -31,6 +30,8 @@ LOG_FILE_HELP = f"they are written to OUT/{LOG_FILE}"
 def export_step(exporter: str = "dynamo", max_length: int | None = None) -> ExportStep:
     """How `--export` exports tune's recommendation: the exporter, with its parity check, quiet."""
     def step(model: str, out: Path, config: CalibrationConfig, calibrate: bool) -> dict:
+        from ..exporting.exporter import export  # lazy: onnx_ir and sympy, not loaded at start-up
+
         return export(model, out, ExportOptions(config=config, calibrate=calibrate, exporter=exporter,
                                                 max_length=max_length), quiet=True)
     return step

@@ -14,7 +14,7 @@ CALIBRATION = dict(basket_size=4, strength=1.0)  # basket 4: calibration changes
 
 def _build(path: Path, arch: str, pooling: str | None, calibrate: bool, every: int | str | None) -> None:
     from attncal.calibration.config import CalibrationConfig
-    from attncal.export.exporter import ExportOptions, export
+    from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime.landmarks import PoolingSpec
     from attncal.synthetic import save_synthetic_model
 

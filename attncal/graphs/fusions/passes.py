@@ -43,7 +43,7 @@ STAGED: tuple[Ordered, ...] = (
     Ordered(inplace_shapes.PASS, "after the recorded shapes are dropped: it labels the calibration op's input "
             "again, so the native op still runs in place"),
     Ordered(feed_forward_chunks.PASS, "last: the Scan body takes the block's nodes as they are; native float32 "
-            "long-context graphs only (`attncal.export.optimized_graphs`)"),
+            "long-context graphs only (`attncal.exporting.optimized_graphs`)"),
 )
 
 

@@ -146,7 +146,7 @@ class Placement:
       False: place on the plain graph, then optimize (softmax, fused-softmax: the calibrated layers stay
       unfused, since the op sits between Softmax and the value MatMul where the fuser looks).
     * `float32_nodes`: the node-name prefix of the calibration math it writes in standard ops, which a
-      float16 conversion of the optimized graph keeps in float32 (`attncal.export.fp16`); None where an
+      float16 conversion of the optimized graph keeps in float32 (`attncal.exporting.fp16`); None where an
       ai.attncal op computes the calibration in float32 whatever its input type.
     * `check_request(rc, precision)`: the refusal of an explicit request for a calibration config and
       export precision, decided before any graph exists (`placements.plan` runs it), or None.

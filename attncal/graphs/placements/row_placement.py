@@ -55,7 +55,7 @@ from .rewrite import model_opset
 from .softmax_pattern import SoftmaxPatternError
 
 # Node-name prefix of everything both rules add (the calibrated row's standard-op math): the placement's
-# `float32_nodes`, kept float32 in a float16 graph (attncal.export.fp16).
+# `float32_nodes`, kept float32 in a float16 graph (attncal.exporting.fp16).
 NODE_PREFIX = "attncal_row_"
 
 

@@ -51,7 +51,7 @@ MS_DOMAIN = "com.microsoft"
 i64 = np.int64
 f32 = np.float32
 # Node-name prefix of everything both rules add in standard ops (the calibration math): the placement's
-# `float32_nodes`, kept float32 when an optimized graph is converted to float16 (attncal.export.fp16).
+# `float32_nodes`, kept float32 when an optimized graph is converted to float16 (attncal.exporting.fp16).
 NODE_PREFIX = "attncal_split_"
 
 

@@ -1,4 +1,4 @@
-"""The export's own failures; a problem with the user's input is refused earlier, by the plan (`attncal.export.plan`),
+"""The export's own failures; a problem with the user's input is refused earlier, by the plan (`attncal.exporting.plan`),
 as a ValueError or FileExistsError."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ STEP_WEIGHTS = {
 }
 TORCHSCRIPT_INLINE_WEIGHTS = 4.5  # TORCHSCRIPT_STEP below PROTO_LIMIT
 # The int8 step: attncal's quantizer reads each graph's structure only and its weights a 16 MiB block at a time,
-# and streams the int8 graph out (attncal.export.quantize; 0.08x at bge-m3's size).  Then the exporter re-stamps
+# and streams the int8 graph out (attncal.exporting.quantize; 0.08x at bge-m3's size).  Then the exporter re-stamps
 # each quantized graph's digest (attncal.artifact.stamp_onnx), which parses a graph below 2 GiB whole and writes
 # it again: about 4x the int8 graph (its bytes, the parsed message, its serialization).  An int8 graph keeps the
 # embeddings float32: 0.65x the float32 weights for XLM-R (bge-m3: 2.75x measured), up to about 0.75x for the
@@ -50,7 +50,7 @@ QUANTIZE_WEIGHTS = 3.2
 PARITY_FIXED = 0.25 * GIB
 OPTIMIZER_CHILD = 0.15 * GIB  # the optimizer's child interpreter: Python, onnx, ONNX Runtime
 # The dynamo export's child interpreter (Python, torch, transformers, onnxscript: 0.32 GiB resident before it
-# loads the model), for a model the export runs in a child process (attncal.export.from_torch: from
+# loads the model), for a model the export runs in a child process (attncal.exporting.from_torch: from
 # RELEASE_FROM_BYTES of weights); this process, without the model, stays at RUNTIME_BASE meanwhile.
 TORCH_CHILD = 0.4 * GIB
 DISK_WEIGHTS = 6.0  # the graphs (up to three) and their staged copies, beside OUT until the final rename

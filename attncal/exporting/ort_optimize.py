@@ -76,14 +76,14 @@ def run(src: Path, dst: Path, num_heads: int, hidden_size: int) -> tuple[Path, s
     to stderr (passed on to this process's stderr as the child wrote it), or OptimizerError."""
     warn_if_not_mirrored("onnxruntime", MIRRORS_ORT, "attncal's optimizer runs the stages of optimize_model")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "attncal.export.ort_optimize", str(src), str(dst), "--num-heads", str(num_heads),
+    cmd = [sys.executable, "-m", "attncal.exporting.ort_optimize", str(src), str(dst), "--num-heads", str(num_heads),
            "--hidden-size", str(hidden_size)]
     stderr = run_child(cmd, "ONNX Runtime's transformer optimizer", OptimizerError, stdout=subprocess.PIPE)
     return dst, stderr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attncal.export.ort_optimize", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m attncal.exporting.ort_optimize", description=__doc__.splitlines()[0])
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
     p.add_argument("--num-heads", type=int, required=True)

@@ -5,7 +5,7 @@ Later steps call `torch_export` through this module (`from_torch.torch_export`),
 replaces every export the run makes (the TorchScript one ONNX Runtime's optimizer takes too).
 
 A model of `RELEASE_FROM_BYTES` float32 weight bytes or more is exported by the dynamo exporter in a child
-process (`python -m attncal.export.from_torch`), which loads the model itself: the exporter optimizes its graph
+process (`python -m attncal.exporting.from_torch`), which loads the model itself: the exporter optimizes its graph
 with onnxscript's rewrite rules, module-level objects whose pattern matchers each keep the last graph they
 matched, and that graph's initializers wrap the model's parameters, so in this process the weights would stay
 resident for the rest of the export.  onnxscript (0.7) offers no public way to release them; a child's memory
@@ -168,7 +168,7 @@ def load(run: Run):
     """The model files beside the graphs, and the torch model (loading is measured with the torch export: both
     hold the same weights).  Whether it can be calibrated in PyTorch (the parity reference) is probed here, before
     exporting; the probe also says what the attention holds, which decides whether ORT's optimizer is worth
-    trying (`attncal.export.optimized_graphs`)."""
+    trying (`attncal.exporting.optimized_graphs`)."""
     from ..calibration.attention_functions import UnsupportedArchitectureError  # lazy: imports torch
     from ..calibration.probing import find_attention  # lazy: imports torch
 
@@ -221,7 +221,7 @@ def export_torch(run: Run, torch_model) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The child of `export_in_child`: read its request, export, write the input names."""
-    p = argparse.ArgumentParser(prog="python -m attncal.export.from_torch", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m attncal.exporting.from_torch", description=main.__doc__)
     p.add_argument("request", type=Path)
     p.add_argument("result", type=Path)
     a = p.parse_args(argv)

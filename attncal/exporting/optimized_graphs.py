@@ -1,5 +1,5 @@
 """The export's ONNX Runtime graphs: `onnx/model_optimized.onnx` (the placement on ONNX Runtime's transformer
-optimizer's graph, `attncal.export.ort_optimize`) and `onnx/model_optimized_native.onnx` (the calibrated
+optimizer's graph, `attncal.exporting.ort_optimize`) and `onnx/model_optimized_native.onnx` (the calibrated
 attention op in every layer, for the native library), and the glue between them and the optimizer: whether it
 is worth trying, whether it fused every layer, the placements before or after it, and its cached runs."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from ..artifact import (CONFIG_FILE, NATIVE_GRAPH, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, OPTIMIZED_GRAPH,
-                        config_int, is_long_context, read_json, stage_onnx, weights_on_disk, write_graph)
+from ..artifact import (CONFIG_FILE, NATIVE_GRAPH, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, OPTIMIZED_GRAPH, config_int,
+                        is_long_context, read_json, stage_onnx, weights_on_disk, write_graph)
 from ..calibration.config import CalibrationConfig
 from ..graphs.fusions import native_fusions, passes
 from ..graphs import placements
@@ -47,7 +47,7 @@ def _fusion_blockers(features: frozenset[str]) -> str:
 def _ort_optimize(path: Path, info: ModelInfo, cache: dict):
     """ONNX Runtime's transformer optimizer (attention and layer-norm fusions; its BERT fusions match any
     encoder whose attention has the BERT shape, from a TorchScript export), lazily loaded: its weights stay
-    in the staged data file (`attncal.export.ort_optimize` runs the optimizer in a child process).  `cache`
+    in the staged data file (`attncal.exporting.ort_optimize` runs the optimizer in a child process).  `cache`
     maps a source graph to its optimized copy and the optimizer's messages, so the optimized and native graphs
     share one run."""
     from transformers import AutoConfig  # the export's own dependency; its attribute maps name the heads
@@ -101,7 +101,7 @@ def _fusion_note(model, messages: list[str]) -> str | None:
 
     ORT's optimizer prints "failed in shape inference" when its symbolic shape inference cannot
     handle a graph; it then leaves Add + LayerNormalization unfused.  attncal's own pooling head is
-    written so that it can (attncal.export.wrapper: a ReduceL2/ReduceMin/ReduceMax output it cannot
+    written so that it can (attncal.exporting.wrapper: a ReduceL2/ReduceMin/ReduceMax output it cannot
     shape made the next Expand/Unsqueeze raise a TypeError in onnxruntime 1.32), so this is a safety
     net for graphs where it still fails; silent when the fusion happened.  The export is still
     correct either way: the parity check measures it."""
@@ -227,7 +227,7 @@ def _chunks_feed_forwards(plan: ExportPlan) -> bool:
     """Whether the native graph runs its feed-forward blocks over chunks of rows: float32 exports of a long
     context (`is_long_context`).  Short ones keep the plain blocks: their batches are small enough, and the
     chunking's fixed cost per block (the Scan and its shape arithmetic) is a measurable share of a short
-    text's time.  int8 quantizes the graph's own MatMuls only (`attncal.export.quantize`), not those of a
+    text's time.  int8 quantizes the graph's own MatMuls only (`attncal.exporting.quantize`), not those of a
     Scan's body; the float16 native graph is converted as it is."""
     return plan.precision == "fp32" and is_long_context(plan.max_seq_length)
 

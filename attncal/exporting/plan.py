@@ -45,11 +45,11 @@ class ExportOptions:
     check: bool = True
     placement: str = "auto"  # one of PLACEMENTS (attncal.graphs.placements)
     optimized: bool = True  # also write onnx/model_optimized.onnx where ORT's transformer optimizer applies
-    # also write onnx/model_inlined.onnx, the portable graph's functions inlined (attncal.export.inline), where
+    # also write onnx/model_inlined.onnx, the portable graph's functions inlined (attncal.exporting.inline), where
     # the portable graph has functions (a calibrated export, but --placement split); one more copy of the weights
     inlined: bool = False
-    quantize: str | None = None  # "int8": every written graph quantized (attncal.export.quantize)
-    int8_target: str = "auto"  # the CPUs an int8 export is made for: one of INT8_TARGETS (attncal.export.quantize)
+    quantize: str | None = None  # "int8": every written graph quantized (attncal.exporting.quantize)
+    int8_target: str = "auto"  # the CPUs an int8 export is made for: one of INT8_TARGETS (attncal.exporting.quantize)
     memory_check: bool = True  # refuse before step 1 when the estimate exceeds the memory available (memory_plan)
     # Landmark (lmk, multi-cls) or Mean@k pooling, with its tokenization: attncal.runtime.landmarks.  The config's
     # pooling is then this one's (leave it auto).
@@ -138,7 +138,7 @@ class ExportPlan:
 
     @property
     def pooling_head(self) -> str | tuple[str, int, int]:
-        """The export's pooling as `attncal.export.wrapper.SentenceEmbeddingModule` takes it: the name, or for
+        """The export's pooling as `attncal.exporting.wrapper.SentenceEmbeddingModule` takes it: the name, or for
         landmark / mean-every (name, landmark token id, k)."""
         spec = self.pooling_spec
         if spec is None:

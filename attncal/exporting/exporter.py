@@ -15,10 +15,10 @@ directory before the rename; attncal's own step lines stay on stderr.  Called as
 library, the export leaves its process's output as it is and writes no log.
 
 `export` is the pipeline; each step lives where its name says: the torch export and its model loading in
-`attncal.export.from_torch`, the ONNX Runtime graphs in `attncal.export.optimized_graphs` (beside the
-optimizer's child process, `attncal.export.ort_optimize`), graph staging in `attncal.artifact` (`write_graph`),
+`attncal.exporting.from_torch`, the ONNX Runtime graphs in `attncal.exporting.optimized_graphs` (beside the
+optimizer's child process, `attncal.exporting.ort_optimize`), graph staging in `attncal.artifact` (`write_graph`),
 the graph passes in `attncal.graphs.fusions.passes`, the tokenizer attestation in `attncal.runtime.tokenizer`, the step
-meter in `attncal.memory`, and the run state in `attncal.export.run`.
+meter in `attncal.memory`, and the run state in `attncal.exporting.run`.
 """
 
 from __future__ import annotations
@@ -33,21 +33,9 @@ from typing import Callable
 import onnx_ir as ir
 
 from .. import console
-from ..artifact import (
-    EXPORT_LOG_FILE,
-    INLINED_GRAPH,
-    NATIVE_GRAPH,
-    ONNX_FILE,
-    ONNX_SUBDIR,
-    OPTIMIZED_GRAPH,
-    ExportMetadata,
-    commit_dir,
-    loader_files,
-    stamp_onnx,
-    write_graph,
-    write_metadata,
-    write_text_atomic,
-)
+from ..artifact import (EXPORT_LOG_FILE, INLINED_GRAPH, NATIVE_GRAPH, ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_GRAPH,
+                        ExportMetadata, commit_dir, loader_files, stamp_onnx, write_graph, write_metadata,
+                        write_text_atomic)
 from ..graphs.fusions import passes
 from ..graphs import placements
 from ..graphs.pass_base import run_passes
@@ -60,16 +48,7 @@ from . import from_torch, optimized_graphs
 from .inline import INLINED_RUNTIME, function_calls, inline_functions
 from .errors import ExportError, ParityError  # noqa: F401  (public here)
 from .fp16 import METHOD as FP16_METHOD
-from .plan import (  # noqa: F401  (DEFAULT_OPSET, EXPORTERS, PLACEMENTS, ExportOptions: public here)
-    DEFAULT_OPSET,
-    EXPORTERS,
-    GRAPHS,
-    PARITY,
-    PLACEMENTS,
-    WRITE,
-    ExportOptions,
-    ExportPlan,
-)
+from .plan import (DEFAULT_OPSET, EXPORTERS, GRAPHS, PARITY, PLACEMENTS, WRITE, ExportOptions, ExportPlan)  # noqa: F401  (DEFAULT_OPSET, EXPORTERS, PLACEMENTS, ExportOptions: public here)
 from .quantize import (TARGET_WEIGHTS, method, quantization_record, quantize_graph, resolve_target, sensitivity,
                        sensitivity_feeds, target_reduce_range, weight_nodes_of)
 from .run import Run
@@ -162,7 +141,7 @@ def _portable_graph(run: Run) -> None:
 
 def _inlined_graph(run: Run, ir_model) -> None:
     """onnx/model_inlined.onnx: the portable graph (`ir_model`, which the portable graph's write left as it was)
-    with its functions inlined (attncal.export.inline), where it has any; else the portable graph is standard
+    with its functions inlined (attncal.exporting.inline), where it has any; else the portable graph is standard
     ONNX already and the log says so."""
     plan = run.plan
     if not function_calls(ir_model):
@@ -178,7 +157,7 @@ def _inlined_graph(run: Run, ir_model) -> None:
 
 
 def _quantize(run: Run) -> None:
-    """int8 exports: every graph quantized (attncal.export.quantize) in its target's weight format, its digest
+    """int8 exports: every graph quantized (attncal.exporting.quantize) in its target's weight format, its digest
     stamped."""
     opts = run.plan.opts
     if opts.quantize is None:
