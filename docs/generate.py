@@ -45,6 +45,7 @@ import textwrap
 from pathlib import Path
 from typing import Callable
 
+from attncal.bench.engines import TWIN
 from attncal.bench.timing import median_ratio
 from attncal.cli import build_parser
 from attncal.eval.report import markdown_table
@@ -327,7 +328,8 @@ def _cpu_path_overhead_table() -> str:
     """`attncal bench` runs of all-MiniLM-L6-v2 per CPU path of the native library and pooling, committed as
     docs/bench/cal-overhead/PATH-POOLING/results.json: the calibrated native graph's time over the uncalibrated
     one's (`ort-opt-native` / `ort-native`), per shape, with a 95 % bootstrap interval over the rounds where the run
-    recorded them; 100 tokens is the shape where no row is calibrated (every text shorter than one basket)."""
+    recorded them, and where the run has it the A/A control (`ort-native@2`, a second uncalibrated session) the same
+    way; 100 tokens is the shape where no row is calibrated (every text shorter than one basket)."""
     root = DOCS / "bench" / "cal-overhead"
     runs = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(root.glob("*/results.json"))]
     order = {p: i for i, p in enumerate(("avx512", "avx2", "default"))}
@@ -342,22 +344,24 @@ def _cpu_path_overhead_table() -> str:
                      f"{meta['date']}, {machine['cpu']} (`{machine['cpu_class']}`, path `{machine['cpu_path']}` "
                      f"{forced}), {machine['threads']} thread{'s' if machine['threads'] != 1 else ''}, "
                      f"{meta['repeats']} rounds, {meta.get('clock', 'wall')} clock")
-    lines += ["", "| CPU path | pooling | " + " | ".join(f"{b} × {s}" for b, s in shapes) + " |",
-              "|---|---|" + "---:|" * len(shapes)]
-    def cell(by: dict, b: int, s: int) -> str:
-        cal, uncal = by.get(("ort-opt-native", b, s)), by.get(("ort-native", b, s))
-        if cal is None or uncal is None:
+    lines += ["", "| CPU path | pooling | over the uncalibrated graph | " + " | ".join(f"{b} × {s}" for b, s in shapes)
+              + " |", "|---|---|---|" + "---:|" * len(shapes)]
+    def cell(by: dict, engine: str, b: int, s: int) -> str:
+        a, uncal = by.get((engine, b, s)), by.get(("ort-native", b, s))
+        if a is None or uncal is None:
             return "–"
-        if not cal.get("times_ms") or not uncal.get("times_ms"):
-            return _ratio(cal["p50_ms"] / uncal["p50_ms"])
-        ratio, lo, hi = median_ratio(cal["times_ms"], uncal["times_ms"])
+        if not a.get("times_ms") or not uncal.get("times_ms"):
+            return _ratio(a["p50_ms"] / uncal["p50_ms"])
+        ratio, lo, hi = median_ratio(a["times_ms"], uncal["times_ms"])
         return f"{ratio:.3f} [{lo:.3f}, {hi:.3f}]"
 
     for run in runs:
         by = {(r["engine"], r["batch"], r["seq"]): r for r in run["rows"]}
-        cells = [cell(by, b, s) for b, s in shapes]
-        lines.append(f"| `{run['meta']['machine']['cpu_path']}` | {run['meta']['config']['pooling']} | "
-                     + " | ".join(cells) + " |")
+        path, pooling = run["meta"]["machine"]["cpu_path"], run["meta"]["config"]["pooling"]
+        for engine, what in (("ort-opt-native", "calibrated"), (f"ort-native{TWIN}", "A/A: uncalibrated again")):
+            if any(e == engine for e, _, _ in by):
+                lines.append(f"| `{path}` | {pooling} | {what} | " + " | ".join(cell(by, engine, b, s) for b, s in shapes)
+                             + " |")
     return "\n".join(lines)
 
 

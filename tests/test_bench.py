@@ -156,6 +156,16 @@ def test_encoder_keeps_the_memory_pattern_for_short_exports_only(tiny_models, tm
         assert Encoder(out, session_options=mine).session.get_session_options().enable_mem_pattern is True
 
 
+def test_an_ort_engine_may_take_a_twin_session():
+    """`ort-native@2` is a second session of ort-native (an A/A control), alone or after a memory-pattern suffix;
+    other engines take no twin."""
+    from attncal.bench import engines
+
+    assert engines.is_engine("ort-native@2") and engines.is_engine("ort-opt-native+nomempattern@2")
+    assert engines._split("ort-native+mempattern@2") == ("ort-native", True)
+    assert not engines.is_engine("torch@2") and not engines.is_engine("ort-native@3")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -95,6 +95,10 @@ _ORT_ENGINES = {
 # (as ORT's default session options, and so a user's own InferenceSession, have it) or off, whatever the Encoder
 # chooses for the export (runtime.encoder.default_session_options).
 MEM_PATTERN = {"+mempattern": True, "+nomempattern": False}
+# An ORT engine (with or without a MEM_PATTERN suffix) followed by TWIN: a second session of the same export and
+# options, timed in the same rounds: an A/A control, whose ratio to the first is what two identical sessions
+# differ by on this machine (where they sit in memory), the floor under any A/B ratio of the same run.
+TWIN = "@2"
 _EXPORTS = {  # export directory -> placement (None: uncalibrated; "bench": the workspace's placement)
     "uncal": None, "cal": "softmax", "fused": "fused-softmax", "opt-cal": "bench", "split": "split", "row": "row",
     "uncal-int8": None, "opt-cal-int8": "bench", "pooled": None, "inlined": "auto",
@@ -113,12 +117,13 @@ def peer_engine(ran: list[str]) -> str | None:
 
 
 def is_engine(name: str) -> bool:
-    """`name` is one of ENGINES, or an ORT engine followed by a suffix of MEM_PATTERN."""
+    """`name` is one of ENGINES, or an ORT engine followed by a suffix of MEM_PATTERN and/or TWIN."""
     return name in ENGINES or _is_ort_engine(name)
 
 
 def _split(name: str) -> tuple[str, bool | None]:
-    """(the engine without its MEM_PATTERN suffix, the memory pattern it asks for, or None)."""
+    """(the engine without its TWIN and MEM_PATTERN suffixes, the memory pattern it asks for, or None)."""
+    name = name.removesuffix(TWIN)
     for suffix, on in MEM_PATTERN.items():
         if name.endswith(suffix):
             return name.removesuffix(suffix), on

@@ -12,7 +12,8 @@ from pathlib import Path
 from ..artifact import ArtifactError, looks_like_export, open_export, write_text_atomic
 from ..bench import engines as bench_engines
 from ..bench import harness
-from ..bench.engines import DEFAULT_ENGINES, ENGINES, MEM_PATTERN, Workspace, build_exports, is_engine, peer_engine
+from ..bench.engines import (DEFAULT_ENGINES, ENGINES, MEM_PATTERN, TWIN, Workspace, build_exports, is_engine,
+                              peer_engine)
 from ..bench.report import write_results
 from ..bench.timing import CLOCKS
 from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
@@ -62,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                    help=f"comma-separated subset of {', '.join(ENGINES)}; an ORT engine followed by "
                    f"{' or '.join(MEM_PATTERN)} runs with ONNX Runtime's memory pattern on (as ORT's default session "
-                   "options have it) or off, whatever the Encoder chooses for the export")
+                   f"options have it) or off, whatever the Encoder chooses for the export; and followed by {TWIN}, a "
+                   "second session of it (an A/A control: what two identical sessions differ by)")
     p.add_argument("--seq", default="128,512,2048", help="sequence lengths (default %(default)s)")
     p.add_argument("--batch", default="1,8,32", help="batch sizes (default %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="timed rounds per shape (default %(default)s)")
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [e for e in engines if not is_engine(e)]
     if bad or not engines:
         raise CLIError(f"unknown engine(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ENGINES)} "
-                       f"(an ORT engine may take {' or '.join(MEM_PATTERN)})")
+                       f"(an ORT engine may take {' or '.join(MEM_PATTERN)}, and {TWIN})")
     seqs, batches = _int_list(args.seq, "--seq"), _int_list(args.batch, "--batch")
     if args.repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
