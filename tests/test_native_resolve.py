@@ -41,11 +41,8 @@ def test_default_uses_built_library(built):
     assert oplib.resolve_library(False) is None
 
 
-def test_a_library_being_built_is_handed_out_only_when_the_build_ends(built, monkeypatch):
-    """A parallel worker that resolves the library while another builds it waits for the build's lock: the
-    linker writes the library in place, and one loaded mid-link has an invalid ELF header.  The resolver is
-    let go only once it has asked for the lock (its shared flock, seen through a wrapper), so the check that
-    it got nothing while the build ran does not depend on how soon the thread is scheduled."""
+def _watch_shared_locks(monkeypatch) -> threading.Event:
+    """An event set when oplib asks for a build's lock shared (its flock, seen through a wrapper)."""
     asking = threading.Event()
 
     def flock(fd, op):
@@ -55,6 +52,15 @@ def test_a_library_being_built_is_handed_out_only_when_the_build_ends(built, mon
 
     monkeypatch.setattr(oplib, "fcntl", SimpleNamespace(flock=flock, LOCK_SH=fcntl.LOCK_SH, LOCK_EX=fcntl.LOCK_EX,
                                                          LOCK_UN=fcntl.LOCK_UN))
+    return asking
+
+
+def test_a_library_being_built_is_handed_out_only_when_the_build_ends(built, monkeypatch):
+    """A parallel worker that resolves the library while another builds it waits for the build's lock: the
+    linker writes the library in place, and one loaded mid-link has an invalid ELF header.  The resolver is
+    let go only once it has asked for the lock (its shared flock, seen through a wrapper), so the check that
+    it got nothing while the build ran does not depend on how soon the thread is scheduled."""
+    asking = _watch_shared_locks(monkeypatch)
     got = []
     with oplib._locked(built.parent):  # a build of that directory is running
         t = threading.Thread(target=lambda: got.append(oplib.resolve_library()))
@@ -69,15 +75,7 @@ def test_a_library_missing_while_it_is_rebuilt_is_waited_for(built, monkeypatch)
     """The linker writes the library anew, so during another worker's rebuild it is missing: the resolver waits
     for the build's lock and then finds it, instead of falling back for good (an Encoder picking the split graph
     because a test on the other worker was relinking the library)."""
-    asking = threading.Event()
-
-    def flock(fd, op):
-        if op == fcntl.LOCK_SH:
-            asking.set()
-        return fcntl.flock(fd, op)
-
-    monkeypatch.setattr(oplib, "fcntl", SimpleNamespace(flock=flock, LOCK_SH=fcntl.LOCK_SH, LOCK_EX=fcntl.LOCK_EX,
-                                                         LOCK_UN=fcntl.LOCK_UN))
+    asking = _watch_shared_locks(monkeypatch)
     got = []
     with oplib._locked(built.parent):  # the rebuild: the library is gone until it ends
         built.unlink()
