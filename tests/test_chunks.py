@@ -80,14 +80,41 @@ def _reference_late(model_dir, pooling, calibrated, text, size, overlap):
 
 
 def test_late_chunks_equal_the_torch_reference(late_case):
+    """Both ways of computing them: in the graph (the calibrated exports have chunk vectors) and from the token
+    states (every export; the uncalibrated one has nothing else)."""
     export, model, pooling, cal = late_case
     enc = Encoder(export, providers=CPU)
+    assert enc.has_chunk_vectors == cal
     texts = _texts()[:2]
     got = enc.encode_chunks(texts, "late", size=12, overlap=5, batch_size=3)
+    states = enc.encode_chunks(texts, "late", size=12, overlap=5, batch_size=3, in_graph=False)
     assert got.window[got.of(1)].max() >= 2  # the long text took several windows
     for i, text in enumerate(texts):
         want = _reference_late(model, pooling, cal, text, 12, 5)
         np.testing.assert_allclose(got.vectors[got.of(i)], want, atol=TOL, rtol=0)
+        np.testing.assert_allclose(states.vectors[states.of(i)], want, atol=TOL, rtol=0)
+    for col in ("text", "chunk", "window", "start", "end"):
+        assert np.array_equal(getattr(got, col), getattr(states, col)), col
+    if not cal:
+        with pytest.raises(ValueError, match="no chunk-vector output .*--chunk-vectors"):
+            enc.encode_chunks(texts, "late", in_graph=True)
+
+
+def test_check_verifies_chunk_vectors(tmp_path_factory):
+    """`attncal check` (check_parity) of an export with chunk vectors compares them with the token states' path."""
+    from attncal.runtime.parity import ParityReport, check_parity
+
+    export, model = chunk_export(tmp_path_factory, "bert", "mean", True)
+    report = check_parity(export, [synthetic_text(40, seed=1), synthetic_text(300, seed=2)], model, batch_size=2)
+    assert report.chunk_count > 3 and report.chunk_max_abs <= TOL and report.ok
+    assert "chunk vectors: max abs diff" in report.summary()
+    plain_export = chunk_export(tmp_path_factory, "bert", "mean", False)[0]
+    plain = check_parity(plain_export, ["short text"], model)
+    assert plain.chunk_max_abs is None and "chunk vectors" not in plain.summary()
+    assert Encoder(export, providers=CPU).meta["chunk_vectors"]["output"] == "chunk_embeddings"
+    assert "chunk_vectors" not in Encoder(plain_export, providers=CPU).meta  # as in exports made before the option
+    bad = ParityReport(**{**report.__dict__, "chunk_max_abs": 2e-5})
+    assert not bad.ok
 
 
 def test_calibration_changes_late_chunks(tmp_path_factory):
@@ -133,6 +160,8 @@ def test_landmark_chunks_are_the_landmark_states(tmp_path_factory):
     np.testing.assert_allclose(got.vectors[got.of(0)], normalise(hidden[0, marks]), atol=1e-6)
     # the whole-text embedding of an LMK export is the mean of these landmark states
     np.testing.assert_allclose(normalise(hidden[0, marks].mean(0, keepdims=True)), emb, atol=1e-6)
+    states = enc.encode_chunks([short, long], "landmark", in_graph=False)  # the graph's chunk vectors are the same
+    np.testing.assert_allclose(got.vectors, states.vectors, atol=1e-6, rtol=0)
     assert got.window[got.of(1)].max() >= 2 and len(got.vectors[got.of(1)]) == int(np.ceil(
         len(enc._chunker._texts([long])[0].ids) / 8))
 
@@ -170,3 +199,15 @@ def test_bad_texts_are_listed_and_the_rest_encoded(tmp_path_factory):
     assert sorted(set(got.text.tolist())) == [0, 3]
     with pytest.raises(ValueError, match="text 1: landmark chunk 0"):
         enc.encode_chunks(texts[:2], "landmark")
+
+
+def test_chunk_vectors_refuse_a_dense_head(tmp_path):
+    """A Dense head after pooling: the token states are not embeddings, so --chunk-vectors is refused before the
+    export starts (nothing written)."""
+    from attncal.exporting.exporter import ExportOptions, export
+    from attncal.synthetic import save_synthetic_model
+
+    model = save_synthetic_model("bert", tmp_path / "m", seed=1, dense=((16, "Tanh", True),))
+    with pytest.raises(ValueError, match="--chunk-vectors: this model projects its pooled embedding with a Dense"):
+        export(str(model), tmp_path / "out", ExportOptions(chunk_vectors=True, exporter="torchscript"), quiet=True)
+    assert not (tmp_path / "out").exists()

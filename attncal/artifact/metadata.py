@@ -58,6 +58,9 @@ class ExportMetadata:
     # Landmark / Mean@k pooling (pooling "landmark" or "mean-every"): attncal.runtime.landmarks.PoolingSpec's
     # fields, which every tokenizer of the export reads back (the runtime validates them).
     pooling_spec: dict | None = None
+    # `attncal export --chunk-vectors`: every graph also takes the optional input of chunk token spans and returns
+    # the chunk vectors (attncal.exporting.chunk_vectors writes it; absent in exports made without it, and before it)
+    chunk_vectors: dict | None = None
     export_steps: list | None = None  # written once the export's steps have run
     format: int = FORMAT_VERSION
 
@@ -65,7 +68,7 @@ class ExportMetadata:
         out = {"format": self.format}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "format" and not (f.name == "export_steps" and value is None):
+            if f.name != "format" and not (f.name in ("export_steps", "chunk_vectors") and value is None):
                 out[f.name] = value
         return out
 

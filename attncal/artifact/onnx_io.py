@@ -410,7 +410,10 @@ def load_onnx_checked(
     if not model.HasField("graph") or not len(model.graph.node):
         raise ArtifactError(path, "holds no graph (truncated or corrupted); re-export the model")
     if interface:
-        inputs = [i.name for i in model.graph.input]
+        # An input with an initializer of its name is optional (its default is the initializer): the chunk spans
+        # of an export with chunk vectors.  The interface is the inputs every call feeds.
+        optional = {t.name for t in model.graph.initializer}
+        inputs = [i.name for i in model.graph.input if i.name not in optional]
         outputs = [o.name for o in model.graph.output]
         if any(n not in outputs for n in OUTPUT_NAMES) or set(inputs) - set(INPUT_NAMES) or \
                 any(n not in inputs for n in REQUIRED_INPUTS):

@@ -70,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write onnx/model_inlined.onnx: the portable graph with its ai.attncal functions inlined "
                         "into standard ONNX, for runtimes that do not read ONNX functions (OpenVINO); checked like "
                         "every graph; one more copy of the weights on disk")
+    p.add_argument("--chunk-vectors", action="store_true",
+                   help="every graph also takes an optional input chunk_spans (int64 [batch, chunks, 2], token "
+                        "positions [start, end) in the row) and returns chunk_embeddings (each span's mean of final "
+                        "token states, normalised as the model normalises): late and landmark chunk vectors "
+                        "computed in the graph, which a Triton server returns without shipping token states "
+                        "(docs/long-documents.md)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--skip-check", action="store_true", help="do not run the parity check at export")
     p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
@@ -95,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         int8_target=args.int8_target,
         memory_check=args.memory_check,
         pooling_spec=spec,
+        chunk_vectors=args.chunk_vectors,
     )
     from ..exporting.exporter import export  # lazy: onnx_ir and sympy, not loaded at start-up
 

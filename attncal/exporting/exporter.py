@@ -41,10 +41,12 @@ from ..graphs import placements
 from ..graphs.pass_base import run_passes
 from ..memory import StepMeter, available_bytes, release_freed_memory
 from ..runtime import oplib
+from ..runtime.chunking import CHUNK_SPANS, CHUNK_VECTORS
 from ..runtime.parity import check_parity
 from ..runtime.tokenizer import attest_tokenizer, load_tokenizer
 from ..versions import library_versions as _installed_versions
 from . import from_torch, optimized_graphs
+from .chunk_vectors import add_chunk_vectors, record as chunk_vectors_record
 from .inline import INLINED_RUNTIME, function_calls, inline_functions
 from .errors import ExportError, ParityError  # noqa: F401  (public here)
 from .fp16 import METHOD as FP16_METHOD
@@ -97,6 +99,7 @@ def export(
                 optimized_graphs.native_plain_graph(run)
             shutil.rmtree(tmp / ".raw", ignore_errors=True)
             _quantize(run)
+            _chunk_vectors(run)
             meta = _metadata(run)
             _parity(run, meta, check_fn)
             _commit(run, meta, t_start)
@@ -196,6 +199,17 @@ def _quantize(run: Run) -> None:
         stamp_onnx(run.tmp / graph_file)
 
 
+def _chunk_vectors(run: Run) -> None:
+    """--chunk-vectors: every graph gets the chunk-span input and the chunk-vector output
+    (attncal.exporting.chunk_vectors), after quantization, which would leave them as they are."""
+    if not run.plan.opts.chunk_vectors:
+        return
+    run.meter.step("chunk vectors")
+    run.progress(GRAPHS, f"chunk vectors: input {CHUNK_SPANS}, output {CHUNK_VECTORS} in every graph")
+    for graph_file in run.graphs:
+        add_chunk_vectors(run.tmp / graph_file, run.plan.info.normalize)
+
+
 def _metadata(run: Run) -> ExportMetadata:
     """attncal.json as the graphs left it (parity and the steps' figures are added when known)."""
     plan, info, result = run.plan, run.plan.info, run.result
@@ -235,6 +249,7 @@ def _metadata(run: Run) -> ExportMetadata:
                          "steps_mib": {k: round(v / 1024**2, 1) for k, v in est.steps.items()}},
         tokenizer=tokenizer,
         pooling_spec=plan.pooling_spec.to_dict() if plan.pooling_spec is not None else None,
+        chunk_vectors=chunk_vectors_record(info.normalize) if plan.opts.chunk_vectors else None,
     )
     write_metadata(run.tmp, meta)
     return meta

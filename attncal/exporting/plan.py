@@ -18,7 +18,7 @@ from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
 from ..modelinfo import ModelInfo, load_model_info
 from ..runtime.landmarks import PoolingSpec, resolve
-from . import memory_plan
+from . import chunk_vectors, memory_plan
 from .memory_plan import MemoryEstimate
 from .quantize import INT8_TARGETS, QUANTIZATIONS
 
@@ -54,6 +54,8 @@ class ExportOptions:
     # Landmark (lmk, multi-cls) or Mean@k pooling, with its tokenization: attncal.runtime.landmarks.  The config's
     # pooling is then this one's (leave it auto).
     pooling_spec: PoolingSpec | None = None
+    # every graph also takes chunk token spans and returns one vector per chunk (attncal.exporting.chunk_vectors)
+    chunk_vectors: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ class ExportPlan:
         import torch  # noqa: F401 - every export runs it: a runtime-only install stops here, before any read
 
         info = load_model_info(model)
+        if opts.chunk_vectors:
+            chunk_vectors.check_model(info)
         out = Path(out).expanduser().resolve()
         _check_out_dir(out, opts.overwrite)
         estimate = memory_plan.estimate(info.path, exporter=opts.exporter, optimized=opts.optimized,

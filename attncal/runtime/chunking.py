@@ -27,9 +27,12 @@ Prompts: naive chunk texts get the prompt as `Encoder.encode` gives it; late and
 prompt's tokens after the template's opening tokens, as context of every window (no chunk holds them).
 
 The windows of every text of a call are batched together, sorted by length: one model call per window, for
-chunks, Matryoshka dimensions and precision alike.  The graph's `last_hidden_state` is the per-token output this
-needs: the ONNX graph of every export has it, so no export option is needed for the Encoder, the Ray engine and
-Triton's ensemble (which returns it; see attncal.serving).
+chunks, Matryoshka dimensions and precision alike.  Late and landmark chunk vectors are computed from the
+graph's `last_hidden_state`, which every export's graph returns, or, in an export made with `--chunk-vectors`
+(attncal.json's `chunk_vectors`, `attncal.exporting.chunk_vectors`), inside the graph: the call then feeds each
+chunk's token span (`CHUNK_SPANS`) and reads one vector per chunk (`CHUNK_VECTORS`), already normalised, which
+is how a Triton server returns chunk vectors without shipping token states (attncal.serving,
+attncal.corpus.triton).  Both give the same vectors (to float32 rounding; `attncal check` compares them).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -47,6 +50,9 @@ from .precision import normalise
 from .tokenizer import load_tokenizer
 
 METHODS = ("naive", "late", "landmark")
+# The optional graph input and the output of an export with chunk vectors (attncal.exporting.chunk_vectors).
+CHUNK_SPANS = "chunk_spans"
+CHUNK_VECTORS = "chunk_embeddings"
 BY = ("tokens", "sentence")
 DEFAULT_SIZE = 128
 
@@ -165,6 +171,29 @@ def check_export(options: ChunkOptions, export_dir, meta: dict, max_length: int 
     check_options(options, budget, limit, spec)
 
 
+def spans_of(positions: list[list[tuple[int, list[int]]]]) -> np.ndarray:
+    """`CHUNK_SPANS` of a batch: int64 [rows, most chunks of a row, 2], each chunk's [first, last + 1) position
+    in its padded row (its positions are consecutive), (0, 0) after a row's last chunk."""
+    spans = np.zeros((len(positions), max((len(p) for p in positions), default=0), 2), dtype=np.int64)
+    for b, row in enumerate(positions):
+        for c, (_, pos) in enumerate(row):
+            spans[b, c] = (pos[0], pos[-1] + 1)
+    return spans
+
+
+class Served(Protocol):
+    """A served copy of an export that runs `Encoder.encode_chunks`' model calls (attncal.corpus.triton)."""
+
+    def chunk_vectors(self, feeds: dict, spans: np.ndarray) -> np.ndarray:
+        """`CHUNK_VECTORS` [rows, chunks, D] of one batch: its token inputs and `CHUNK_SPANS`."""
+
+    def map(self, fn, items):
+        """`fn` over `items`, results in order (several at once where the server takes them)."""
+
+    def encode(self, texts: list[str], batch_size: int, *, prompt: str = "") -> np.ndarray:
+        """`Encoder.encode` of `texts` (naive chunks), float32 [N, D]."""
+
+
 class Chunker:
     """An Encoder's chunking: its tokenizer's plain encodings and template, its max length."""
 
@@ -236,16 +265,23 @@ class Chunker:
     # -- running ------------------------------------------------------------------------------------
 
     def run(self, texts: Sequence[str], options: ChunkOptions, batch_size: int, prompt: str | None,
-            errors: list | None = None) -> ChunkedEmbeddings:
+            errors: list | None = None, in_graph: bool | None = None, served=None) -> ChunkedEmbeddings:
         """The chunks of `texts` (see the module docstring).  A text that cannot be chunked raises its
-        ChunkError, or, with `errors` given, is appended there (index, message) and left out."""
+        ChunkError, or, with `errors` given, is appended there (index, message) and left out.  `in_graph`: late
+        and landmark vectors from the graph's chunk-vector output (True, refused where the export has none),
+        from its token states (False), or the first where the export has it (None).  `served`: a served copy of
+        the export (`Served`) that runs the model calls instead of the Encoder's session."""
         spec = self.encoder.pooling_spec
         prompt_ids = self._prompt_ids(prompt)
         budget = self.budget(prompt_ids)
         check_options(options, budget, self.encoder.max_length, spec)
         if options.method == "naive":
-            return self._naive(texts, options, batch_size, prompt, errors)
+            return self._naive(texts, options, batch_size, prompt, errors, served)
         self._check_head()
+        has = self.encoder.has_chunk_vectors
+        if (in_graph or served is not None) and not has:
+            raise ValueError("this export has no chunk-vector output (export it with --chunk-vectors)")
+        in_graph = has if in_graph is None else bool(in_graph)
         rows, owners = [], []  # rows: (ids, types) of each window; owners: (text, window, chunks, positions)
         for t in self._guarded(texts, errors):
             try:
@@ -261,7 +297,7 @@ class Chunker:
             for w, (ids, types, chunk_positions) in enumerate(windows):
                 rows.append((ids, types))
                 owners.append((t, w, chunk_positions))
-        return self._forward(rows, owners, batch_size, prompt_ids, options.method)
+        return self._forward(rows, owners, batch_size, prompt_ids, options.method, in_graph, served)
 
     def _guarded(self, texts, errors):
         if errors is None:
@@ -350,38 +386,54 @@ class Chunker:
             c = e
         return out
 
-    def _forward(self, rows, owners, batch_size, prompt_ids, method) -> ChunkedEmbeddings:
+    def _forward(self, rows, owners, batch_size, prompt_ids, method, in_graph, served) -> ChunkedEmbeddings:
         enc, tpl = self.encoder, self.template
         pre_ids = list(tpl.prefix) + list(prompt_ids)
         pre_types = list(tpl.prefix_types) + [tpl.content_type] * len(prompt_ids)
         full = [(pre_ids + ids + list(tpl.suffix), pre_types + types + list(tpl.suffix_types)) for ids, types in rows]
-        records: list[tuple[int, int, int, int, int, np.ndarray]] = []  # text, chunk, window, start, end, vec
         order = sorted(range(len(full)), key=lambda r: -len(full[r][0]))
+        batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+
+        def positions(idx, starts):
+            """Each row's chunks: (chunk index, its token positions in the padded row)."""
+            out = []
+            for b, r in enumerate(idx):
+                t, w, chunk_positions = owners[r]
+                off = starts[b] + len(pre_ids)
+                out.append([(k, [off - len(prompt_ids) - 1] if pos == [-1]  # multi-cls: the template's opening token
+                             else [off + p for p in pos] if method == "late" else [off + pos[0]])
+                            for k, pos in chunk_positions])
+            return out
+
+        def prepared():
+            for idx in batches:
+                feeds, starts = self._pad([full[r] for r in idx])
+                yield idx, {n: feeds[n] for n in enc.input_names}, positions(idx, starts)
+
+        records: list[tuple[int, int, int, int, int, np.ndarray]] = []  # text, chunk, window, start, end, vec
         tokens = 0
-        for i in range(0, len(order), batch_size):
-            idx = order[i: i + batch_size]
-            feeds, starts = self._pad([full[r] for r in idx])
-            hidden, _ = enc.run({n: feeds[n] for n in enc.input_names})
+        if served is not None:  # the server takes several batches at once
+            items = list(prepared())
+            results = zip(items, served.map(lambda item: served.chunk_vectors(item[1], spans_of(item[2])), items))
+        elif in_graph:
+            results = ((item, enc.run_chunks(item[1], spans_of(item[2]))) for item in prepared())
+        else:
+            results = ((item, enc.run(item[1])[0]) for item in prepared())
+        for (idx, feeds, pos), out in results:
             tokens += int(feeds["attention_mask"].sum())
             for b, r in enumerate(idx):
-                t, w, positions = owners[r]
-                off = starts[b] + len(pre_ids)
-                for k, pos in positions:
-                    if method == "late":
-                        vec = hidden[b, [off + p for p in pos]].astype(np.float32).mean(0)
-                    elif pos == [-1]:  # multi-cls: the template's opening token
-                        vec = hidden[b, off - len(prompt_ids) - 1].astype(np.float32)
-                    else:
-                        vec = hidden[b, off + pos[0]].astype(np.float32)
+                t, w, _ = owners[r]
+                for c, (k, p) in enumerate(pos[b]):
+                    vec = out[b, c] if in_graph else out[b, p].astype(np.float32).mean(0)
                     a, bb = t.chunks[k]
                     records.append((t.index, k, w, *self._span(t, a, bb), vec))
-        return self._collect(records, tokens, len(full))
+        return self._collect(records, tokens, len(full), normalised=in_graph)
 
-    def _collect(self, records, tokens: int, windows: int) -> ChunkedEmbeddings:
+    def _collect(self, records, tokens: int, windows: int, normalised: bool = False) -> ChunkedEmbeddings:
         records.sort(key=lambda r: (r[0], r[1]))
         dim = self.encoder.dimension
         vectors = np.stack([r[5] for r in records]).astype(np.float32) if records else np.zeros((0, dim), np.float32)
-        if self.encoder.normalize and len(vectors):
+        if self.encoder.normalize and len(vectors) and not normalised:  # the graph's chunk vectors are normalised
             vectors = normalise(vectors)
         cols = [np.array([r[j] for r in records], dtype=np.int64) for j in range(5)]
         return ChunkedEmbeddings(*cols, vectors=vectors, tokens=tokens, windows=windows)
@@ -402,7 +454,7 @@ class Chunker:
             starts.append(s)
         return out, starts
 
-    def _naive(self, texts, options, batch_size, prompt, errors) -> ChunkedEmbeddings:
+    def _naive(self, texts, options, batch_size, prompt, errors, served=None) -> ChunkedEmbeddings:
         size = resolved_size(options, self.budget(self._prompt_ids(prompt)))
         pieces, meta = [], []
         for t in self._guarded(texts, errors):
@@ -424,7 +476,8 @@ class Chunker:
                     failed.add(m[0])
             keep = [j for j, m in enumerate(meta) if m[0] not in failed]
             pieces, meta = [pieces[j] for j in keep], [meta[j] for j in keep]
-        vectors = (self.encoder.encode(pieces, batch_size, prompt=prompt or "") if pieces
+        encode = served.encode if served is not None else self.encoder.encode
+        vectors = (encode(pieces, batch_size, prompt=prompt or "") if pieces
                    else np.zeros((0, self.encoder.dimension), np.float32))
         lengths = self.encoder.token_lengths(pieces) if pieces else []
         cols = [np.array([m[j] for m in meta], dtype=np.int64) for j in range(5)]

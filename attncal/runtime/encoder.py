@@ -30,7 +30,7 @@ from ..messages import first_line
 from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
 from ..versions import without_torch_advice
 from . import oplib, precision as _precision
-from .chunking import Chunker, ChunkedEmbeddings, ChunkOptions
+from .chunking import CHUNK_SPANS, CHUNK_VECTORS, Chunker, ChunkedEmbeddings, ChunkOptions
 from .landmarks import PoolingSpec
 from .tokenizer import TransformersTokenizer, load_tokenizer
 
@@ -238,6 +238,10 @@ class Encoder:
         except UnsupportedModelError as exc:
             raise ArtifactError(self.path / "config_sentence_transformers.json", str(exc)) from None
         so = session_options if session_options is not None else default_session_options(self._max_length)
+        if session_options is None and self.meta.get("chunk_vectors"):
+            # The chunk spans' default is an initializer listed as an input, which ONNX Runtime warns about at
+            # every load (it is meant: the input is optional); its other warnings at load go with it.
+            so.log_severity_level = 3
         if intra_op_threads is not None:
             so.intra_op_num_threads = intra_op_threads
         if lib is not None:
@@ -312,14 +316,30 @@ class Encoder:
 
     def run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Raw session call: (last_hidden_state, sentence_embedding)."""
+        self._check_padding(feeds)
+        hidden, emb = self.session.run(["last_hidden_state", "sentence_embedding"], feeds)
+        return hidden, emb
+
+    def _check_padding(self, feeds: dict[str, np.ndarray]) -> None:
         if needs_right_padding(self.meta, self.graph_file) and "attention_mask" in feeds:
             m = feeds["attention_mask"] != 0
             # ORT's fused attention takes key lengths: a token after a pad would be silently dropped.
             if m.shape[1] > 1 and bool((~m[:, :-1] & m[:, 1:]).any()):
                 raise ValueError(f"{self.graph_file} needs right padding (its fused attention takes key lengths); "
                                  "this batch has tokens after padding. Use graph='portable' for left padding")
-        hidden, emb = self.session.run(["last_hidden_state", "sentence_embedding"], feeds)
-        return hidden, emb
+
+    @property
+    def has_chunk_vectors(self) -> bool:
+        """Whether the graph returns chunk vectors (an export made with --chunk-vectors)."""
+        return any(o.name == CHUNK_VECTORS for o in self.session.get_outputs())
+
+    def run_chunks(self, feeds: dict[str, np.ndarray], spans: np.ndarray) -> np.ndarray:
+        """Raw session call of an export with chunk vectors: float32 [batch, chunks, D], the vector of each
+        chunk span of `spans` (int64 [batch, chunks, 2], token positions [start, end) in the padded row;
+        attncal.exporting.chunk_vectors)."""
+        self._check_padding(feeds)
+        (vectors,) = self.session.run([CHUNK_VECTORS], {**feeds, CHUNK_SPANS: spans})
+        return vectors
 
     def encode(
         self,
@@ -376,6 +396,8 @@ class Encoder:
         precision: str = "float32",
         ranges=None,
         errors: list | None = None,
+        in_graph: bool | None = None,
+        served=None,
     ) -> ChunkedEmbeddings:
         """Several vectors per text, one per chunk, with its character span and window
         (`attncal.runtime.chunking`: naive, late or landmark chunking; `chunks` a method name with `size`, `by`,
@@ -383,7 +405,11 @@ class Encoder:
         several windows.  `dimensions`, `precision` and `ranges` are `output`'s, applied to every chunk vector.
         A text that cannot be chunked (empty, only special tokens, a landmark chunk longer than a window) raises
         a one-line ValueError naming it, or, with a list as `errors`, is left out and listed there as
-        (index, message)."""
+        (index, message).  Late and landmark vectors come from the graph's chunk-vector output where the export
+        has one (`attncal export --chunk-vectors`; `in_graph=False` takes them from its token states instead,
+        `in_graph=True` requires it), the same vectors to float32 rounding.  `served`: a served copy of this
+        export (`attncal.runtime.chunking.Served`, e.g. a Triton server's) runs the model calls instead of this
+        Encoder's session, with the same windows and batches."""
         texts = check_texts(texts)
         options = chunks if isinstance(chunks, ChunkOptions) else ChunkOptions(chunks, size, by, overlap)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -393,7 +419,7 @@ class Encoder:
         if self._chunker is None:
             with self._tokenizer_lock:
                 self._chunker = Chunker(self)
-        out = self._chunker.run(texts, options, batch_size, text_prompt, errors)
+        out = self._chunker.run(texts, options, batch_size, text_prompt, errors, in_graph, served)
         out.vectors = self.output(out.vectors, dimensions, precision, ranges)
         return out
 

@@ -56,6 +56,9 @@ FALLBACK_HEADS = 32
 ACTIVATION_FLOOR = 256 * 1024**2  # below this the planner never goes (small models, small machines)
 ACTIVATION_SHARE = 1.5  # of the weights' size: with the session's own copy, the check stays near 3x the weights
 INT8_MIN_COS = 0.98
+# The texts an export with chunk vectors is chunked on: the first of the built-in set, up to about four windows of
+# a 256-token model.
+CHUNK_TEXTS = 6
 TOLERANCES: dict[str, tuple[float, float | None]] = {  # precision -> (max |Δ|, min cosine)
     "fp32": (FP32_MAX_ABS, None),
     "fp16": (FP16_MAX_ABS, FP16_MIN_COS),
@@ -105,10 +108,16 @@ class ParityReport:
     capped_texts: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     activation_budget_mib: float | None = None
+    # an export with chunk vectors: the graph's chunk vectors against the same chunks' vectors computed from its
+    # token states (`chunk_vector_parity`), max |Δ| relative to the largest |value| (1 for unit vectors)
+    chunk_max_abs: float | None = None
+    chunk_count: int = 0
 
     @property
     def ok(self) -> bool:
         if not self.max_abs <= self.tol_max_abs:  # also catches NaN
+            return False
+        if self.chunk_max_abs is not None and not self.chunk_max_abs <= FP32_MAX_ABS:
             return False
         return self.tol_min_cos is None or self.min_cos >= self.tol_min_cos
 
@@ -121,8 +130,11 @@ class ParityReport:
         cos = f", cosine >= {self.tol_min_cos}" if self.tol_min_cos is not None else ""
         cap = (f"; {self.capped_texts} longer texts checked at {self.length_cap} tokens (memory budget)"
                if self.length_cap is not None and self.capped_texts else "")
+        chunks = (f"; chunk vectors: max abs diff {self.chunk_max_abs:.3g} (tolerance {FP32_MAX_ABS:g}) against "
+                  f"their token states' means, {self.chunk_count} chunks" if self.chunk_max_abs is not None else "")
         return (f"{self.precision}: max abs diff {self.max_abs:.3g} (tolerance {self.tol_max_abs:g}{cos}), "
-                f"min cosine {self.min_cos:.7f} over {self.n_texts} texts up to {self.max_tokens} tokens{cap}")
+                f"min cosine {self.min_cos:.7f} over {self.n_texts} texts up to {self.max_tokens} tokens{cap}"
+                f"{chunks}")
 
     def table(self) -> str:
         lines = [f"{'length bucket':<24} {'texts':>5} {'max |Δ|':>10} {'min cosine':>12} {'p1 cosine':>12} "
@@ -362,12 +374,16 @@ def check_parity(
         release_freed_memory(weights)
         if reference_cache is not None:
             reference_cache[key] = (expected, ref_pooling)
+    so = _unpooled_session_options()
+    if meta.get("chunk_vectors"):  # the chunk spans' default is an initializer listed as an input: ORT warns (Encoder)
+        so.log_severity_level = 3
     enc = Encoder(out_dir, providers=providers, custom_op_library=custom_op_library, graph=graph, native=native,
-                  session_options=_unpooled_session_options())
+                  session_options=so)
     enc.max_length = check_len
     graph_file = enc.graph_file
     got = _by_batches(lambda part: enc.encode(part, batch_size=len(part), sort_by_length=False), texts, batches,
                       "encode (onnx)", quiet)
+    chunk_figures = chunk_vector_parity(enc, texts[:CHUNK_TEXTS], batch_size) if meta.get("chunk_vectors") else None
     del enc
     release_freed_memory(weights)
     diff = np.abs(got.astype(np.float64) - expected.astype(np.float64)).max(axis=1)
@@ -398,7 +414,25 @@ def check_parity(
         capped_texts=sum(1 for n in lengths if cap is not None and n > cap),
         batch_sizes=[len(b) for b in batches],
         activation_budget_mib=round(budget / 1024**2, 1),
+        **(chunk_figures or {}),
     )
+
+
+def chunk_vector_parity(enc: Encoder, texts: Sequence[str], batch_size: int) -> dict:
+    """An export with chunk vectors (`attncal export --chunk-vectors`): the late chunks of `texts` (landmark chunks
+    for a landmark export), their vectors from the graph's chunk-vector output and from its token states
+    (`Encoder.encode_chunks(in_graph=...)`), which tests/test_chunks.py compares with a PyTorch reference.
+    Returns the ParityReport fields: max |Δ| over the largest |value|, and the number of chunks."""
+    spec = enc.pooling_spec
+    method = "landmark" if spec is not None and spec.inserts else "late"
+    usable = [t for t in texts if t.strip()]
+    graph = enc.encode_chunks(usable, method, batch_size=batch_size, in_graph=True, errors=[])
+    states = enc.encode_chunks(usable, method, batch_size=batch_size, in_graph=False, errors=[])
+    if not len(graph.vectors):
+        return {"chunk_max_abs": float("nan"), "chunk_count": 0}
+    scale = max(1.0, float(np.abs(states.vectors).max()))
+    diff = float(np.abs(graph.vectors.astype(np.float64) - states.vectors.astype(np.float64)).max()) / scale
+    return {"chunk_max_abs": diff, "chunk_count": len(graph.vectors)}
 
 
 check = check_parity  # the short public name, `attncal.check`

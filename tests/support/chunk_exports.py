@@ -1,6 +1,8 @@
 """Tiny exports the chunking and precision tests share (built once per run, `built_once`): a calibrated
 mean-pooled BERT and an uncalibrated one of the same model (max length 64, so texts of a few hundred characters
-take several windows), and an LMK export every 8 tokens."""
+take several windows), and an LMK export every 8 tokens.  Every one but the uncalibrated BERT has chunk vectors
+in its graphs (`--chunk-vectors`), so late and landmark chunks are computed in the graph there and from the
+token states in the uncalibrated BERT, as in an export made without the option."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def _build(path: Path, arch: str, pooling: str | None, calibrate: bool, every: i
     spec = PoolingSpec("lmk", every) if every else None
     export(str(model), path / "export", ExportOptions(config=CalibrationConfig(**CALIBRATION), calibrate=calibrate,
                                                       exporter="torchscript", check=False, optimized=False,
-                                                      pooling_spec=spec), quiet=True)
+                                                      pooling_spec=spec,
+                                                      chunk_vectors=calibrate or every is not None), quiet=True)
 
 
 def chunk_export(tmp_path_factory, arch: str = "bert", pooling: str | None = "mean", calibrate: bool = True,
