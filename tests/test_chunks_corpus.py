@@ -137,7 +137,6 @@ CLI_ERRORS = [
     (["--precision", "int8", "--ranges", "RANGES"], "int8 ranges have width 31, the embeddings 32"),
     (["--chunk-size", "8"], "--chunk-size, --chunk-by and --chunk-overlap need --chunks"),
     (["--chunks", "landmark"], "landmark chunking needs an export with landmark pooling"),
-    (["--chunks", "late", "--engine", "triton", "--model", "m"], "chunks need the model's token states"),
 ]
 
 

@@ -59,14 +59,16 @@ def _build_exports(root: Path) -> None:
 
     model = save_synthetic_model("bert", root / "m", seed=3, max_positions=128, max_seq_length=MAX_LEN)
     export(str(model), root / "cal", ExportOptions(config=CalibrationConfig(basket_size=4, strength=1.0),
-                                                   exporter="torchscript", check=False), quiet=True)
+                                                   exporter="torchscript", check=False, chunk_vectors=True),
+           quiet=True)
     export(str(model), root / "raw", ExportOptions(calibrate=False, exporter="torchscript", check=False), quiet=True)
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     """The calibrated and the uncalibrated export of one tiny BERT (and its model directory, `root`/m), built
-    once per run for this module and the others that serve them (support.built_once): read-only."""
+    once per run for this module and the others that serve them (support.built_once): read-only.  The calibrated
+    one has chunk vectors (--chunk-vectors), so its served encoder takes chunk spans too."""
     root = built_once(tmp_path_factory, "serving-exports", _build_exports)
     return {"cal": root / "cal", "raw": root / "raw", "root": root}
 
@@ -148,6 +150,9 @@ def test_repository_configs_follow_triton_schema(exports, tmp_path):
         enc, tok, ens = cfgs["e-encoder"], cfgs["e-tokenizer"], cfgs["e"]
         if platform is None:
             assert enc.backend == "python" and (tmp_path / variant / "e-encoder/1/model.py").exists()
+            assert (tmp_path / variant / "e-encoder/1/attncal_precision.py").exists()  # the `dimensions` parameter
+            params = {k: v.string_value for k, v in enc.parameters.items()}
+            assert params["normalize"] == "1" and params["chunk_vectors"] == "chunk_embeddings"
             assert all(i.allow_ragged_batch for i in enc.input)
             assert enc.instance_group[0].count == 2 and enc.instance_group[0].kind == enc.instance_group[0].KIND_CPU
         else:
@@ -155,12 +160,17 @@ def test_repository_configs_follow_triton_schema(exports, tmp_path):
             assert enc.instance_group[0].kind == enc.instance_group[0].KIND_GPU
         assert enc.max_batch_size == 64 and list(enc.dynamic_batching.preferred_batch_size) == [16, 32, 64]
         assert enc.dynamic_batching.max_queue_delay_microseconds > 0
-        assert [i.name for i in enc.input] == ["input_ids", "attention_mask", "token_type_ids"]
+        assert [i.name for i in enc.input][:3] == ["input_ids", "attention_mask", "token_type_ids"]
         assert enc.output[0].name == "sentence_embedding" and list(enc.output[0].dims) == [32]
+        if platform == "tensorrt_plan":  # the chunk vectors are served by the ONNX Runtime encoders only
+            assert len(enc.input) == 3 and len(enc.output) == 1
+        else:  # the export's chunk vectors: an optional input the ensemble does not feed, and an output
+            assert [(i.name, list(i.dims), i.optional) for i in enc.input[3:]] == [("chunk_spans", [-1, 2], True)]
+            assert [(o.name, list(o.dims)) for o in enc.output[1:]] == [("chunk_embeddings", [-1, 32])]
         # the ensemble wires text -> tokenizer -> encoder with matching names
         steps = ens.ensemble_scheduling.step
         assert ens.platform == "ensemble" and [s.model_name for s in steps] == ["e-tokenizer", "e-encoder"]
-        assert set(steps[0].output_map) == {i.name for i in enc.input} == {o.name for o in tok.output}
+        assert set(steps[0].output_map) == {i.name for i in enc.input if not i.optional} == {o.name for o in tok.output}
         assert set(steps[0].output_map.values()) == set(steps[1].input_map.values())
         from tritonclient.grpc import model_config_pb2 as mc
         assert ens.input[0].data_type == mc.TYPE_STRING and tok.input[0].name == "text"

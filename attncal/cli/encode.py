@@ -58,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunks", choices=METHODS, default=None,
                    help="one row per chunk of each text, with its character span and window: naive (each chunk "
                         "encoded alone), late (the text encoded once, in max-length windows; each chunk the mean of "
-                        "its tokens' states), landmark (an LMK export: each chunk's landmark state); local, ray")
+                        "its tokens' states), landmark (an LMK export: each chunk's landmark state); triton: late and "
+                        "landmark need an export made with --chunk-vectors")
     g.add_argument("--chunk-size", type=int, default=None, metavar="G",
                    help=f"tokens per chunk (naive, late; default {DEFAULT_SIZE}, or what one model call holds where "
                         "that is less); with --chunk-by sentence, the most tokens of the sentences packed into one chunk")
@@ -68,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="naive: each chunk's text also holds the O tokens before it; late: each window after the "
                         "first opens with the O tokens before its first chunk, as context (default 0)")
     g.add_argument("--dimensions", type=int, default=None, metavar="N",
-                   help="keep the first N dimensions (Matryoshka), normalised again where the model normalises")
+                   help="keep the first N dimensions (Matryoshka), normalised again where the model normalises "
+                        "(triton: by the server, the request parameter `dimensions`)")
     g.add_argument("--precision", choices=PRECISIONS, default="float32",
                    help="embedding precision, as sentence-transformers' quantize_embeddings: int8 / uint8 with "
                         "per-dimension ranges from a seeded corpus sample (recorded in the manifest, reused by "

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..runtime.chunking import CHUNK_SPANS, CHUNK_VECTORS
 from ..serving.repository import BACKENDS, KINDS, RepoOptions, build_repository
 
 
@@ -45,10 +46,23 @@ def run(args: argparse.Namespace) -> int:
     if served:
         print(f"the encoder serves the export's {served}")
     if "ensemble" in names:
-        print(f"clients send UTF-8 text as input 'text' to model '{names['ensemble']}' and get 'sentence_embedding'")
+        print(f"clients send UTF-8 text as input 'text' to model '{names['ensemble']}' and get 'sentence_embedding' "
+              "(request parameter 'dimensions': Matryoshka truncation)" if args.backend == "python" else
+              f"clients send UTF-8 text as input 'text' to model '{names['ensemble']}' and get 'sentence_embedding'")
+    if _chunk_vectors(args.repo, names["encoder"]) and args.backend != "tensorrt":
+        print(f"chunk vectors: clients send token ids and '{CHUNK_SPANS}' to model '{names['encoder']}' and get "
+              f"'{CHUNK_VECTORS}' (attncal encode --engine triton --chunks late)")
     if args.backend == "tensorrt":
         print(f"build the plan first: see {args.repo}/{names['encoder']}/README.txt")
     return 0
+
+
+def _chunk_vectors(repo, encoder: str) -> bool:
+    """Whether the served export has chunk vectors (its attncal.json's `chunk_vectors`)."""
+    try:
+        return bool(json.loads((Path(repo) / encoder / "attncal.json").read_text()).get("chunk_vectors"))
+    except (OSError, ValueError):
+        return False
 
 
 def _served(repo, encoder: str) -> str | None:

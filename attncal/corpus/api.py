@@ -323,9 +323,6 @@ def _output_options(chunks, chunk_size, chunk_by, chunk_overlap, dimensions, pre
     spec = None
     if chunks is not None:
         spec = ChunkOptions(chunks, chunk_size, chunk_by, chunk_overlap).to_dict()
-        if engine == "triton":
-            raise ValueError("chunks need the model's token states, which the served ensemble does not return: use "
-                             "--engine local or ray")
     elif chunk_size is not None or chunk_by != "tokens" or chunk_overlap:
         raise ValueError("--chunk-size, --chunk-by and --chunk-overlap need --chunks")
     if ranges is not None and precision not in SCALAR:
@@ -398,14 +395,16 @@ def _encode_sequential(export, digest, meta, files, out, fresh, resume, opts, en
 
     rows = ((c.ids, c.texts) for f in files for c in read_chunks(f, text_field, id_field))
     batches = windows(rows, done_rows, shard_size, opts["window"])
+    chunk_spec = None if opts["chunks"] is None else {**opts["chunks"], "skip": opts["on_error"] == "skip"}
     if engine == "local":
-        chunk_spec = None if opts["chunks"] is None else {**opts["chunks"], "skip": opts["on_error"] == "skip"}
         eng = LocalEngine(str(local), batch_size=opts["batch_size"], workers=workers, max_length=opts["max_length"],
                           chunks=chunk_spec,
                           providers=providers, max_batch_tokens=opts["max_batch_tokens"])
         stream = eng.encode(batches)
     else:
-        eng = TritonEngine(url, model_name, batch_size=opts["batch_size"], concurrency=workers)
+        eng = TritonEngine(url, model_name, batch_size=opts["batch_size"], concurrency=workers,
+                           dimensions=manifest["output"]["dimensions"], chunks=chunk_spec, export_dir=str(local),
+                           providers=providers)
         eng.check(dim)
         stream = eng.encode(batches)
     manifest["engine"] = eng.describe()

@@ -187,6 +187,8 @@ class ShardWriter:
         self.precision = (output or {}).get("precision", "float32")
         self.width = _precision.output_width(self.precision, (output or {}).get("dimensions") or dim)
         self.chunked = bool((output or {}).get("chunks"))
+        # an engine returns the model's full width, or the run's dimensions where it truncates (the Triton server)
+        self.widths = {dim, (output or {}).get("dimensions") or dim}
         self._chunk_rows = 0  # chunk rows in the open shard
         self._unchunked: list[dict] = []  # rows of the open shard left out of chunking (on_error skip)
         self.name, self.on_commit = name, on_commit
@@ -222,7 +224,7 @@ class ShardWriter:
         if self.chunked:
             self._write_chunks(ids, emb)
             return
-        if emb.shape != (len(ids), self.dim):
+        if emb.ndim != 2 or emb.shape[0] != len(ids) or emb.shape[1] not in self.widths:
             raise RuntimeError(f"engine returned embeddings of shape {emb.shape} for {len(ids)} rows of dimension "
                                f"{self.dim}")
         start = 0
@@ -238,7 +240,8 @@ class ShardWriter:
                 self._commit()
 
     def _write_chunks(self, ids: list[str], chunks) -> None:
-        if not isinstance(chunks, ChunkedEmbeddings) or chunks.vectors.shape[1:] != (self.dim,):
+        if not isinstance(chunks, ChunkedEmbeddings) or chunks.vectors.ndim != 2 or \
+                chunks.vectors.shape[1] not in self.widths:
             raise RuntimeError(f"engine returned {type(chunks).__name__} for a chunked run of dimension {self.dim}")
         failed = dict(chunks.errors)
         vectors = apply_output(chunks.vectors, self.output)

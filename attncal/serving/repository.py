@@ -23,6 +23,15 @@ library is missing on the serving machine; Triton's ORT backend cannot.
 An export with landmark pooling (attncal.json's `pooling_spec`) gets a copy of
 `attncal/runtime/landmarks.py` beside its tokenizer model, which places the
 landmarks exactly as `Encoder` does (the model stays free of attncal imports).
+The Python encoder gets a copy of `attncal/runtime/precision.py`, with which it
+serves the request parameter `dimensions` (Matryoshka truncation, normalised
+again where the model normalises) as `Encoder.encode(dimensions=)` computes it.
+
+An export with chunk vectors (`attncal export --chunk-vectors`) gets them
+served: the encoder declares the optional input `chunk_spans` and the output
+`chunk_embeddings` (python and onnxruntime backends), so a client that
+tokenizes and windows as attncal does (attncal.corpus.triton) sends token ids
+and chunk spans to NAME-encoder and receives one vector per chunk.
 
 Several exports (calibrated and not) share one repository under different
 names.  The three models are built in a temporary directory beside REPO and
@@ -58,7 +67,9 @@ from ..artifact import (
     validate_metadata,
 )
 from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
+from ..runtime.chunking import CHUNK_SPANS, CHUNK_VECTORS
 from ..runtime.encoder import memory_pattern, pooling_spec_of
+from ..runtime.precision import declared_dimensions
 from ..runtime.oplib import resolve_library
 from . import pbtxt
 from .pbtxt import Enum
@@ -72,6 +83,9 @@ _TEMPLATES = Path(__file__).parent / "models"
 # The landmark tokenization, copied beside the tokenizer model of an export with landmark pooling.
 LANDMARKS_SOURCE = Path(__file__).parents[1] / "runtime" / "landmarks.py"
 LANDMARKS_FILE = "attncal_landmarks.py"
+# Matryoshka truncation, copied beside the Python encoder model (the `dimensions` request parameter).
+PRECISION_SOURCE = Path(__file__).parents[1] / "runtime" / "precision.py"
+PRECISION_FILE = "attncal_precision.py"
 OPTIMIZED_ONNX_FILE = OPTIMIZED_FILE  # written by `attncal export` beside model.onnx when it optimizes
 
 
@@ -108,7 +122,8 @@ def _onnx_signature(onnx_file: Path, model=None) -> tuple[list[str], int | None,
     import onnx
 
     graph = (model if model is not None else load_onnx_checked(onnx_file)).graph
-    inputs = [i.name for i in graph.input]
+    optional = {t.name for t in graph.initializer}  # inputs with a default: the chunk spans, declared apart
+    inputs = [i.name for i in graph.input if i.name not in optional]
     out = next((o for o in graph.output if o.name == EMBEDDING_OUTPUT), None)
     if out is None:
         raise ValueError(f"{onnx_file} has no {EMBEDDING_OUTPUT!r} output; is it an attncal export?")
@@ -139,7 +154,8 @@ def _read_export(out_dir: Path) -> dict:
     except UnsupportedModelError as exc:
         raise ArtifactError(out_dir / "config_sentence_transformers.json", str(exc)) from None
     return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype,
-            "prompt": prompt, "pooling_spec": pooling_spec_of(meta, out_dir)}
+            "prompt": prompt, "pooling_spec": pooling_spec_of(meta, out_dir),
+            "chunk_vectors": meta.get("chunk_vectors") is not None, "declared": declared_dimensions(out_dir)}
 
 
 def _native_library(opts: RepoOptions) -> tuple[str | None, bool]:
@@ -195,17 +211,27 @@ def encoder_config(name: str, exp: dict, opts: RepoOptions, pad_id: int,
     inputs = [{"name": n, "data_type": Enum("TYPE_INT64"), "dims": [-1], "allow_ragged_batch": True if ragged else None}
               for n in exp["inputs"]]
     etype = "TYPE_FP32" if opts.backend == "python" else exp["etype"]
-    cfg: dict = {"name": name, "max_batch_size": opts.max_batch, "input": inputs,
-                 "output": [{"name": EMBEDDING_OUTPUT, "data_type": Enum(etype), "dims": [exp["dim"]]}],
+    outputs = [{"name": EMBEDDING_OUTPUT, "data_type": Enum(etype), "dims": [exp["dim"]]}]
+    chunks = exp.get("chunk_vectors") and opts.backend != "tensorrt"
+    if chunks:  # optional: the ensemble's calls do not feed it
+        inputs.append({"name": CHUNK_SPANS, "data_type": Enum("TYPE_INT64"), "dims": [-1, 2], "optional": True,
+                       "allow_ragged_batch": True if ragged else None})
+        outputs.append({"name": CHUNK_VECTORS, "data_type": Enum("TYPE_FP32"), "dims": [-1, exp["dim"]]})
+    cfg: dict = {"name": name, "max_batch_size": opts.max_batch, "input": inputs, "output": outputs,
                  "dynamic_batching": _batching(opts), "instance_group": _instance_group(opts)}
     meta = exp["meta"]
     if opts.backend == "python":
         cfg = {"name": name, "backend": "python", **{k: v for k, v in cfg.items() if k != "name"}}
+        declared = exp.get("declared")
         cfg["parameters"] = _params(intra_op_threads=opts.intra_op_threads, custom_op_library=lib,
                                     custom_op_library_required=(("1" if required else "0") if lib else None),
                                     padding_side=meta.get("padding_side", "right"), pad_token_id=pad_id,
                                     onnx_file="model.onnx",
-                                    memory_pattern="1" if memory_pattern(meta.get("max_seq_length")) else "0")
+                                    memory_pattern="1" if memory_pattern(meta.get("max_seq_length")) else "0",
+                                    normalize="1" if meta.get("normalize") else "0",
+                                    matryoshka_dimensions=json.dumps(list(declared)) if declared else None,
+                                    chunk_spans=CHUNK_SPANS if chunks else None,
+                                    chunk_vectors=CHUNK_VECTORS if chunks else None)
     elif opts.backend == "onnxruntime":
         cfg = {"name": name, "platform": "onnxruntime_onnx", "default_model_filename": "model.onnx",
                **{k: v for k, v in cfg.items() if k != "name"}}
@@ -361,6 +387,7 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
             "graph": exp["serve_onnx"].relative_to(out_dir).as_posix()}}, indent=2))
         if opts.backend == "python":
             shutil.copy2(_TEMPLATES / "encoder_model.py", enc_dir / "1" / "model.py")
+            shutil.copy2(PRECISION_SOURCE, enc_dir / "1" / PRECISION_FILE)
             _copy_onnx(exp, enc_dir / "1")
         elif opts.backend == "onnxruntime":
             _copy_onnx(exp, enc_dir / "1")
@@ -438,6 +465,9 @@ def validate_repository(repo: str | os.PathLike) -> list[str]:
                 onnx_file = model_dir / "model.onnx"  # tensorrt: the plan is built from it by the user
             load_onnx_checked(onnx_file, require_digest=int(meta["format"]) >= 2,
                               expected_inputs=meta.get("inputs"))
+        if role == "encoder_model.py" and not (model_dir / "1" / PRECISION_FILE).is_file():
+            raise MissingArtifactError(model_dir / "1" / PRECISION_FILE, "missing (the encoder model truncates "
+                                                                       "dimensions with it)")
         if role == "tokenizer_model.py":
             if "pooling_spec" in text and not (model_dir / "1" / LANDMARKS_FILE).is_file():
                 raise MissingArtifactError(model_dir / "1" / LANDMARKS_FILE, "missing (the tokenizer model places "

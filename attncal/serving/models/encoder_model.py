@@ -14,8 +14,19 @@ on the right, which leaves every valid position unchanged.  Left-padded
 (decoder) models take positions from the absolute index, so re-padding would
 shift them: those requests are grouped by length instead and only equal-length
 requests share a call.
+
+Matryoshka dimensions: a request (to this model or to the ensemble, which forwards its parameters) with the
+parameter `dimensions` N gets each vector's first N dimensions, normalised again where the model normalises
+(`normalize` parameter), by `attncal_precision.py` beside this file (a copy of attncal/runtime/precision.py, as
+attncal's Encoder truncates); an N it refuses fails that request alone with its one-line message.
+
+Chunk vectors (an export made with `attncal export --chunk-vectors`): a request that holds the optional input
+`chunk_spans` ([batch, chunks, 2] token positions [start, end) in each padded row; (0, 0) pads) gets
+`chunk_embeddings` [batch, chunks, D] (and `sentence_embedding`).  Such a request runs as its own session call,
+as the client padded and batched it, so its vectors are the bits attncal's Encoder computes for that batch.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -35,6 +46,8 @@ class TritonPythonModel:
         # As attncal's Encoder chooses for the export (attncal.runtime.encoder.memory_pattern): a long-context
         # export runs without ORT's memory pattern, which holds a batch shape's working memory twice.
         so.enable_mem_pattern = params.get("memory_pattern", "1") == "1"
+        if params.get("chunk_spans"):  # its default is an initializer listed as an input, which ORT warns about
+            so.log_severity_level = 3
         threads = int(params.get("intra_op_threads", "0") or 0)
         if threads > 0:
             so.intra_op_num_threads = threads
@@ -44,10 +57,19 @@ class TritonPythonModel:
             providers = [("CUDAExecutionProvider", {"device_id": int(args["model_instance_device_id"])})] + providers
         self.session = ort.InferenceSession(os.path.join(here, params.get("onnx_file", "model.onnx")), so,
                                             providers=providers)
-        self.input_names = [i["name"] for i in config["input"]]
+        self.chunk_spans = params.get("chunk_spans")  # the input's name, where the graph has chunk vectors
+        self.chunk_vectors = params.get("chunk_vectors")
+        self.input_names = [i["name"] for i in config["input"] if i["name"] != self.chunk_spans]  # token inputs
         self.session_inputs = {i.name for i in self.session.get_inputs()}
         self.left = params.get("padding_side", "right") == "left"
         self.pad_id = int(params.get("pad_token_id", "0") or 0)
+        self.normalize = params.get("normalize", "0") == "1"
+        self.declared = json.loads(params["matryoshka_dimensions"]) if params.get("matryoshka_dimensions") else None
+        self.width = int(next(o for o in config["output"] if o["name"] == "sentence_embedding")["dims"][-1])
+        path = os.path.join(here, "attncal_precision.py")
+        spec = importlib.util.spec_from_file_location("attncal_precision", path)
+        self.precision = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.precision)
 
     @staticmethod
     def _register_library(so, params):
@@ -85,11 +107,32 @@ class TritonPythonModel:
         sizes = np.cumsum([f["input_ids"].shape[0] for f in feeds_list])[:-1]
         return np.split(emb.astype(np.float32, copy=False), sizes)
 
+    def _dimensions(self, request):
+        """The request's `dimensions` parameter, checked as attncal checks it (None: the full width)."""
+        raw = json.loads(request.parameters() or "{}").get("dimensions")
+        if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+            raw = int(raw)
+        return self.precision.check_dimensions(raw, self.width, self.declared)
+
+    def _truncate(self, emb, dims):
+        return np.ascontiguousarray(self.precision.truncate(emb, dims, self.normalize), dtype=np.float32)
+
+    def _chunks(self, feeds, spans, dims):
+        """One chunk request: its own session call, as the client batched it."""
+        run = {n: feeds[n] for n in self.input_names if n in self.session_inputs}
+        run[self.chunk_spans] = spans
+        emb, vectors = self.session.run(["sentence_embedding", self.chunk_vectors], run)
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("sentence_embedding", self._truncate(emb, dims)),
+            pb_utils.Tensor(self.chunk_vectors, self._truncate(vectors, dims))])
+
     def execute(self, requests):
         responses = [None] * len(requests)
         groups = {}
+        dims = {}
         for i, request in enumerate(requests):
             try:
+                dims[i] = self._dimensions(request)
                 feeds = {n: pb_utils.get_input_tensor_by_name(request, n).as_numpy().astype(np.int64, copy=False)
                          for n in self.input_names}
                 shapes = {a.shape for a in feeds.values()}
@@ -97,6 +140,15 @@ class TritonPythonModel:
                     raise ValueError(f"inputs must share one [batch, length>0] shape, got {sorted(shapes)}")
                 if feeds["input_ids"].shape[0] == 0:
                     raise ValueError("empty batch")
+                spans = (pb_utils.get_input_tensor_by_name(request, self.chunk_spans) if self.chunk_spans
+                         else None)
+                if spans is not None:
+                    spans = spans.as_numpy().astype(np.int64, copy=False)
+                    if spans.ndim != 3 or spans.shape[0] != feeds["input_ids"].shape[0] or spans.shape[2] != 2:
+                        raise ValueError(f"{self.chunk_spans} must be [batch, chunks, 2] for a batch of "
+                                         f"{feeds['input_ids'].shape[0]}, got {list(spans.shape)}")
+                    responses[i] = self._chunks(feeds, spans, dims[i])
+                    continue
                 key = feeds["input_ids"].shape[1] if self.left else 0
                 groups.setdefault(key, []).append((i, feeds))
             except Exception as exc:
@@ -106,7 +158,7 @@ class TritonPythonModel:
                 outs = self._run([f for _, f in members])
                 for (i, _), emb in zip(members, outs):
                     responses[i] = pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor("sentence_embedding", np.ascontiguousarray(emb))])
+                        output_tensors=[pb_utils.Tensor("sentence_embedding", self._truncate(emb, dims[i]))])
             except Exception as exc:
                 for i, _ in members:
                     responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"encoder: {exc}"))
