@@ -11,8 +11,9 @@ calibrated or uncalibrated export; queries always with the uncalibrated export o
 the uncalibrated model).  Intervals: paired bootstrap over the queries, resampled within their third
 (`attncal.eval.bootstrap`), 95 %, against whole-document vectors of the uncalibrated export.
 
-Cost: one model call per window, timed side by side in one process on 8 documents of 512 and 2,048 tokens:
-whole-document vectors (truncated), naive chunks (overlap 0 and 32) and late chunks.
+Cost: `attncal bench --long-documents`'s measurement (attncal.bench.chunking), on the calibrated export: one model
+call per window, timed side by side in one process on 8 documents of 512 and 2,048 tokens: whole-document vectors
+(truncated), naive chunks (overlap 0 and 32) and late chunks (window overlap 0 and 32).
 
     python benchmarks/long_documents.py -o docs/bench/long-documents/results.json
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attncal.bench.chunking import measure
 from attncal.calibration.config import CalibrationConfig
 from attncal.eval.bootstrap import draw_resamples, paired_mean_delta
 from attncal.eval.posq_builder import PosqOptions, build_posq
@@ -152,29 +154,8 @@ def evaluate(passages, queries, exports, size: int, overlap: int) -> dict:
 
 
 def cost(exports, repeats: int) -> dict:
-    enc = Encoder(exports["cal"], providers=CPU)
-    words = python_reference_documents()[0]
-    text = " ".join(d.text for d in words[:200])
-    ids = enc.tokenizer(text, add_special_tokens=False)["input_ids"]
-    out = {}
-    for n_tokens in (512, 2048):
-        docs = [enc.tokenizer.decode(ids[i * n_tokens:(i + 1) * n_tokens]) for i in range(8)]
-        cases = {"whole (truncated)": lambda: enc.encode(docs),
-                 "naive, overlap 0": lambda: enc.encode_chunks(docs, "naive", size=128),
-                 "naive, overlap 32": lambda: enc.encode_chunks(docs, "naive", size=128, overlap=32),
-                 "late": lambda: enc.encode_chunks(docs, "late", size=128),
-                 "late, window overlap 32": lambda: enc.encode_chunks(docs, "late", size=128, overlap=32)}
-        for f in cases.values():  # warm-up
-            f()
-        times = {k: [] for k in cases}
-        for _ in range(repeats):  # interleaved, so load on the machine falls on every case alike
-            for k, f in cases.items():
-                t = time.perf_counter()
-                f()
-                times[k].append(time.perf_counter() - t)
-        med = {k: float(np.median(v)) for k, v in times.items()}
-        out[f"8 x {n_tokens}"] = {k: {"median_s": v, "vs_late": v / med["late"]} for k, v in med.items()}
-    return out
+    """The cost of each encoding on the calibrated export: `attncal bench --long-documents`'s measurement."""
+    return measure(Encoder(exports["cal"], providers=CPU), repeats)
 
 
 def index_bytes(dims: int) -> dict:

@@ -28,8 +28,10 @@ The blocks:
   per CPU path of the native library),
   rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
   command, commit, machine and date its JSON records.
-* `docs/long-documents.md`: retrieval and cost of chunked long documents (`bench-long-documents`), from
-  `docs/bench/long-documents/results.json` that benchmarks/long_documents.py wrote.
+* `docs/long-documents.md`: retrieval of chunked long documents (`bench-long-documents`), from
+  `docs/bench/long-documents/results.json` that benchmarks/long_documents.py wrote, and their cost
+  (`bench-long-documents-cost`), from `docs/bench/long-documents-cost/results.json` that
+  `attncal bench --long-documents` wrote.
 """
 
 from __future__ import annotations
@@ -387,12 +389,35 @@ def _long_documents_table() -> str:
         chunk = (f"{r['chunk_mrr10']:.3f} | {delta(r['chunk_delta_vs_naive_plain'])}" if "chunk_mrr10" in r
                  else "– | –")
         lines.append(f"| {label} | {r['doc_mrr10']:.3f} | {delta(r['doc_delta_vs_whole_plain'])} | {thirds} | {chunk} |")
-    lines += ["", "| documents × tokens | encoding | median | time / late |", "|---|---|---:|---:|"]
+    return "\n".join(lines)
+
+
+def _long_documents_cost_table() -> str:
+    """`attncal bench --long-documents`'s run, committed as docs/bench/long-documents-cost/results.json: the time of
+    each way of encoding long documents side by side, and the index bytes per document at each precision."""
+    run = json.loads((DOCS / "bench" / "long-documents-cost" / "results.json").read_text(encoding="utf-8"))
+    m = run["machine"]
+    graph = f"{run['graph']}, chunk vectors in the graph" if run["chunk_vectors"] else run["graph"]
+    lines = [f"* `{run['command']}`: commit `{run['commit']}`, {run['date']}, {m['cpu']} (`{m['cpu_class']}`), "
+             f"{m['threads']} threads, {run['repeats']} rounds; model {run['model']} ({run['model_type']}, "
+             f"{'calibrated' if run['calibrated'] else 'uncalibrated'}, {graph}), max length {run['max_length']}; "
+             f"chunks of {run['chunk_size']} tokens",
+             "", "| documents × tokens | encoding | median | time / late | vectors per document |",
+             "|---|---|---:|---:|---:|"]
     for shape, cases in run["cost"].items():
         for case, c in cases.items():
-            lines.append(f"| {shape} | {case} | {c['median_s']:.2f} s | {c['vs_late']:.2f} |")
-    sizes = ", ".join(f"{p} {n:,} B" for p, n in run["index_bytes_per_vector"].items())
-    lines += ["", f"Index bytes per vector at full width ({run['dimension']} dimensions): {sizes}."]
+            lines.append(f"| {shape} | {case} | {c['median_s']:.2f} s | {c['vs_late']:.2f} | "
+                         f"{c['vectors_per_doc']:.1f} |")
+    precisions = list(next(iter(next(iter(run["cost"].values())).values()))["index_bytes_per_doc"])
+    lines += ["", f"Index bytes per document ({run['dimension']} dimensions):", "",
+              "| documents × tokens | encoding | " + " | ".join(precisions) + " |",
+              "|---|---|" + "---:|" * len(precisions)]
+    for shape, cases in run["cost"].items():
+        for case, c in cases.items():
+            if case.startswith("late, from"):
+                continue  # the same vectors as late
+            lines.append(f"| {shape} | {case} | " + " | ".join(f"{c['index_bytes_per_doc'][p]:,.0f}"
+                                                             for p in precisions) + " |")
     return "\n".join(lines)
 
 
@@ -409,6 +434,7 @@ BLOCKS: dict[str, Block] = {
     "bench-plain-long": Block(DOCS / "performance.md", _bench_table("gemma", "qwen3", "modernbert")),
     "bench-relative-position": Block(DOCS / "performance.md", _bench_table("mpnet", "t5")),
     "bench-long-documents": Block(DOCS / "long-documents.md", _long_documents_table),
+    "bench-long-documents-cost": Block(DOCS / "long-documents.md", _long_documents_cost_table),
     "bench-cpu-paths": Block(DOCS / "performance.md", _cpu_path_overhead_table),
     "bench-int8": Block(DOCS / "quantization.md", _int8_table),
 }

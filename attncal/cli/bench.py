@@ -9,15 +9,18 @@ import os
 import time
 from pathlib import Path
 
-from ..artifact import ArtifactError, looks_like_export, open_export, write_text_atomic
+from ..artifact import METADATA_FILE, ArtifactError, looks_like_export, open_export, write_text_atomic
 from ..bench import engines as bench_engines
+from ..bench import chunking as chunk_bench
 from ..bench import harness
 from ..bench.engines import (DEFAULT_ENGINES, ENGINES, MEM_PATTERN, TWIN, Workspace, build_exports, is_engine,
                               peer_engine)
 from ..bench.report import write_results
 from ..bench.timing import CLOCKS
 from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
+from ..exporting.plan import ExportOptions
 from ..modelinfo import load_model_info, position_limit, resolve_model_path
+from ..runtime.encoder import Encoder
 from ..serving.bench import bench_triton, format_table
 from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
 from .common import CLIError, add_calibration_args, command_line, config_from_args, write_command_log
@@ -57,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "%(default)s: enough that one level's ratio is not a few seconds of noise)")
     p.add_argument("--rounds", type=int, default=4,
                    help="with --triton: rounds per level, models alternating order (default %(default)s)")
+    p.add_argument("--long-documents", action="store_true",
+                   help="bench the cost of indexing long documents instead (attncal.bench.chunking): one vector per "
+                        "document, naive chunks (overlap 0 and 32) and late chunks (window overlap 0 and 32; from "
+                        "the graph's chunk vectors and from its token states where the export has them) of 8 "
+                        "documents of 512 and 2,048 tokens, and the index bytes per document at each precision; "
+                        "MODEL is an attncal export, or 'default' (exported calibrated, with --chunk-vectors, into "
+                        "--workdir); writes OUT/long-documents.json")
     p.add_argument("--synthetic", choices=tuple(SYNTHETIC_SHAPES), default=None,
                    help="bench a random-weight model of a deployed long-context shape instead of MODEL: "
                         + "; ".join(f"{k}: {v.description}" for k, v in SYNTHETIC_SHAPES.items()))
@@ -105,9 +115,46 @@ def run_triton(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_long_documents(args: argparse.Namespace) -> int:
+    if args.model is None or args.synthetic:
+        raise CLIError("--long-documents takes an attncal export, or 'default', as MODEL")
+    if args.repeats < 1:
+        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} exists and is a file")
+    if args.model == "default" and not looks_like_export(args.model):
+        export_dir = (Path(args.workdir) if args.workdir else out.parent / ".bench-cache") / "long-documents-default"
+        if not (export_dir / METADATA_FILE).is_file():
+            from ..exporting.exporter import export as run_export  # lazy: onnx_ir and sympy, not loaded at start-up
+
+            run_export("default", export_dir, ExportOptions(chunk_vectors=True, overwrite=True), quiet=True)
+    else:
+        export_dir = Path(args.model)
+    enc = Encoder(open_export(export_dir).path, providers=["CPUExecutionProvider"], intra_op_threads=args.threads)
+    result = {"command": command_line("bench"), "commit": harness.source_commit(),
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": harness.machine_info(args.threads),
+              "model": args.model, "model_type": enc.meta.get("model_type"),
+              "calibrated": bool(enc.meta.get("calibrated")), "graph": enc.graph_file,
+              "chunk_vectors": enc.has_chunk_vectors, "max_length": enc.max_length, "dimension": enc.dimension,
+              "chunk_size": chunk_bench.CHUNK_SIZE, "overlap": chunk_bench.OVERLAP, "repeats": args.repeats,
+              "cost": chunk_bench.measure(enc, args.repeats)}
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "long-documents.json", json.dumps(result, indent=2) + "\n")
+    write_command_log(args, out / LOG_FILE)
+    for shape, rows in result["cost"].items():
+        for case, r in rows.items():
+            print(f"{shape:>10}  {case:<28} {r['median_s']:8.2f} s  x{r['vs_late']:.2f} of late  "
+                  f"{r['vectors_per_doc']:6.1f} vectors/doc")
+    print(f"wrote {out}/long-documents.json")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.triton:
         return run_triton(args)
+    if args.long_documents:
+        return run_long_documents(args)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if not is_engine(e)]
     if bad or not engines:
