@@ -50,9 +50,9 @@ def test_triton_engine_retries_then_fails_loudly(monkeypatch):
 
 
 def test_triton_engine_writes_dimensions_and_precision(exports, encoders, server, tmp_path):  # noqa: F811
-    """--dimensions / --precision on the Triton engine: the client applies them to the server's float embeddings
-    with the functions `Encoder.output` runs, so the bits equal the Encoder's wherever the server's floats and the
-    Encoder's (equal to 1e-5) lie on the same side of a bit's threshold."""
+    """--dimensions / --precision on the Triton engine: the server truncates (the request parameter `dimensions`)
+    and the client quantizes, with the functions `Encoder.output` runs, so the bits equal the Encoder's wherever the
+    server's floats and the Encoder's (equal to 1e-5) lie on the same side of a bit's threshold."""
     texts = [synthetic_text(40 + 5 * i, seed=200 + i) for i in range(30)]
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"id": f"t{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
