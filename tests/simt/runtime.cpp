@@ -121,9 +121,10 @@ uint64_t next_rand(uint64_t& s) {
   s ^= s << 17;
   return s;
 }
-// A seeded chance to let another thread run at a synchronisation point.
+// A seeded chance (1 in 32) to let another thread run at a synchronisation point: enough to vary the
+// interleavings from block to block, where every yield is one more thread switch.
 void maybe_yield() {
-  if (t_ctx != nullptr && (next_rand(t_ctx->rng) & 7u) == 0) sched_yield();
+  if (t_ctx != nullptr && (next_rand(t_ctx->rng) & 31u) == 0) sched_yield();
 }
 
 bool same_site(const Loc& a, const Loc& b) {
