@@ -103,11 +103,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _defaults() -> tuple[dict, dict]:
-    """(default value, flag as the user types it) of every eval option, from the parser itself."""
+    """(default value, flag as the user types it) of every eval option, from the parser's public API: the defaults
+    are what parsing no argument gives, and an option's flag is its destination spelt as a long option where the
+    help lists that flag (the commands' naming rule), else the destination in capitals (a positional)."""
     p = argparse.ArgumentParser()
     add_arguments(p)
-    flags = {a.dest: (a.option_strings[0] if a.option_strings else a.dest.upper()) for a in p._actions}
-    return {a.dest: p.get_default(a.dest) for a in p._actions}, flags
+    defaults = vars(p.parse_args([]))
+    listed = set(p.format_help().replace(",", " ").split())
+    flags = {d: f"--{d.replace('_', '-')}" if f"--{d.replace('_', '-')}" in listed else d.upper() for d in defaults}
+    return defaults, flags
 
 
 def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
