@@ -78,8 +78,7 @@ struct RowScalarsMemo {
   int own = 0;
   int64_t nonempty = 0;
   uint64_t t, z_first, z_last, z_own;  // the bits of t_item and of the probabilities that enter the scalars
-  int32_t isolate_first, isolate_last, first_mode, last_mode, self_mode;
-  float strength, first_weight, last_weight, self_weight;
+  AttncalParams p;                      // a byte copy of the parameters it was asked with
   AttncalRowScalars rs;
 };
 
@@ -96,20 +95,16 @@ inline uint64_t double_bits(double x) {
 }
 
 // attncal_row_scalars (common/row_scalars.h) of a row, or the thread's last answer where it was asked for the
-// same: the same parameters, t and nonempty, and the same bits of each probability the written outputs use
-// (z_first with isolate_first, z_last with isolate_last, z_own with an own key; the others leave only outputs
-// that are not written).  So every row gets exactly the bits attncal_row_scalars gives it.
+// same: the same parameter bytes (every field, more than the scalars read), t and nonempty, and the same bits of
+// each probability the written outputs use (z_first with isolate_first, z_last with isolate_last, z_own with an
+// own key; the others leave only outputs that are not written).  So every row gets exactly the bits attncal_row_scalars gives it.
 inline const AttncalRowScalars& row_scalars(Scratch& sc, const AttncalParams& p, int64_t nonempty, double t_item,
                                             double z_first, double z_last, int own, double z_own) {
   RowScalarsMemo& m = sc.scalars;
   const uint64_t zf = p.isolate_first ? double_bits(z_first) : 0, zl = p.isolate_last ? double_bits(z_last) : 0;
   const uint64_t zo = own != ATTNCAL_OWN_NONE ? double_bits(z_own) : 0, t = double_bits(t_item);
   if (!(m.valid && m.nonempty == nonempty && m.own == own && m.t == t && m.z_first == zf && m.z_last == zl &&
-        m.z_own == zo && m.strength == p.strength && m.isolate_first == p.isolate_first &&
-        m.isolate_last == p.isolate_last && m.first_mode == p.first_mode && m.last_mode == p.last_mode &&
-        m.self_mode == p.self_mode && double_bits(m.first_weight) == double_bits(p.first_weight) &&
-        double_bits(m.last_weight) == double_bits(p.last_weight) &&
-        double_bits(m.self_weight) == double_bits(p.self_weight))) {
+        m.z_own == zo && std::memcmp(&m.p, &p, sizeof p) == 0)) {
     m.rs = attncal_row_scalars(&p, nonempty, t_item, z_first, z_last, own, z_own);
     m.valid = true;
     m.nonempty = nonempty;
@@ -118,15 +113,7 @@ inline const AttncalRowScalars& row_scalars(Scratch& sc, const AttncalParams& p,
     m.z_first = zf;
     m.z_last = zl;
     m.z_own = zo;
-    m.strength = p.strength;
-    m.isolate_first = p.isolate_first;
-    m.isolate_last = p.isolate_last;
-    m.first_mode = p.first_mode;
-    m.last_mode = p.last_mode;
-    m.self_mode = p.self_mode;
-    m.first_weight = p.first_weight;
-    m.last_weight = p.last_weight;
-    m.self_weight = p.self_weight;
+    std::memcpy(&m.p, &p, sizeof p);
   }
   return m.rs;
 }
