@@ -2,7 +2,7 @@
 
 Layers, lowest first; a module may import its own layer and lower ones:
 
-    0 foundation  attncal.messages, versions, cpuinfo, native, memory, modelinfo, console, synthetic ...
+    0 foundation  attncal.messages, versions, cpuinfo, native, memory, modelinfo, pooling, console, synthetic ...
                   (every module at the package root that is not named below)
     1 calibration
     2 artifact
