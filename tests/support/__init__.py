@@ -6,6 +6,8 @@
   fused ops' float64 spec, the bound on the float32 rounding of the scores, plain attention in float64;
 * `support.cases`: random calibration attributes and which rows the spec calibrates;
 * `support.oracle_loop`: the driver of the randomized comparisons against the float64 oracle;
+* `support.computed_once`: a reference (the float64 oracle, a function body's run) computed once per process for
+  the same inputs and shared read-only, e.g. by a test's runs on each CPU path;
 * `support.cuda`: the CUDA launchers through ctypes (compiled with
   `attncal.runtime.oplib.compile_cuda_kernel`), their AttncalParams and dtype codes, and why CUDA is
   not usable here when it is not;
