@@ -127,7 +127,7 @@ def shared_raw_exports(tmp_path_factory):
         fields = {k: str(v).replace(str(info.root), "<root>").replace(str(info.path), "<path>")
                   for k, v in dataclasses.asdict(info).items() if k not in ("path", "root")}
         key = hashlib.sha256(json.dumps([_tree_digest(info.root, info.path), fields, pooling, onnx_path.name,
-                                         opset, exporter_name, fp16]).encode()).hexdigest()[:24]
+                                         opset, exporter_name, fp16], default=repr).encode()).hexdigest()[:24]
         entry = root / key
         if not (entry / "names.json").is_file():
             tmp = root / f".{key}.{os.getpid()}"

@@ -11,6 +11,9 @@ import pytest
 from attncal import cpuinfo
 from attncal.cli import main
 
+# The bench is the subject, not torch.onnx: its exports of the tiny BERT share one torch.onnx export (conftest).
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")
+
 
 def test_two_engine_one_shape_run_writes_json_table_and_plots(tiny_models, tmp_path, capsys):
     out = tmp_path / "results"
