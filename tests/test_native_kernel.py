@@ -123,12 +123,14 @@ def softmax_then_op(spec, float16: bool) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("float16,tol", [(False, 1e-6), (True, 2e-3)], ids=["fp32", "fp16"])
-def test_kernel_matches_oracle_on_20000_cases(library, cpu_path, counters, float16, tol):
+def test_kernel_matches_oracle_on_20000_cases(library, counters, float16, tol):
     """A case is one batch item (its own mask, padding side and length) under one attribute set,
-    all of its heads and calibrated rows compared with the oracle."""
+    all of its heads and calibrated rows compared with the oracle.  Each batch runs on every instruction-set
+    path this CPU runs (the `cpu_path` fixture's paths), against one float64 oracle."""
     rng = random.Random(1201 + float16)
     gen = torch.Generator().manual_seed(12)
     dtype = torch.float16 if float16 else torch.float32
+    paths, widest = oplib.cpu_paths(library), oplib.cpu_path(library)
     before = counters["compute"]()
 
     def configure():
@@ -145,21 +147,32 @@ def test_kernel_matches_oracle_on_20000_cases(library, cpu_path, counters, float
             seen["q1"] += B
         if rng.random() < 0.2:
             probs[..., rng.randrange(K):][..., : 2 * S] = 0  # empty baskets
-        (out,) = sess.run(None, {"probs": probs.numpy(), "attention_mask": mask.numpy()})
+        outs = []
+        try:
+            for path in paths:
+                oplib.set_cpu_path(library, path)
+                assert oplib.cpu_path(library) == path
+                outs.append(sess.run(None, {"probs": probs.numpy(), "attention_mask": mask.numpy()})[0])
+        finally:
+            oplib.set_cpu_path(library, widest)
         ref = reference(probs.double(), mask, rc).numpy()
-        err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2, 3))
-        assert err.max() <= tol, (float(err.max()), spec, K, int(err.argmax()))
-        if probs.shape[2] == K:  # rows the spec leaves alone are bit-identical
-            untouched = (~calibrated_rows(mask, rc))[:, None, :].expand(out.shape[:3]).numpy()
-            assert np.array_equal(out[untouched].view(np.uint8), probs.numpy()[untouched].view(np.uint8))
+        rows = probs.shape[2] == K  # then the rows the spec leaves alone are bit-identical
+        untouched = (~calibrated_rows(mask, rc))[:, None, :].expand(outs[0].shape[:3]).numpy() if rows else None
+        worst = 0.0
+        for path, out in zip(paths, outs):
+            err = np.abs(out.astype(np.float64) - ref).max(axis=(1, 2, 3))
+            assert err.max() <= tol, (path, float(err.max()), spec, K, int(err.argmax()))
+            if rows:
+                assert np.array_equal(out[untouched].view(np.uint8), probs.numpy()[untouched].view(np.uint8)), path
+            worst = max(worst, float(err.max()))
         tally_calibration_items(seen, mask, rc, S)
-        return B, float(err.max())
+        return B, worst
 
     loop = run_oracle_loop(20000, configure, run, runs_per_config=2,
                            seen=("q1", "left", "right", "partial", "all_rows", "pooled"))
-    assert counters["compute"]() - before == loop.runs, "every run must execute the native kernel"
-    print(f"\n{'fp16' if float16 else 'fp32'}: {loop.cases} cases in {loop.runs} runs, max abs err {loop.worst:.3g}, "
-          f"{loop.seen}")
+    assert counters["compute"]() - before == loop.runs * len(paths), "every run must execute the native kernel"
+    print(f"\n{'fp16' if float16 else 'fp32'}: {loop.cases} cases in {loop.runs} runs on each of the paths {paths}, "
+          f"max abs err {loop.worst:.3g}, {loop.seen}")
     assert min(loop.seen.values()) > 1000, loop.seen
 
 
