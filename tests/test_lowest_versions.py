@@ -64,7 +64,10 @@ def test_version_sensitive_tests_pass_at_the_floors():
     if not all((LOWEST / f"{name.replace('-', '_')}-{version}.dist-info").exists() for name, version in _pins().items()):
         pytest.fail(f"lowest-versions overlay missing or stale at {LOWEST}: run `make test` (it installs "
                     f"{REQUIREMENTS.relative_to(REPO)})")
-    env = {**os.environ, "PYTHONPATH": str(LOWEST), "HF_HUB_OFFLINE": "1"}
+    # Not an xdist worker's variables: with PYTEST_XDIST_WORKER set, the inner run would take the shared caches
+    # (conftest's raw exports, support.built_once) from beside its own temporary root, a folder every run shares.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")},
+           "PYTHONPATH": str(LOWEST), "HF_HUB_OFFLINE": "1"}
     probe = subprocess.run([sys.executable, "-c", "import onnx, transformers, numpy, packaging; "
                             "print(onnx.__version__, transformers.__version__, numpy.__version__, packaging.__version__)"],
                            env=env, capture_output=True, text=True, cwd=REPO)
