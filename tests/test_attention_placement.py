@@ -33,6 +33,8 @@ from attncal.runtime.encoder import planned_graph
 from attncal.synthetic import save_synthetic_model, synthetic_text
 from test_native_kernel import library  # noqa: F401  (the built-library fixture)
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 TEXTS = [synthetic_text(n, seed=n) for n in (4, 30, 70, 140, 400, 9, 55)]
 BASKET = 16
 

@@ -22,10 +22,11 @@ PEERS = ["openvino", "openvino-cal", "torch-sdpa"] if HAS_OPENVINO else ["torch-
 
 
 @pytest.fixture(scope="module")
-def peer_bench(tmp_path_factory):
+def peer_bench(tmp_path_factory, shared_raw_exports):
     """One `attncal bench` run of the peers beside `ort` on a tiny mean-pooled BERT (fused-softmax calibration
     on the portable graph, inlined for openvino-cal; strength 1 in every layer with small baskets, so that it
-    moves this random model's embeddings): its results and its workspace."""
+    moves this random model's embeddings): its results and its workspace.  Its exports share one torch.onnx
+    export (conftest's `shared_raw_exports`): the peers are the subject."""
     root = tmp_path_factory.mktemp("peers")
     model = save_synthetic_model("bert", root / "model", seed=1, max_positions=128, pooling="mean")
     out, work = root / "results", root / "work"

@@ -21,6 +21,8 @@ from attncal.eval.bootstrap import draw_resamples, paired_deltas
 from attncal.eval.compare_report import export_labels, precision_of
 from attncal.eval.synthetic_set import write_synthetic
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 GROUPS = ("begin", "middle", "end")
 
 

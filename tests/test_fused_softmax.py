@@ -30,6 +30,8 @@ from support.oracle_loop import (random_calibration_batch, random_calibration_op
 from support.tensors import random_scores, softmax_reference
 from test_native_kernel import counters, library, session  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 
 def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
     so = ort.SessionOptions()

@@ -15,6 +15,8 @@ from attncal import ExportOptions, export  # noqa: E402
 from attncal.synthetic import save_synthetic_model  # noqa: E402
 from test_native_kernel import library  # noqa: E402,F401  (the built-library fixture)
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 
 def test_library_ab_runs_both_builds_and_the_baseline(tmp_path, library, capsys):  # noqa: F811
     src = save_synthetic_model("bert", tmp_path / "src", seed=3, pooling="mean", max_positions=256)

@@ -18,6 +18,8 @@ from attncal.modelinfo import default_model_path, read_prompts
 from attncal.runtime.tokenizer import (FAST, TRANSFORMERS, FastTokenizer, TransformersTokenizer, load_tokenizer,
                                        probe_texts, verify_fast_tokenizer)
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tiny_models):
