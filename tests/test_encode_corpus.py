@@ -21,8 +21,6 @@ from attncal.corpus import CorpusInputError, encode_corpus, load_manifest, read_
 from attncal.synthetic import synthetic_text
 from support.hooks import Park, hooked_cli, parked_pid, process_gone, ship_with_ray, wait_until
 
-pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
-
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(batch_size=8, window=32, shard_size=70, show_progress=False)
