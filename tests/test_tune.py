@@ -18,6 +18,8 @@ from attncal.eval.prefix_cache import HiddenCache
 from attncal.eval.recommend import DO_NOT, Rule, ScoreTable, decide, decide_table, select, split_documents
 from attncal.eval.sweep import encode_sweep
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 TOL = 1e-6
 
 

@@ -25,6 +25,8 @@ from attncal.runtime import oplib
 from attncal.runtime.tokenizer import PROBE_TEXTS
 from attncal.synthetic import save_synthetic_model
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 REPO = Path(__file__).resolve().parents[1]
 
 
