@@ -14,9 +14,22 @@ SEED = int(os.environ.get("SIMT_SEED", "20261207"))
 failure reruns the same way; SIMT_SEED=<n> draws other interleavings."""
 
 
+def _worker_cpu() -> None:
+    """Under pytest-xdist, worker gwN's simulated threads take the N-th CPU it may run on (SIMT_CPU), so that two
+    workers' blocks never share one CPU while another idles (the runtime's own choice, by process id, can
+    collide); SIMT_CPU set by the caller wins."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if "SIMT_CPU" in os.environ or not worker.startswith("gw") or not hasattr(os, "sched_getaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.environ["SIMT_CPU"] = str(cpus[int(worker[2:]) % len(cpus)])
+
+
 @pytest.fixture(scope="session")
 def simt_lib():
     """libattncal_cuda_sim.so, loaded, on the default simulated device (sm_90: 227 KiB of opt-in shared memory)."""
+    _worker_cpu()
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++): the simulator compiles the CUDA sources with it")
     lib = build.load(build.build())

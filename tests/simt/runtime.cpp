@@ -492,8 +492,9 @@ struct Job {
 
 // The CPU the workers share (-1: no pinning).  A block's threads synchronise at every barrier and warp
 // collective, so most of a launch is thread switches: on one CPU each switch stays on its core (no
-// cross-core wake-up), and two processes (pytest's workers) take different CPUs.  SIMT_CPU=<n> picks the CPU, SIMT_CPU=none lets the threads
-// run on every CPU (the ThreadSanitizer target, for preemption across cores).
+// cross-core wake-up).  SIMT_CPU=<n> picks the CPU (tests/simt/conftest.py gives each pytest-xdist worker its
+// own), SIMT_CPU=none lets the threads run on every CPU (the ThreadSanitizer target, for preemption across
+// cores); otherwise a process takes one by its process id.
 int pool_cpu() {
   const char* e = std::getenv("SIMT_CPU");
   if (e != nullptr && std::strcmp(e, "none") == 0) return -1;

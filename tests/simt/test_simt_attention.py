@@ -76,9 +76,9 @@ def run_random(lib, n_cases: int, seed: int, marked: bool = False, launches: int
     """Random launches until each kernel computed `n_cases` calibrated rows (and at least `launches` ran).  Each
     kernel runs the cases where its rows come cheapest, and a share of the others: the tiled kernel computes a
     tile of 64 query rows at the cost of one, so it runs every self-attention case and one single-row case in
-    three; the per-row kernel spends a block on every row it computes, calibrated or not, so it runs the cases
-    where at least a quarter of the rows are calibrated, one other case in six (pooled self-attention: one
-    calibrated row per item and head), and every case the tiled kernel skips."""
+    ten; the per-row kernel spends a block on every row it computes, calibrated or not, so it runs a case with
+    the chance of its calibrated share of rows (at least three quarters: every time) and one single-row case in
+    four (a row of up to 150 keys)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     worst = dict.fromkeys(DTYPES, 0.0)
     seen = dict.fromkeys((*DTYPES, "pooled", "mean", "q1", "empty_item", "holes", "dead", "exact", "scalar_loads",
@@ -90,8 +90,17 @@ def run_random(lib, n_cases: int, seed: int, marked: bool = False, launches: int
         name = list(DTYPES)[n_launches % len(DTYPES)]  # every dtype in turn
         rows = calibrated_rows(mask, rc)
         cal = N * int(rows.sum() if S_q == S_k else rows.any(1).sum())
-        tiled = S_q > 1 or rng.random() < 1 / 3
-        per_row = 4 * cal >= B * N * S_q or rng.random() < 1 / 6 or not tiled
+        # Each kernel takes the cases where its calibrated rows come cheapest and a share of the others; a kernel
+        # past its count joins one case in eight of those the other still takes; a case no kernel takes is drawn
+        # again (a draw costs no launch).
+        want = {"tiled": S_q > 1 or rng.random() < 1 / 10,
+                "per-row": rng.random() < (1 / 4 if S_q == 1 else min(1.0, 4 * cal / (3 * B * N * S_q)))}
+        done = {r: n_cal[r] >= n_cases and n_launches >= launches for r in n_cal}
+        if not any(want[r] and not done[r] for r in want):
+            continue
+        tiled, per_row = (want[r] and (not done[r] or rng.random() < 1 / 8) for r in ("tiled", "per-row"))
+        if not (tiled or per_row):
+            continue
         kernels = [r for r, run in zip(TILED_PER_ROW, (tiled, per_row)) if run]
         q, k, v = random_qkv(gen, B, S_q, S_k, N, D, D_v, DTYPES[name], temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
                              exact=exact)
