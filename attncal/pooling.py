@@ -94,10 +94,12 @@ class Pooling:
         return cls(name, every if name in ROW_SET_KINDS else None, token if name in LANDMARK_KINDS else None)
 
     @classmethod
-    def of(cls, value: "Pooling | str | None") -> "Pooling":
-        """`value` itself, or the pooling its text names (`parse`; None: auto)."""
+    def of(cls, value: "Pooling | str | dict | None") -> "Pooling":
+        """`value` itself, the pooling its text names (`parse`), its JSON (`from_json`), or None: auto."""
         if isinstance(value, Pooling):
             return value
+        if isinstance(value, dict):
+            return cls.from_json(value)
         return cls() if value is None else cls.parse(value)
 
     def __str__(self) -> str:

@@ -40,8 +40,8 @@ from attncal.eval.posq_builder import PosqOptions, build_posq
 from attncal.eval.realtext import python_reference_documents
 from attncal.exporting.exporter import ExportOptions, export
 from attncal.modelinfo import default_model_path
+from attncal.pooling import Pooling
 from attncal.runtime.encoder import Encoder
-from attncal.runtime.landmarks import PoolingSpec
 from attncal.runtime.precision import quantize, ranges_of, truncate
 
 THIRDS = ("beginning", "middle", "end")
@@ -51,13 +51,12 @@ CPU = ["CPUExecutionProvider"]
 
 def make_exports(work: Path) -> dict[str, Path]:
     out = {}
-    for name, cal, spec in (("plain", False, None), ("cal", True, None), ("lmk-plain", False, PoolingSpec("lmk", 64)),
-                            ("lmk-cal", True, PoolingSpec("lmk", 64))):
+    for name, cal, pooling in (("plain", False, Pooling()), ("cal", True, Pooling()),
+                               ("lmk-plain", False, Pooling("lmk", 64)), ("lmk-cal", True, Pooling("lmk", 64))):
         d = work / name
         if not (d / "attncal.json").is_file():
-            export(str(default_model_path()), d, ExportOptions(config=CalibrationConfig(), calibrate=cal,
-                                                               exporter="torchscript", pooling_spec=spec,
-                                                               overwrite=True), quiet=True)
+            export(str(default_model_path()), d, ExportOptions(config=CalibrationConfig(pooling=pooling), calibrate=cal,
+                                                               exporter="torchscript", overwrite=True), quiet=True)
         out[name] = d
     return out
 

@@ -49,6 +49,7 @@ from typing import Callable
 
 from attncal.bench.engines import TWIN
 from attncal.bench.timing import median_ratio
+from attncal.calibration.config import CalibrationConfig
 from attncal.cli import build_parser
 from attncal.eval.report import markdown_table
 from attncal.exporting.plan import CONFLICTS, ExportOptions
@@ -335,7 +336,10 @@ def _cpu_path_overhead_table() -> str:
     root = DOCS / "bench" / "cal-overhead"
     runs = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(root.glob("*/results.json"))]
     order = {p: i for i, p in enumerate(("avx512", "avx2", "default"))}
-    runs.sort(key=lambda r: (order.get(r["meta"]["machine"]["cpu_path"], 9), r["meta"]["config"]["pooling"]))
+    def pooling(run: dict) -> str:  # the run's config as it was written (the pooling a word, or its object)
+        return CalibrationConfig.from_dict(run["meta"]["config"]).pooling.describe()
+
+    runs.sort(key=lambda r: (order.get(r["meta"]["machine"]["cpu_path"], 9), pooling(r)))
     shapes = sorted({(r["batch"], r["seq"]) for run in runs for r in run["rows"]})
     lines = []
     for run in runs:
@@ -359,10 +363,10 @@ def _cpu_path_overhead_table() -> str:
 
     for run in runs:
         by = {(r["engine"], r["batch"], r["seq"]): r for r in run["rows"]}
-        path, pooling = run["meta"]["machine"]["cpu_path"], run["meta"]["config"]["pooling"]
+        path = run["meta"]["machine"]["cpu_path"]
         for engine, what in (("ort-opt-native", "calibrated"), (f"ort-native{TWIN}", "A/A: uncalibrated again")):
             if any(e == engine for e, _, _ in by):
-                lines.append(f"| `{path}` | {pooling} | {what} | " + " | ".join(cell(by, engine, b, s) for b, s in shapes)
+                lines.append(f"| `{path}` | {pooling(run)} | {what} | " + " | ".join(cell(by, engine, b, s) for b, s in shapes)
                              + " |")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ only) and caches it under pytest's base temp directory, so every module that imp
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -40,9 +41,9 @@ def good(tmp_path_factory) -> Path:
     return tiny_export(tmp_path_factory)
 
 
-def test_new_exports_are_format_2_with_files_and_digests(good):
+def test_new_exports_are_format_3_with_files_and_digests(good):
     meta = artifact.read_metadata(good)
-    assert meta["format"] == artifact.FORMAT_VERSION == 2
+    assert meta["format"] == artifact.FORMAT_VERSION == 3
     assert {"config.json", "tokenizer.json"} <= set(meta["files"])
     model = artifact.load_onnx_checked(good / artifact.PORTABLE_GRAPH, require_digest=True)
     assert artifact.stored_digest(model) == artifact.graph_digest(model)
@@ -75,8 +76,48 @@ def test_format_1_is_still_read(good, tmp_path):
         Encoder(old)
 
 
+def _format_2(meta: dict, pooling: str, spec: dict | None = None, **config) -> dict:
+    """`meta` as format 2 wrote it: the pooling a word (with `pooling_spec` for landmark / mean-every), and so the
+    calibration config's, with its `pool_token_id` and `pool_every`."""
+    old = dict(meta, format=2, pooling=pooling, pooling_spec=spec)
+    if old.get("config"):
+        old["config"] = {**old["config"], "pooling": pooling, "pool_token_id": -1, "pool_every": 0, **config}
+    return old
+
+
+def test_format_2_pooling_is_still_read(good, tmp_path):
+    """Format 2 spelled the pooling as a word plus `pooling_spec`; it reads as format 3's one `pooling` object, the
+    calibration config's too, and the export encodes as before."""
+    from attncal import Encoder
+
+    meta = json.loads((good / "attncal.json").read_text())
+    word = meta["pooling"]["kind"]
+    assert meta["pooling"] == meta["config"]["pooling"] == {"kind": word} and word in ("cls", "mean", "last")
+    old = tmp_path / "old"
+    shutil.copytree(good, old)
+    (old / "attncal.json").write_text(json.dumps(_format_2(meta, word)))
+    read = artifact.read_metadata(old)
+    assert read["pooling"] == meta["pooling"] and read["config"] == meta["config"] and "pooling_spec" not in read
+    text = ["format two still works"]
+    assert np.array_equal(Encoder(old).encode(text), Encoder(good).encode(text))
+    # landmark: the spec says lmk or multi-cls (the config said `landmark` and the token id only)
+    spec = {"style": "multi-cls", "every": "sentence", "token": "[CLS]", "token_id": 1}
+    read = artifact.validate_metadata(_format_2(meta, "landmark", spec, pool_token_id=1))
+    assert read["pooling"] == read["config"]["pooling"] == {"kind": "multi-cls", "every": "sentence",
+                                                            "token": "[CLS]", "token_id": 1}
+    read = artifact.validate_metadata(_format_2(meta, "mean-every", {"style": "mean-every", "every": 8},
+                                                pool_every=8))
+    assert read["pooling"] == read["config"]["pooling"] == {"kind": "mean-every", "every": 8}
+    for damaged, message in ((_format_2(meta, "landmark"), "key 'pooling': invalid pooling: pooling 'landmark' "
+                                                            "needs its pooling_spec"),
+                             (_format_2(meta, "cls", spec), "key 'pooling': invalid pooling: pooling 'cls' takes no "
+                                                            "pooling_spec")):
+        with pytest.raises(ArtifactError, match=re.escape(message)):
+            artifact.validate_metadata(damaged)
+
+
 @pytest.mark.parametrize("edit, message", [
-    (lambda m: m.update(format=3), "unknown export format version 3; this attncal reads formats 1, 2; upgrade"),
+    (lambda m: m.update(format=4), "unknown export format version 4; this attncal reads formats 1, 2, 3; upgrade"),
     (lambda m: m.update(format="2"), "key 'format' must be an integer"),
     (lambda m: m.pop("format"), "missing key 'format'"),
     (lambda m: m.pop("pooling"), "missing key(s) 'pooling'"),

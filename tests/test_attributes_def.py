@@ -30,6 +30,7 @@ from onnx import TensorProto, helper
 from attncal.calibration.config import CalibrationConfig
 from attncal.graphs.ops import contract
 from attncal.graphs.ops.contract import DOMAIN, VERSION, attention_op_spec, op_spec
+from attncal.pooling import Pooling
 from attncal.runtime import attributes_def, oplib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def test_def_matches_the_contract():
     # Every exported node carries exactly the attributes the table gives its op, the optional ones where they
     # differ from the defaults.
     geo = contract.AttentionGeometry(num_kv_heads=2, window_left=3, window_right=0, relative_max_distance=128)
-    landmark = CalibrationConfig(pooling="landmark", pool_token_id=2, variant="cls-hard").resolve()
+    landmark = CalibrationConfig(pooling=Pooling("lmk", token_id=2), variant="cls-hard").resolve()
     marks = {"marked_rows": 1, "isolate_self": 1, "self_mode": 2, "self_weight": 0.3}
     for rc, marked in ((CalibrationConfig(pooling="cls").resolve(), {}),
                        (CalibrationConfig(pooling="mean").resolve(), {}), (landmark, marks)):

@@ -155,7 +155,7 @@ def test_landmark_chunks_are_the_landmark_states(tmp_path_factory):
     got = enc.encode_chunks([short, long], "landmark")
     feeds = enc.tokenize([short])
     hidden, emb = enc.run(feeds)
-    marks = np.flatnonzero(feeds["input_ids"][0] == enc.pooling_spec.token_id)
+    marks = np.flatnonzero(feeds["input_ids"][0] == enc.pooling.token_id)
     assert len(marks) == len(got.vectors[got.of(0)]) > 1
     np.testing.assert_allclose(got.vectors[got.of(0)], normalise(hidden[0, marks]), atol=1e-6)
     # the whole-text embedding of an LMK export is the mean of these landmark states

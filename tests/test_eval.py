@@ -283,7 +283,7 @@ def test_end_to_end_minilm_with_a_yaml_grid(tmp_path):
     res = json.loads((out / "results.json").read_text())
     rows = {r["label"]: r for r in res["rows"]}
     assert list(rows) == ["uncalibrated", "λ=0 basket=64", "full"]
-    assert rows["full"]["config"]["pooling"] == "mean" and rows["full"]["config"]["basket_size"] == 64
+    assert rows["full"]["config"]["pooling"] == {"kind": "mean"} and rows["full"]["config"]["basket_size"] == 64
     assert rows["λ=0 basket=64"]["scores"] == rows["uncalibrated"]["scores"]
     assert res["dataset"]["queries_per_group"] == {"begin": 3, "middle": 3, "end": 3}
     # the attention plot's data: at λ=1 with mean pooling every basket gets an equal share

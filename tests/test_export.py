@@ -315,7 +315,7 @@ def minilm_exports(tmp_path_factory):
 def test_real_minilm_parity(minilm_exports):
     root, metas = minilm_exports
     for name, meta in metas.items():
-        assert meta["pooling"] == "mean" and meta["parity"]["ok"], (name, meta["parity"])
+        assert meta["pooling"] == {"kind": "mean"} and meta["parity"]["ok"], (name, meta["parity"])
         assert meta["parity"]["max_abs"] <= 1e-5
     # Default placement (auto) for mean pooling: the Softmax-fused op on the portable graph, split on
     # the optimized graph, the calibrated attention op on the native graph, each parity-checked at export.

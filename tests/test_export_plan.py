@@ -51,7 +51,7 @@ def test_metadata_dataclass_writes_the_validated_keys_in_order():
     names = [f.name for f in dataclasses.fields(ExportMetadata)]
     values = {n: None for n in names if n not in ("format", "export_steps")}
     values.update(calibrated=False, calibrated_layers=[], model_type="bert", architecture="BertModel", tested=True,
-                  num_layers=2, pooling="cls", normalize=True, padding_side="right", inputs=["input_ids",
+                  num_layers=2, pooling={"kind": "cls"}, normalize=True, padding_side="right", inputs=["input_ids",
                   "attention_mask"], outputs=["last_hidden_state", "sentence_embedding"], opset=18,
                   exporter="torchscript", graphs={}, fp16=False, files=[], versions={}, memory_estimate={})
     meta = ExportMetadata(**values)

@@ -19,7 +19,8 @@ from attncal.cli import main
 from attncal.exporting.exporter import ExportOptions, export
 from attncal.modelinfo import default_model_path
 from attncal.runtime import Encoder
-from attncal.runtime.landmarks import Landmarks, PoolingSpec, place, resolve, transformers_encode
+from attncal.pooling import Pooling
+from attncal.runtime.landmarks import Landmarks, place, transformers_encode
 from attncal.runtime.tokenizer import PROBE_TEXTS, load_tokenizer
 from attncal.synthetic import ARCHITECTURES, make_tokenizer, save_synthetic_model, synthetic_text
 from conftest import quick_exporter
@@ -35,8 +36,8 @@ HARD_TEXTS = list(PROBE_TEXTS) + [
 ]
 
 
-def _spec(tok, style, every, token=None):
-    return resolve(PoolingSpec(style, every, token), tok)
+def _spec(tok, kind, every, token=None):
+    return Pooling(kind, every, token).resolve(tok)
 
 
 def _tokens(tok, ids):
@@ -126,15 +127,15 @@ def test_left_padding_and_a_model_without_cls():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(style="lmk2"), "'lmk2' is not one of lmk, multi-cls, mean-every"),
-    (dict(style="lmk", every=0), "--lmk-every must be a whole number of tokens >= 1 or 'sentence', got 0"),
-    (dict(style="multi-cls", every="sentences"), "--lmk-every must be a whole number"),
-    (dict(style="mean-every", every="sentence"), "mean-every needs k, a whole number of tokens >= 1"),
-    (dict(style="mean-every", every=4, token="[SEP]"), "mean-every inserts no token"),
+    (dict(kind="lmk2"), "'lmk2' is not one of cls, mean, last, lmk, multi-cls, mean-every, auto"),
+    (dict(kind="lmk", every=0), "--lmk-every must be a whole number of tokens >= 1 or 'sentence', got 0"),
+    (dict(kind="multi-cls", every="sentences"), "--lmk-every must be a whole number"),
+    (dict(kind="mean-every", every="sentence"), "mean-every needs k, a whole number of tokens >= 1"),
+    (dict(kind="mean-every", every=4, token="[SEP]"), "mean-every inserts no token"),
 ])
 def test_bad_specs_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match="^invalid pooling: " + message.replace("[", r"\[").replace("?", r"\?")):
-        PoolingSpec(**kwargs)
+        Pooling(**kwargs)
 
 
 def test_unknown_landmark_token_is_refused():
@@ -160,9 +161,12 @@ def real_tokenizer_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sentence_export(real_tokenizer_model, tmp_path_factory):
+    from attncal.calibration.config import CalibrationConfig
+
     out = tmp_path_factory.mktemp("lmk") / "export"
-    export(str(real_tokenizer_model), out, ExportOptions(calibrate=False, exporter="torchscript", optimized=False,
-                                                         pooling_spec=PoolingSpec("lmk", "sentence")), quiet=True)
+    export(str(real_tokenizer_model), out, ExportOptions(config=CalibrationConfig(pooling=Pooling("lmk", "sentence")),
+                                                         calibrate=False, exporter="torchscript", optimized=False),
+           quiet=True)
     return out
 
 
@@ -193,15 +197,15 @@ def test_token_ids_are_the_same_in_every_runtime(sentence_export, real_tokenizer
     masks on the hard texts."""
     pytest.importorskip("tritonclient")
     from attncal.calibration.encode import TorchEncoder
-    from attncal.eval.encoders import PooledConfig, TorchBackend
+    from attncal.eval.encoders import TorchBackend
     from attncal.calibration.config import CalibrationConfig
     from attncal.runtime.parity import PaperReference
     from attncal.serving.repository import RepoOptions, build_repository
 
     enc = Encoder(sentence_export, providers=["CPUExecutionProvider"])
     meta = read_metadata(sentence_export)
-    assert meta["tokenizer"] == "tokenizers" and meta["pooling"] == "landmark"
-    spec = enc.pooling_spec
+    assert meta["tokenizer"] == "tokenizers" and meta["pooling"]["kind"] == "lmk"
+    spec = enc.pooling
     want = enc.tokenize(HARD_TEXTS)
     ref = {n: want[n] for n in ("input_ids", "attention_mask")}
     lengths = want["attention_mask"].sum(1)
@@ -231,7 +235,7 @@ def test_token_ids_are_the_same_in_every_runtime(sentence_export, real_tokenizer
     assert sorted(row.tolist() for row in (s[0] for s in seen)) == sorted(by_text[t] for t in HARD_TEXTS if t)
 
     torch_backend = TorchBackend(real_tokenizer_model, max_length=MAX_LEN)
-    config = PooledConfig.of(CalibrationConfig(strength=0.0), PoolingSpec("lmk", "sentence"))
+    config = CalibrationConfig(strength=0.0, pooling=Pooling("lmk", "sentence"))
     evaluated = torch_backend.landmarks(config)(HARD_TEXTS)
     assert all(np.array_equal(evaluated[n], ref[n]) for n in ref)
 
@@ -241,19 +245,19 @@ def test_token_ids_are_the_same_in_every_runtime(sentence_export, real_tokenizer
 
 def test_export_records_the_pooling_and_the_eval_sweeps_it(sentence_export, real_tokenizer_model):
     from attncal.calibration.config import CalibrationConfig
-    from attncal.eval.encoders import PooledConfig, TorchBackend
+    from attncal.eval.encoders import TorchBackend
 
     meta = read_metadata(sentence_export)
-    assert meta["pooling_spec"] == {"style": "lmk", "every": "sentence", "token": "[SEP]", "token_id": 102}
+    assert meta["pooling"] == {"kind": "lmk", "every": "sentence", "token": "[SEP]", "token_id": 102}
     enc = Encoder(sentence_export, providers=["CPUExecutionProvider"])
     texts = ["One sentence. Another one, longer than the first! A third?", "short"]
     backend = TorchBackend(real_tokenizer_model, max_length=MAX_LEN)
-    swept = backend.encode(texts, PooledConfig.of(CalibrationConfig(strength=0.0), PoolingSpec("lmk", "sentence")))
+    swept = backend.encode(texts, CalibrationConfig(strength=0.0, pooling=Pooling("lmk", "sentence")))
     assert np.abs(swept - enc.encode(texts)).max() <= 1e-5
     own = backend.encode(texts, None)  # the model's own (mean) pooling differs
     assert np.abs(own - swept).max() > 1e-3
-    calibrated = backend.encode(texts, PooledConfig.of(CalibrationConfig(strength=0.5, basket_size=4),
-                                                       PoolingSpec("lmk", "sentence")))
+    calibrated = backend.encode(texts, CalibrationConfig(strength=0.5, basket_size=4,
+                                                         pooling=Pooling("lmk", "sentence")))
     assert np.abs(calibrated - swept).max() > 1e-4  # the landmark rows are calibrated
 
 
@@ -261,11 +265,13 @@ def test_a_damaged_pooling_record_is_named(sentence_export, tmp_path):
     from attncal.artifact import ArtifactError
 
     for change, message in (
-            (lambda m: m["pooling_spec"].update(token_id="102"), "key 'pooling_spec': invalid pooling: the landmark "
-                                                                 "token id must be an integer >= 0, got '102'"),
-            (lambda m: m.update(pooling="mean-every"), r"key 'pooling_spec' \(lmk \[SEP\] per sentence, token id "
-                                                       r"102\) does not fit pooling 'mean-every'"),
-            (lambda m: m.pop("pooling_spec"), "pooling 'landmark' needs key 'pooling_spec'")):
+            (lambda m: m["pooling"].update(token_id="102"), "key 'pooling': invalid pooling: the landmark "
+                                                            "token id must be an integer >= 0, got '102'"),
+            (lambda m: m["pooling"].pop("token_id"), r"key 'pooling' \(lmk \[SEP\] per sentence\) must be concrete, "
+                                                     "with a landmark kind's token_id"),
+            (lambda m: m.update(pooling="landmark"), "key 'pooling' must be an object, got 'landmark'"),
+            (lambda m: m.update(pooling={"kind": "lmk", "every": 4, "token_id": 102, "style": "lmk"}),
+             "key 'pooling': invalid pooling: unknown field\\(s\\) style")):
         copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
         shutil.copytree(sentence_export, copy)
         meta = json.loads((copy / "attncal.json").read_text())
@@ -292,9 +298,12 @@ def test_every_graph_matches_the_paper_reference(arch, style, every, token, tiny
     from attncal.calibration.encode import TorchEncoder
 
     out = tmp_path / "out"
+    from attncal.calibration.config import CalibrationConfig
+
     meta = export(str(tiny_models[arch]), out, ExportOptions(
-        calibrate=False, exporter=quick_exporter(arch), pooling_spec=PoolingSpec(style, every, token)), quiet=True)
-    assert meta["pooling"] == ("mean-every" if style == "mean-every" else "landmark")
+        config=CalibrationConfig(pooling=Pooling(style, every, token)), calibrate=False,
+        exporter=quick_exporter(arch)), quiet=True)
+    assert meta["pooling"]["kind"] == style and meta["pooling"]["every"] == every
     for graph, entry in meta["graphs"].items():
         assert entry["parity"]["max_abs"] <= 1e-5, (graph, entry["parity"])
     if arch == "bert":
@@ -318,8 +327,8 @@ def test_eval_sweeps_poolings_from_the_command_line(tiny_models, tmp_path, capsy
     assert [r["label"] for r in rows] == [
         "uncalibrated", "λ=0 pooling=cls", "λ=0 lmk [SEP] every 16 tokens", "λ=0 lmk [SEP] per sentence",
         "λ=0 multi-cls [CLS] every 16 tokens", "λ=0 multi-cls [CLS] per sentence", "λ=0 mean-every 8"]
-    assert rows[2]["config"]["pooling_spec"] == {"style": "lmk", "every": 16, "token": "[SEP]", "token_id": 3}
-    assert rows[2]["config"]["pool_token_id"] == 3 and rows[6]["config"]["pool_every"] == 8
+    assert rows[2]["config"]["pooling"] == {"kind": "lmk", "every": 16, "token": "[SEP]", "token_id": 3}
+    assert rows[6]["config"]["pooling"] == {"kind": "mean-every", "every": 8}
     capsys.readouterr()
 
 
@@ -328,31 +337,31 @@ def test_bench_feeds_carry_the_landmarks():
 
     feeds = make_feeds(2, 20, vocab=30)
     feeds["input_ids"][0, 3] = 12  # a content token spelled as the landmark: replaced, the rows keep one length
-    out = pooled_feeds(feeds, PoolingSpec("lmk", 8, "[SEP]", 12))
+    out = pooled_feeds(feeds, Pooling("lmk", 8, "[SEP]", 12))
     assert out["input_ids"].shape == (2, 23) and out["attention_mask"].all()  # 20 tokens + one landmark per 8
     assert [np.flatnonzero(row == 12).tolist() for row in out["input_ids"]] == [[8, 17, 22]] * 2
-    assert np.array_equal(pooled_feeds(feeds, PoolingSpec("mean-every", 4))["input_ids"], feeds["input_ids"])
-    capped = pooled_feeds(feeds, PoolingSpec("lmk", 8, "[SEP]", 12), max_length=20)  # landmarks replace content
+    assert np.array_equal(pooled_feeds(feeds, Pooling("mean-every", 4))["input_ids"], feeds["input_ids"])
+    capped = pooled_feeds(feeds, Pooling("lmk", 8, "[SEP]", 12), max_length=20)  # landmarks replace content
     assert capped["input_ids"].shape == (2, 20) and (capped["input_ids"] == 12).sum(1).tolist() == [3, 3]
 
 
-@pytest.mark.parametrize("spec", [PoolingSpec("lmk", 8), PoolingSpec("multi-cls", 8), PoolingSpec("mean-every", 3)],
+@pytest.mark.parametrize("spec", [Pooling("lmk", 8), Pooling("multi-cls", 8), Pooling("mean-every", 3)],
                          ids=["lmk", "multi-cls", "mean-every"])
 def test_calibrated_pooled_export_matches_pytorch_on_every_graph(spec, tiny_models, tmp_path):
     """Calibration with landmark / Mean@k pooling calibrates the pooled rows in PyTorch (the patch marks them from
     the batch's input_ids) and in every graph, and the export's parity check holds them to 1e-5."""
     from attncal.calibration.config import CalibrationConfig
 
-    cfg = CalibrationConfig(basket_size=4, strength=0.8)
+    cfg = CalibrationConfig(basket_size=4, strength=0.8, pooling=spec)
     out, worst = {}, {}
     for name, calibrate in (("cal", True), ("off", False)):
         out[name] = tmp_path / name
-        meta = export(str(tiny_models["bert"]), out[name], ExportOptions(config=cfg, calibrate=calibrate, pooling_spec=spec,
+        meta = export(str(tiny_models["bert"]), out[name], ExportOptions(config=cfg, calibrate=calibrate,
                                                                     exporter="torchscript"), quiet=True)
         for graph_file, g in meta["graphs"].items():
             assert g["parity"]["ok"] and g["parity"]["max_abs"] <= 1e-5, (graph_file, g["parity"])
         worst[name] = max(g["parity"]["max_abs"] for g in meta["graphs"].values())
-    assert read_metadata(out["cal"])["config"]["pooling"] == spec.pooling
+    assert Pooling.from_json(read_metadata(out["cal"])["config"]["pooling"]).kind == spec.kind
     texts = ["A long enough text, with several chunks of tokens in it, to hold more than one landmark. " * 3]
     cal, off = (Encoder(out[n], providers=["CPUExecutionProvider"]).encode(texts) for n in ("cal", "off"))
     # A tiny random model's attention is nearly flat, so calibration moves it little; but by far more than the
@@ -363,8 +372,10 @@ def test_calibrated_pooled_export_matches_pytorch_on_every_graph(spec, tiny_mode
 def test_a_comparison_labels_a_calibrated_landmark_export_by_its_calibration():
     from attncal.eval.compare_report import calibration_of
 
-    config = {"variant": "cls-soft", "strength": 0.5, "basket_size": 128, "layers": "last-half", "pooling": "landmark",
-              "pool_token_id": 102, "pool_every": 0}
+    config = {"variant": "cls-soft", "strength": 0.5, "basket_size": 128, "layers": "last-half",
+              "pooling": {"kind": "lmk", "every": 64, "token": "[SEP]", "token_id": 102}}
     assert calibration_of({"calibrated": True, "config": config}) == "calibrated λ=0.5"
-    assert calibration_of({"calibrated": True, "config": dict(config, pooling="mean-every", pool_token_id=-1,
-                                                              pool_every=4, basket_size=64)}) == "calibrated λ=0.5 basket=64"
+    assert calibration_of({"calibrated": True, "config": dict(config, pooling={"kind": "mean-every", "every": 4},
+                                                              basket_size=64)}) == "calibrated λ=0.5 basket=64"
+    old = dict(config, pooling="landmark", pool_token_id=102, pool_every=0)  # the config's form before `Pooling`
+    assert calibration_of({"calibrated": True, "config": old}) == "calibrated λ=0.5"

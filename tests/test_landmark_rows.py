@@ -36,6 +36,7 @@ from attncal.graphs.placements import row_marks
 from attncal.graphs.ops.contract import attention_op_spec, op_spec, resolved_from_attrs
 from attncal.graphs.ops.single_op import single_op_model
 from attncal.runtime import oplib
+from attncal.pooling import Pooling
 from support.cases import calibrated_rows, mark_rows, random_config, row_set_config
 from support.cpu import run_on_each_path
 from support.masks import mixed_mask, random_mask
@@ -83,7 +84,7 @@ def tally_marked(seen: dict, mask: torch.Tensor, rc, S: int) -> None:
     counts = {"left": int((valid[:, -1] & ~valid[:, 0]).sum()), "right": int((valid[:, 0] & ~valid[:, -1]).sum()),
               "holes": int(((last - first + 1 != lengths) & (lengths > 0)).sum()),
               "partial": int((((lengths - rc.n_isolated) % S != 0) & (lengths > rc.n_isolated)).sum()),
-              rc.pooling: B, "marked_rows": int((mask == ROW_MARK).sum()), **own_kinds(mask, rc)}
+              "landmark" if rc.pooling.inserts else rc.pooling.kind: B, "marked_rows": int((mask == ROW_MARK).sum()), **own_kinds(mask, rc)}
     if rc.isolate_self:
         counts[{MODE_EQUAL: "self_equal", MODE_ORIGINAL: "self_original", MODE_FIXED: "self_fixed"}[rc.self_mode]] = B
     for key, n in counts.items():
@@ -105,8 +106,8 @@ def test_a_landmark_row_takes_its_own_key_out_of_its_basket():
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[0, 4] = ROW_MARK
     probs = random_probs(torch.Generator().manual_seed(3), mask, H=1)
-    cfg = CalibrationConfig(variant="cls-hard", self_weight=w, basket_size=S, strength=1.0, pooling="landmark",
-                            pool_token_id=9)
+    cfg = CalibrationConfig(variant="cls-hard", self_weight=w, basket_size=S, strength=1.0,
+                            pooling=Pooling("lmk", token_id=9))
     out = reference(probs, mask, cfg)[0, 0]
     a = probs[0, 0, 4].double()
     t = 4 + 2
@@ -128,7 +129,7 @@ def test_an_own_key_that_is_the_isolated_first_or_last_key_takes_the_self_share_
     mask = torch.ones(1, K, dtype=torch.long)
     mask[0, q] = ROW_MARK
     probs = random_probs(torch.Generator().manual_seed(4), mask, H=1)
-    cfg = CalibrationConfig(variant="cls-soft", basket_size=3, strength=1.0, pooling="landmark", pool_token_id=1,
+    cfg = CalibrationConfig(variant="cls-soft", basket_size=3, strength=1.0, pooling=Pooling("lmk", token_id=1),
                             isolate_first=True, isolate_last=True)
     rc = cfg.resolve()
     assert (rc.first_mode, rc.last_mode, rc.self_mode) == (MODE_EQUAL, MODE_EQUAL, MODE_ORIGINAL)
@@ -150,7 +151,7 @@ def test_mean_every_marks_calibrate_as_mean_pooling_calibrates_those_rows():
     rng, gen = random.Random(8), torch.Generator().manual_seed(8)
     mask = mark_rows(rng, random_mask(rng, 4, 20, left=False, min_len=8))
     probs = random_probs(gen, mask, H=2)
-    every = reference(probs, mask, CalibrationConfig(pooling="mean-every", pool_every=3, basket_size=4))
+    every = reference(probs, mask, CalibrationConfig(pooling=Pooling("mean-every", 3), basket_size=4))
     mean = reference(probs, mask, CalibrationConfig(pooling="mean", basket_size=4))
     marked = (mask == ROW_MARK)[:, None, :, None].expand_as(probs)
     assert torch.equal(every[marked], mean[marked]) and marked.any()
@@ -338,7 +339,7 @@ def test_attention_op_matches_the_oracle_on_20000_cases(library, float16, tol):
 def test_threads_and_in_place_give_identical_bits(library, cpu_path, float16):
     rng, gen = random.Random(81), torch.Generator().manual_seed(81)
     dtype = torch.float16 if float16 else torch.float32
-    cfg = CalibrationConfig(pooling="landmark", pool_token_id=5, basket_size=8)
+    cfg = CalibrationConfig(pooling=Pooling("lmk", token_id=5), basket_size=8)
     mask = mark_rows(rng, mixed_mask(rng, 6, 300, min_len=100), p=1 / 64)
     probs = random_probs(gen, mask, 4, dtype)
     spec = op_spec(cfg.resolve(), 1)
@@ -387,8 +388,8 @@ def test_host_kernels_match_the_double_reference_on_each_path(tmp_path):
 
 
 # ------------------------------------------------------------------ the marks in the graph, the placements
-@pytest.mark.parametrize("cfg", [CalibrationConfig(pooling="landmark", pool_token_id=102),
-                                 CalibrationConfig(pooling="mean-every", pool_every=3)], ids=["landmark", "mean-every"])
+@pytest.mark.parametrize("cfg", [CalibrationConfig(pooling=Pooling("lmk", token_id=102)),
+                                 CalibrationConfig(pooling=Pooling("mean-every", 3))], ids=["landmark", "mean-every"])
 def test_graph_marks_equal_marked_mask(cfg):
     """row_marks.insert's nodes, run by ONNX Runtime, give `ResolvedCalibration.marked_mask` on both padding sides,
     with landmark ids under the padding."""
@@ -413,7 +414,7 @@ def test_graph_marks_equal_marked_mask(cfg):
         None, {"input_ids": input_ids.numpy(), "attention_mask": mask.numpy()})
     assert np.array_equal(marked, rc.marked_mask(input_ids, mask).numpy())
     assert (marked == ROW_MARK).any() and ((input_ids == 102) & (mask == 0)).any()
-    if cfg.pooling == "mean-every":
+    if cfg.pooling.kind == "mean-every":
         assert marked[-2, 1] == marked[-1, -1] == ROW_MARK and (marked[-2:] == ROW_MARK).sum() == 2
         assert np.array_equal(rc.marked_mask(input_ids.numpy(), mask.numpy()), marked)  # numpy gives the same
 
@@ -424,15 +425,16 @@ def test_a_graph_without_token_ids_is_refused_by_name():
     graph = helper.make_graph([], "g", [helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["B", "S"])],
                               [])
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
-    rc = CalibrationConfig(pooling="landmark", pool_token_id=1).resolve()
-    with pytest.raises(ValueError, match="landmark pooling marks its calibrated rows from the token ids: the graph "
+    rc = CalibrationConfig(pooling=Pooling("lmk", token_id=1)).resolve()
+    with pytest.raises(ValueError, match="lmk pooling marks its calibrated rows from the token ids: the graph "
                                          "has no input named 'input_ids'"):
         row_marks.find_ids(model.graph, rc, ValueError)
-    assert row_marks.find_ids(model.graph, CalibrationConfig.off("landmark", 1).resolve(), ValueError) is None
+    off = CalibrationConfig.off(Pooling("lmk", token_id=1)).resolve()
+    assert row_marks.find_ids(model.graph, off, ValueError) is None
 
 
-@pytest.mark.parametrize("cfg", [CalibrationConfig(pooling="landmark", pool_token_id=2),
-                                 CalibrationConfig(pooling="mean-every", pool_every=4)], ids=["landmark", "mean-every"])
+@pytest.mark.parametrize("cfg", [CalibrationConfig(pooling=Pooling("lmk", token_id=2)),
+                                 CalibrationConfig(pooling=Pooling("mean-every", 4))], ids=["landmark", "mean-every"])
 def test_placements_take_the_row_set_in_one_pass_and_refuse_where_they_cannot(cfg):
     rc = cfg.resolve()
     plan = placements.plan("auto", rc, "fp32")
@@ -442,7 +444,7 @@ def test_placements_take_the_row_set_in_one_pass_and_refuse_where_they_cannot(cf
                           ("split", "split placement calibrates one row or every row")):
         with pytest.raises(ValueError, match=message):
             placements.plan(name, rc)
-    assert CalibrationConfig.off("landmark").resolve().all_rows  # no token yet: mean pooling's op at strength 0
+    assert CalibrationConfig.off("lmk").resolve().all_rows  # no token yet: mean pooling's op at strength 0
 
 
 def test_split_calibration_refuses_marked_rows():
@@ -451,11 +453,11 @@ def test_split_calibration_refuses_marked_rows():
     from attncal.calibration import compute_geometry
     from attncal.calibration.split import split_calibrated_attention
 
-    rc = CalibrationConfig(pooling="landmark", pool_token_id=1, basket_size=2).resolve()
+    rc = CalibrationConfig(pooling=Pooling("lmk", token_id=1), basket_size=2).resolve()
     mask = torch.ones(1, 6, dtype=torch.long)
     mask[0, 3] = ROW_MARK
     q = torch.randn(1, 1, 6, 4)
-    with pytest.raises(ValueError, match="landmark pooling calibrates the rows marked in its mask: calibrate the "
+    with pytest.raises(ValueError, match="lmk pooling calibrates the rows marked in its mask: calibrate the "
                                          r"probabilities \(attncal.calibration.apply\)"):
         split_calibrated_attention(q, q, q, q.clone(), None, rc, compute_geometry(mask, rc), 0.5)
 
@@ -501,7 +503,7 @@ def test_placed_marks_calibrate_the_landmark_rows_in_every_graph(uncalibrated_be
     calibration; a landmark id that no text holds calibrates nothing."""
     onnx_dir, layers, feeds = uncalibrated_bert
     portable, optimized = onnx_dir / "model.onnx", onnx_dir / "model_optimized.onnx"
-    cfg = CalibrationConfig(pooling="landmark", pool_token_id=7, basket_size=16, layers="all")
+    cfg = CalibrationConfig(pooling=Pooling("lmk", token_id=7), basket_size=16, layers="all")
     ref = outputs(placed(portable, "fused-softmax", cfg, layers), feeds, None)
     runs = {"fused-softmax, native": outputs(placed(portable, "fused-softmax", cfg, layers), feeds, library),
             "softmax, native": outputs(placed(portable, "softmax", cfg, layers), feeds, library),
@@ -513,10 +515,10 @@ def test_placed_marks_calibrate_the_landmark_rows_in_every_graph(uncalibrated_be
             assert np.abs(a - b).max() <= 1e-5, name
     plain = outputs(onnx.load(str(portable)), feeds, None)
     assert max(np.abs(a - b).max() for a, b in zip(ref, plain)) > 1e-3  # the landmark rows moved
-    absent = CalibrationConfig(pooling="landmark", pool_token_id=3, basket_size=16, layers="all")
+    absent = CalibrationConfig(pooling=Pooling("lmk", token_id=3), basket_size=16, layers="all")
     for a, b in zip(outputs(placed(portable, "fused-softmax", absent, layers), feeds, library), plain):
         assert np.abs(a - b).max() <= 1e-5
-    every = CalibrationConfig(pooling="mean-every", pool_every=1, basket_size=16, layers="all")
+    every = CalibrationConfig(pooling=Pooling("mean-every", 1), basket_size=16, layers="all")
     mean = CalibrationConfig(pooling="mean", basket_size=16, layers="all")
     for a, b in zip(outputs(placed(portable, "fused-softmax", every, layers), feeds, library),
                     outputs(placed(portable, "fused-softmax", mean, layers), feeds, library)):
@@ -545,7 +547,7 @@ def test_the_patched_model_calibrates_the_rows_its_input_ids_mark(tmp_path):
     mask = torch.ones_like(ids)
     mask[1, 30:] = 0
     landmark = 99
-    cfg = CalibrationConfig(pooling="landmark", pool_token_id=landmark, basket_size=8, strength=0.8)
+    cfg = CalibrationConfig(pooling=Pooling("lmk", token_id=landmark), basket_size=8, strength=0.8)
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask).last_hidden_state
         with calibrate(model, cfg):

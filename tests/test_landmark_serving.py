@@ -22,15 +22,16 @@ def served(tmp_path_factory):
     _env_or_skip()
     from attncal.exporting.exporter import ExportOptions, export
     from attncal.runtime.encoder import Encoder
-    from attncal.runtime.landmarks import PoolingSpec
+    from attncal.calibration.config import CalibrationConfig
+    from attncal.pooling import Pooling
     from attncal.serving.repository import RepoOptions, build_repository
     from attncal.serving.server import TritonServer, free_port
     from attncal.synthetic import save_synthetic_model
 
     root = tmp_path_factory.mktemp("lmk-serving")
     src = save_synthetic_model("bert", root / "src", seed=6, max_positions=64, max_seq_length=MAX_LEN)
-    export(str(src), root / "lmk", ExportOptions(calibrate=False, exporter="torchscript", optimized=False, check=False,
-                                                 pooling_spec=PoolingSpec("lmk", 8)), quiet=True)
+    export(str(src), root / "lmk", ExportOptions(config=CalibrationConfig(pooling=Pooling("lmk", 8)), calibrate=False,
+                                                 exporter="torchscript", optimized=False, check=False), quiet=True)
     build_repository(root / "lmk", root / "repo", RepoOptions(name="lmk", max_batch=8, max_queue_delay_us=0))
     server = TritonServer(root / "repo", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     server.start()
@@ -52,7 +53,7 @@ def test_served_landmarks_and_embeddings_equal_the_encoder(served):
     finally:
         c.close()
     want = enc.tokenize(TEXTS)
-    assert (want["input_ids"] == enc.pooling_spec.token_id).sum() > len(TEXTS)  # landmarks beyond the final SEPs
+    assert (want["input_ids"] == enc.pooling.token_id).sum() > len(TEXTS)  # landmarks beyond the final SEPs
     for name in ("input_ids", "attention_mask"):
         assert np.array_equal(tokens.as_numpy(name), want[name]), name
     got = _http_embed(server.http_url, "lmk", TEXTS)

@@ -90,3 +90,42 @@ def test_row_mask():
         Pooling("lmk").row_mask(ids, mask)
     with pytest.raises(ValueError, match="no row mask"):
         Pooling("mean").row_mask(ids, mask)
+
+
+# The forms pooling travelled in before `Pooling`: identifiers that must not come back in attncal/ (the old
+# attncal.json and config forms are read as dictionary keys, i.e. strings, which this does not look at).
+OLD_FORMS = {"PoolingSpec", "pooling_spec", "pool_token_id", "pool_every", "pooling_head", "PooledConfig",
+             "config_fields", "ROW_SET_POOLINGS", "POOLING_CHOICES"}
+
+
+def old_pooling_forms(source: str) -> list[str]:
+    """Where `source` names one of `OLD_FORMS` (a name, an attribute, a parameter or keyword, a definition), or
+    writes a parsed pooling back into the argparse namespace (`args.pooling = ...`)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = {getattr(node, "id", None), getattr(node, "attr", None), getattr(node, "arg", None),
+                 getattr(node, "name", None) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None}
+        found += [f"line {node.lineno}: {n}" for n in names & OLD_FORMS]
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in (e for target in targets for e in ast.walk(target)):
+                if isinstance(t, ast.Attribute) and t.attr == "pooling" and getattr(t.value, "id", None) == "args":
+                    found.append(f"line {node.lineno}: args.pooling written back")
+    return found
+
+
+def test_pooling_travels_as_one_value_in_the_package():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "attncal"
+    found = [f"{p.relative_to(root.parent)} {hit}" for p in sorted(root.rglob("*.py"))
+             for hit in old_pooling_forms(p.read_text(encoding="utf-8"))]
+    assert not found, found
+
+
+def test_the_old_form_check_can_fail():
+    assert sorted(old_pooling_forms("spec = PoolingSpec('lmk')\nx.pool_token_id\nf(pooling_spec=1)\n")) == [
+        "line 1: PoolingSpec", "line 2: pool_token_id", "line 3: pooling_spec"]
+    assert old_pooling_forms("(args.pooling, spec), = choices(args)\n") == ["line 1: args.pooling written back"]

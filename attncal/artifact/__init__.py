@@ -29,7 +29,7 @@ from .layout import (CONFIG_FILE, DIGEST_KEY, DIMENSION_LIMIT, EXPORT_LOG_FILE, 
                      write_text_atomic)
 from .checks import (check_dir, check_export_file, check_external_data, check_model_files, check_readable, config_int,
                      read_bytes, read_json)
-from .metadata import ExportMetadata, read_metadata, validate_metadata, write_metadata
+from .metadata import ExportMetadata, pooling_of, read_metadata, validate_metadata, write_metadata
 from .onnx_io import (GRAPH_INITIALIZER, MODEL_GRAPH, MODEL_PROPS, TENSOR_RAW_DATA, external_data_name, external_info,
                       field_header, graph_digest, load_onnx_checked, save_onnx, save_onnx_proto, save_structure,
                       set_external, stage_onnx, stamp_onnx, stored_digest, varint_bytes, weights_on_disk, write_graph,
@@ -44,7 +44,7 @@ __all__ = [
     "REQUIRED_INPUTS", "SUPPORTED_FORMATS", "TOKENIZERS", "TWO_GIB", "ArtifactError", "MissingArtifactError",
     "commit_dir", "graph_files", "is_long_context", "loader_files", "looks_like_export", "write_text_atomic",
     "check_dir", "check_export_file", "check_external_data", "check_model_files", "check_readable", "config_int",
-    "read_bytes", "read_json", "ExportMetadata", "read_metadata", "validate_metadata", "write_metadata",
+    "read_bytes", "read_json", "ExportMetadata", "pooling_of", "read_metadata", "validate_metadata", "write_metadata",
     "GRAPH_INITIALIZER", "MODEL_GRAPH", "MODEL_PROPS", "TENSOR_RAW_DATA", "external_data_name", "external_info",
     "field_header", "graph_digest", "load_onnx_checked", "save_onnx", "save_onnx_proto", "save_structure",
     "set_external", "stage_onnx", "stamp_onnx", "stored_digest", "varint_bytes", "weights_on_disk", "write_graph",

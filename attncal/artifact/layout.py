@@ -42,8 +42,8 @@ OPTIMIZED_GRAPH = f"{ONNX_SUBDIR}/{OPTIMIZED_FILE}"
 NATIVE_GRAPH = f"{ONNX_SUBDIR}/{NATIVE_FILE}"
 INLINED_GRAPH = f"{ONNX_SUBDIR}/{INLINED_FILE}"
 GRAPH_FILES = (PORTABLE_GRAPH, OPTIMIZED_GRAPH, NATIVE_GRAPH, INLINED_GRAPH)
-FORMAT_VERSION = 2
-SUPPORTED_FORMATS = (1, 2)
+FORMAT_VERSION = 3  # 3: `pooling` is attncal.pooling.Pooling.to_json() (2: a word plus `pooling_spec`)
+SUPPORTED_FORMATS = (1, 2, 3)
 DIGEST_KEY = "attncal.digest"
 TWO_GIB = 2 * 1024**3
 # The limits on what an export can make attncal read or allocate (docs/threat-model.md).  A graph file is one

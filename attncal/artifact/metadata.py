@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
+from ..calibration.config import CalibrationConfig
+from ..pooling import Pooling
 from .checks import check_dir, check_export_file, read_json
 from .layout import (DIMENSION_LIMIT, FORMAT_VERSION, GRAPH_FILES, INPUT_NAMES, LOADER_FILE_LIMIT, LOADER_FILES,
                      MAX_SEQ_LENGTH_LIMIT, METADATA_FILE, REQUIRED_INPUTS, SUPPORTED_FORMATS, TOKENIZERS,
@@ -35,7 +36,7 @@ class ExportMetadata:
     architecture: str
     tested: bool  # an architecture outside modelinfo.TESTED_MODEL_TYPES exports labelled untested
     num_layers: int
-    pooling: str
+    pooling: dict  # attncal.pooling.Pooling.to_json(), concrete, a landmark kind's token resolved
     normalize: bool
     max_seq_length: int | None
     padding_side: str
@@ -55,9 +56,6 @@ class ExportMetadata:
     parity: dict | None
     memory_estimate: dict
     tokenizer: str | None = None  # one of TOKENIZERS
-    # Landmark / Mean@k pooling (pooling "landmark" or "mean-every"): attncal.runtime.landmarks.PoolingSpec's
-    # fields, which every tokenizer of the export reads back (the runtime validates them).
-    pooling_spec: dict | None = None
     # `attncal export --chunk-vectors`: every graph also takes the optional input of chunk token spans and returns
     # the chunk vectors (attncal.exporting.chunk_vectors writes it; absent in exports made without it, and before it)
     chunk_vectors: dict | None = None
@@ -113,6 +111,8 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
     missing = [k for k in required if k not in meta]
     if missing:
         raise ArtifactError(path, f"missing key(s) {', '.join(map(repr, missing))} (format {fmt})")
+    if fmt < 3:
+        meta = _upgrade_pooling(meta, path)
     for key, types in _FIELD_TYPES.items():
         if key in meta and not _is(meta[key], types):
             raise ArtifactError(path, f"key {key!r} must be {_type_name(types)}, got {meta[key]!r:.80}")
@@ -128,19 +128,25 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
                                   f"token_type_ids), got {meta['inputs']}")
     if meta.get("tokenizer") not in (None,) + TOKENIZERS:
         raise ArtifactError(path, f"key 'tokenizer' must be one of {', '.join(TOKENIZERS)}, got {meta['tokenizer']!r:.40}")
-    # landmark (LMK, multi-CLS) and Mean@k record their parameters
-    if (meta.get("pooling_spec") is not None) != (meta["pooling"] in ROW_SET_POOLINGS):
-        raise ArtifactError(path, f"pooling {meta['pooling']!r} " + ("needs key 'pooling_spec'" if meta["pooling"]
-                                  in ROW_SET_POOLINGS else "takes no key 'pooling_spec'"))
+    try:
+        pooling = Pooling.from_json(meta["pooling"])
+    except ValueError as exc:
+        raise ArtifactError(path, f"key 'pooling': {exc}") from None
+    if not pooling.resolved:
+        raise ArtifactError(path, f"key 'pooling' ({pooling.describe()}) must be concrete, with a landmark kind's "
+                                  "token_id")
     if meta.get("padding_side", "right") not in ("left", "right"):
         raise ArtifactError(path, f"key 'padding_side' must be 'left' or 'right', got {meta['padding_side']!r}")
     if meta["calibrated"]:
         if not isinstance(meta.get("config"), dict):
             raise ArtifactError(path, "a calibrated export needs key 'config' (the calibration config object)")
         try:
-            CalibrationConfig.from_dict(meta["config"])
+            config = CalibrationConfig.from_dict(meta["config"])
         except (TypeError, ValueError) as exc:
             raise ArtifactError(path, f"key 'config': {exc}") from None
+        if config.pooling != pooling:
+            raise ArtifactError(path, f"key 'config' pools {config.pooling.describe()}, key 'pooling' "
+                                      f"{pooling.describe()}")
     for rel, info in (meta.get("graphs") or {}).items():
         if rel not in GRAPH_FILES:
             raise ArtifactError(path, f"key 'graphs' names {rel!r}; expected one of {', '.join(GRAPH_FILES)}")
@@ -149,6 +155,25 @@ def validate_metadata(meta: Any, path: str | os.PathLike = METADATA_FILE) -> dic
     for rel in meta.get("files", ()):
         if rel not in LOADER_FILES:
             raise ArtifactError(path, f"key 'files' names {rel!r}, which is not a model loader file")
+    return meta
+
+
+def _upgrade_pooling(meta: dict, path: str | os.PathLike) -> dict:
+    """A copy of a format 1 / 2 `attncal.json` with its pooling in format 3's form: the word and `pooling_spec`
+    become one `pooling` object (landmark: the spec's lmk or multi-cls), and so does the calibration config's."""
+    meta = dict(meta)
+    try:
+        pooling = Pooling.from_json(meta["pooling"], meta.pop("pooling_spec", None))
+    except ValueError as exc:
+        raise ArtifactError(path, f"key 'pooling': {exc}") from None
+    meta["pooling"] = pooling.to_json()
+    if isinstance(meta.get("config"), dict) and not isinstance(meta["config"].get("pooling"), dict):
+        try:
+            config = CalibrationConfig.from_dict(meta["config"])
+        except (TypeError, ValueError) as exc:
+            raise ArtifactError(path, f"key 'config': {exc}") from None
+        keep = config.pooling.concrete and not config.pooling.row_set  # landmark: the spec says lmk or multi-cls
+        meta["config"] = config.with_pooling(config.pooling if keep else pooling).to_dict()
     return meta
 
 
@@ -164,6 +189,11 @@ def _check_sizes(meta: dict, path: str | os.PathLike) -> None:
     outside = [x for x in meta["calibrated_layers"] if not 0 <= x < layers]
     if outside:
         raise ArtifactError(path, f"key 'calibrated_layers' holds {outside[0]}, outside 0 to {layers - 1}")
+
+
+def pooling_of(meta: dict) -> Pooling:
+    """The export's pooling: `pooling` of an `attncal.json` that `validate_metadata` returned (old forms read)."""
+    return Pooling.from_json(meta["pooling"])
 
 
 def read_metadata(out_dir: str | os.PathLike) -> dict:

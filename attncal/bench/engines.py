@@ -37,7 +37,8 @@ from ..calibration.config import CalibrationConfig
 from ..exporting.plan import ExportOptions
 from ..runtime import oplib
 from ..runtime.encoder import Encoder, default_session_options
-from ..runtime.landmarks import PoolingSpec, place
+from ..pooling import Pooling
+from ..runtime.landmarks import place
 
 ENGINES = ("torch", "torch-cal", "torch-naive", "torch-sdpa", "torch-cal-sdpa", "ort", "ort-cal", "ort-opt",
            "ort-opt-cal", "ort-opt-split", "ort-opt-native", "ort-native", "ort-cal-lib", "ort-fused", "ort-fused-lib",
@@ -159,20 +160,21 @@ class Workspace:
     exports: Path
     threads: int
     placement: str = "auto"  # of ort-opt-cal
-    pooling_spec: dict | None = None  # of the ort-pooled engines: attncal.runtime.landmarks.PoolingSpec's fields
+    pooled: Pooling | None = None  # the pooling of the ort-pooled engines (lmk, multi-cls or mean-every)
 
     def export_dir(self, name: str) -> Path:
         return self.exports / name
 
     def to_json(self) -> str:
         return json.dumps({"model": str(self.model), "config": self.config.to_dict(), "exports": str(self.exports),
-                           "threads": self.threads, "placement": self.placement, "pooling_spec": self.pooling_spec})
+                           "threads": self.threads, "placement": self.placement,
+                           "pooled": self.pooled.to_json() if self.pooled is not None else None})
 
     @classmethod
     def from_json(cls, text: str) -> "Workspace":
         d = json.loads(text)
         return cls(Path(d["model"]), CalibrationConfig.from_dict(d["config"]), Path(d["exports"]), d["threads"],
-                   d.get("placement", "auto"), d.get("pooling_spec"))
+                   d.get("placement", "auto"), Pooling.from_json(d["pooled"]) if d.get("pooled") else None)
 
 
 def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict[str, str]:
@@ -183,7 +185,7 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
     needed = {_ort_engine(e)[0] for e in engines if _is_ort_engine(e)} | \
              {_OPENVINO_ENGINES[e][0] for e in engines if e in _OPENVINO_ENGINES}
     for name in sorted(needed):
-        if name == "pooled" and ws.pooling_spec is None:
+        if name == "pooled" and ws.pooled is None:
             notes.update({e: "needs --pooling lmk, multi-cls or mean-every" for e in engines
                           if _is_ort_engine(e) and _ort_engine(e)[0] == name})
             continue
@@ -192,14 +194,13 @@ def build_exports(ws: Workspace, engines: list[str], quiet: bool = True) -> dict
         placement = _EXPORTS[name]
         if placement == "bench":
             placement = ws.placement
-        spec = PoolingSpec.from_dict(ws.pooling_spec) if name == "pooled" else None
         # The default exporter, as users export (the exporter makes the TorchScript export ONNX Runtime's
         # optimizer needs itself; Gemma3's bidirectional masks do not trace with TorchScript).
-        opts = ExportOptions(config=replace(ws.config, pooling="auto") if spec else ws.config,
+        opts = ExportOptions(config=replace(ws.config, pooling=ws.pooled) if name == "pooled" else ws.config,
                              calibrate=placement is not None, check=False,
                              overwrite=True, placement=placement or "auto",
                              optimized=name in ("uncal", "opt-cal", "pooled", *_INT8_EXPORTS),
-                             quantize="int8" if name in _INT8_EXPORTS else None, pooling_spec=spec,
+                             quantize="int8" if name in _INT8_EXPORTS else None,
                              inlined=name == "inlined")
         try:
             export(ws.model, ws.export_dir(name), opts, quiet=quiet)
@@ -319,9 +320,9 @@ def make_engine(name: str, ws: Workspace, *, own_process: bool = False
     inserted: dict[int, tuple] = {}  # a shape's feeds -> (those feeds, with landmarks): made once per shape
 
     def run_ort(feeds: dict[str, np.ndarray]):
-        if enc.pooling_spec is not None:
+        if enc.pooling.row_set:
             if id(feeds) not in inserted:
-                inserted[id(feeds)] = (feeds, pooled_feeds(feeds, enc.pooling_spec, enc.max_length))
+                inserted[id(feeds)] = (feeds, pooled_feeds(feeds, enc.pooling, enc.max_length))
             feeds = inserted[id(feeds)][1]
         return enc.run({k: v for k, v in feeds.items() if k in enc.input_names})
 
@@ -465,13 +466,13 @@ def interleaved_session_options(export: Path) -> "onnxruntime.SessionOptions":  
     return so
 
 
-def pooled_feeds(feeds: dict[str, np.ndarray], spec: PoolingSpec, max_length: int | None = None
+def pooled_feeds(feeds: dict[str, np.ndarray], pooling: Pooling, max_length: int | None = None
                  ) -> dict[str, np.ndarray]:
-    """`make_feeds`' rows (content tokens, all valid) with the landmarks of `spec` inserted where an export with
+    """`make_feeds`' rows (content tokens, all valid) with the landmarks of `pooling` inserted where an export with
     that pooling places them (`attncal.runtime.landmarks.place`; Mean@k inserts none), within `max_length` as
     the export's tokenizer keeps them: at the max length the landmarks take the place of content."""
-    other = 11 if spec.token_id == 10 else 10  # content never holds the landmark: rows keep one length
-    rows = [place([other if x == spec.token_id else x for x in row], [0] * len(row), None, spec,
+    other = 11 if pooling.token_id == 10 else 10  # content never holds the landmark: rows keep one length
+    rows = [place([other if x == pooling.token_id else x for x in row], [0] * len(row), None, pooling,
                   max_length=max_length)[0] for row in feeds["input_ids"].tolist()]
     ids = np.array(rows, dtype=np.int64).reshape(len(rows), -1)
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}

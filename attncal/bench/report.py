@@ -68,8 +68,8 @@ def write_results(out: Path, rows: list[Row], meta: dict, notes: dict[str, str])
               f"{meta['machine']['threads']} threads; "
               + ", ".join(f"{k} {v}" for k, v in meta["machine"]["versions"].items()), "",
               f"Config: {meta['config']}", ""]
-        if meta.get("pooling_spec"):
-            md += [f"Pooling of ort-pooled / ort-opt-pooled: {meta['pooling_spec']}; seq counts content tokens, "
+        if meta.get("pooled"):
+            md += [f"Pooling of ort-pooled / ort-opt-pooled: {meta['pooled']}; seq counts content tokens, "
                    "their rows carry the landmarks besides, up to the max length, where landmarks replace content",
                    ""]
         if meta.get("peer"):

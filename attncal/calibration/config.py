@@ -10,11 +10,10 @@ tokens are isolated, how each isolated token is weighted) is resolved by
 `CalibrationConfig.resolve()`, which needs a concrete pooling mode.  Layer
 indices are resolved against a model's layer count by `layer_indices()`.
 
-The row-set poolings pool (and so calibrate) a set of rows chosen from the token
-ids: `landmark` the positions holding `pool_token_id` (LMK pooling with the SEP
-token, multi-CLS with the CLS token), `mean-every` every `pool_every`-th valid
-token (Mean@k).  `row_mask` is that set, defined once here for every
-implementation that needs it as a tensor.
+The pooling is an `attncal.pooling.Pooling`; the row-set poolings (lmk, multi-cls,
+mean-every) pool, and so calibrate, the rows its `row_mask` selects from the token
+ids.  Old config JSON (pooling `landmark` with `pool_token_id`, `mean-every` with
+`pool_every`) still reads (`from_dict`).
 """
 
 from __future__ import annotations
@@ -22,17 +21,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Sequence, Union
+
+from ..pooling import Pooling
 
 VARIANTS = ("uniform", "cls-soft", "cls-hard")
-POOLINGS = ("cls", "last", "mean", "landmark", "mean-every")
-# The poolings whose calibrated rows are a set selected per token (`row_mask`).
-ROW_SET_POOLINGS = ("landmark", "mean-every")
 # The calibration's mask value of a valid token whose query row is calibrated (row-set poolings; `marked_mask`):
 # 0 = padding, 1 = a valid token, ROW_MARK = a valid token whose row is calibrated.  The op contract's
 # (attncal.graphs.ops.contract) `attention_mask` input carries it, so the ops keep their inputs.
 ROW_MARK = 2
-POOLING_CHOICES = POOLINGS + ("auto",)
 LAYER_PRESETS = ("last-half", "last", "all")
 WEIGHT_WORDS = ("equal", "original")
 
@@ -40,7 +37,6 @@ WEIGHT_WORDS = ("equal", "original")
 MODE_EQUAL, MODE_ORIGINAL, MODE_FIXED = 0, 1, 2
 MODE_NAMES = {MODE_EQUAL: "equal", MODE_ORIGINAL: "original", MODE_FIXED: "fixed"}
 
-Pooling = Literal["cls", "last", "mean", "landmark", "mean-every"]
 WeightSpec = Union[str, float, None]
 LayerSpec = Union[str, Sequence[int]]
 
@@ -53,12 +49,13 @@ def _err(field_name: str, message: str) -> ValueError:
 class ResolvedCalibration:
     """The per-row recipe that both implementations (and the ONNX op) execute.
 
-    `pool_last` picks the calibrated row for pooled calibration; `all_rows` means
-    every valid query row is calibrated (mean pooling); `row_set` means the rows
-    of `row_mask` are (landmark, mean-every).  Modes use the integer codes
+    `pooling` (concrete, its landmark token resolved) says which rows: `pool_last`
+    picks the calibrated row for pooled calibration; `all_rows` means every valid
+    query row is calibrated (mean pooling); `row_set` means the rows of `row_mask`
+    are (lmk, multi-cls, mean-every).  Modes use the integer codes
     `MODE_EQUAL`, `MODE_ORIGINAL`, `MODE_FIXED`.
 
-    `isolate_self` (landmark pooling): each calibrated row's own key is its pooling
+    `isolate_self` (lmk and multi-cls pooling): each calibrated row's own key is its pooling
     token; it leaves its basket and takes the variant's share (`self_mode`,
     `self_weight`), also where it is the first or last valid token.
     """
@@ -76,20 +73,21 @@ class ResolvedCalibration:
     isolate_self: bool = False
     self_mode: int = MODE_EQUAL
     self_weight: float = 0.0
-    pool_token_id: int = -1
-    pool_every: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pooling", Pooling.of(self.pooling))  # its text form is parsed
 
     @property
     def all_rows(self) -> bool:
-        return self.pooling == "mean"
+        return self.pooling.all_rows
 
     @property
     def row_set(self) -> bool:
-        return self.pooling in ROW_SET_POOLINGS
+        return self.pooling.row_set
 
     @property
     def pool_last(self) -> bool:
-        return self.pooling == "last"
+        return self.pooling.pool_last
 
     @property
     def n_isolated(self) -> int:
@@ -105,21 +103,8 @@ class ResolvedCalibration:
         )
 
     def row_mask(self, input_ids: Any, attention_mask: Any) -> Any:
-        """The calibrated (and pooled) rows of a row-set pooling: bool [B,S] from `input_ids` and
-        `attention_mask` [B,S] (torch tensors or numpy arrays; only their operators are used, so this
-        module stays free of torch).  `landmark`: the valid positions holding `pool_token_id`;
-        `mean-every`: the valid positions whose 1-based rank among the valid tokens is a multiple of
-        `pool_every` (k-1, 2k-1, ... counted from the first valid token, so left and right padding pick
-        alike), or, in a text of fewer than k valid tokens, its last one (else it would pool nothing)."""
-        valid = attention_mask != 0
-        if self.pooling == "landmark":
-            return valid & (input_ids == self.pool_token_id)
-        if self.pooling == "mean-every":
-            # CumSum of an integer tensor: TorchScript exports a bool one as CumSum on bool, which ONNX refuses.
-            rank = (valid + 0 * attention_mask).cumsum(-1)
-            count = rank[..., -1:]  # the valid tokens of each item: a text shorter than k pools its last one
-            return valid & ((rank % self.pool_every == 0) | ((count < self.pool_every) & (rank == count)))
-        raise ValueError(f"{self.pooling} pooling has no row mask; only {', '.join(ROW_SET_POOLINGS)} have one")
+        """The calibrated (and pooled) rows of a row-set pooling (`attncal.pooling.Pooling.row_mask`)."""
+        return self.pooling.row_mask(input_ids, attention_mask)
 
     def marked_mask(self, input_ids: Any, attention_mask: Any) -> Any:
         """The mask every calibration implementation takes: `attention_mask` as it is, or for a row-set pooling
@@ -141,25 +126,24 @@ class CalibrationConfig:
     `first_weight`/`last_weight` override the variant's weight for that isolated
     token: "equal", "original" or a float (a fixed share).
 
-    `pool_token_id` is the landmark token of `landmark` pooling (-1: not bound yet;
-    an export binds the model's SEP, or its CLS for multi-CLS); `pool_every` is
-    the k of `mean-every` pooling.  Row-set poolings isolate the first token by
-    default and, for `landmark`, each row's own key (`ResolvedCalibration`).
+    `pooling` is an `attncal.pooling.Pooling` (its text form, e.g. "cls" or "lmk",
+    is parsed; default auto: the model's own).  lmk / multi-cls need their landmark
+    token's id to calibrate (an export resolves the model's SEP, or its CLS for
+    multi-cls).  Row-set poolings isolate the first token by default and, for lmk /
+    multi-cls, each row's own key (`ResolvedCalibration`).
     """
 
     variant: str = "cls-soft"
     strength: float = 0.5
     basket_size: int = 128
     layers: LayerSpec = "last-half"
-    pooling: str = "auto"
+    pooling: Pooling = Pooling()
     self_weight: float = 0.3
     isolate_first: bool | None = None
     isolate_last: bool | None = None
     skip_short: bool = True
     first_weight: WeightSpec = None
     last_weight: WeightSpec = None
-    pool_token_id: int = -1
-    pool_every: int = 0
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -175,8 +159,10 @@ class CalibrationConfig:
             raise _err("basket_size", f"{self.basket_size!r} is not an integer >= 1")
         if self.basket_size < 1:
             raise _err("basket_size", f"{self.basket_size} is < 1; it must be >= 1")
-        if self.pooling not in POOLING_CHOICES:
-            raise _err("pooling", f"{self.pooling!r} is not one of {', '.join(POOLING_CHOICES)}")
+        try:
+            object.__setattr__(self, "pooling", Pooling.of(self.pooling))
+        except ValueError as exc:
+            raise _err("pooling", str(exc).removeprefix("invalid pooling: ")) from None
         object.__setattr__(self, "layers", _normalise_layers(self.layers))
         sw = _as_float("self_weight", self.self_weight)
         if sw < 0 or sw >= 1:
@@ -190,64 +176,45 @@ class CalibrationConfig:
                 raise _err(name, f"{value!r} is not a boolean")
         for name in ("first_weight", "last_weight"):
             object.__setattr__(self, name, _normalise_weight(name, getattr(self, name)))
-        for name, lowest in (("pool_token_id", -1), ("pool_every", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-                raise _err(name, f"{value!r} is not an integer >= {lowest}")
-        if self.pool_token_id != -1 and self.pooling != "landmark":
-            raise _err("pool_token_id", f"is set ({self.pool_token_id}) but pooling is {self.pooling!r}; "
-                       "only landmark pooling selects rows by token id")
-        if self.pool_every != 0 and self.pooling != "mean-every":
-            raise _err("pool_every", f"is set ({self.pool_every}) but pooling is {self.pooling!r}; "
-                       "only mean-every pooling takes every k-th token")
-        if self.pooling == "mean-every":
-            self._check_bound("mean-every")
-        if self.pooling != "auto":
+        if self.pooling.concrete:
             self._resolve(self.pooling)  # validates the fixed-weight budget for this pooling
 
     @classmethod
-    def off(cls, pooling: str, pool_token_id: int = -1, pool_every: int = 0) -> "CalibrationConfig":
-        """No calibration (strength 0) for `pooling` (with its landmark token or k): what an uncalibrated
-        export's native graph places, the attention op of that pooling computing plain attention in every
-        layer.  A row-set pooling without its token or k gets mean pooling's op, which at strength 0 computes
-        the same plain attention."""
-        if (pooling == "landmark" and pool_token_id < 0) or (pooling == "mean-every" and pool_every < 1):
-            pooling, pool_token_id, pool_every = "mean", -1, 0
-        return cls(pooling=pooling, strength=0.0, pool_token_id=pool_token_id, pool_every=pool_every)
+    def off(cls, pooling: Pooling | str) -> "CalibrationConfig":
+        """No calibration (strength 0) for `pooling`: what an uncalibrated export's native graph places, the
+        attention op of that pooling computing plain attention in every layer.  A landmark pooling without its
+        token id gets mean pooling's op, which at strength 0 computes the same plain attention."""
+        pooling = Pooling.of(pooling)
+        return cls(pooling=pooling if pooling.resolved else Pooling("mean"), strength=0.0)
 
     # ------------------------------------------------------------------ resolve
-    def with_pooling(self, pooling: str) -> "CalibrationConfig":
-        """A copy with a concrete pooling mode (used when binding to a model)."""
-        return replace(self, pooling=pooling)
+    def with_pooling(self, pooling: Pooling | str) -> "CalibrationConfig":
+        """A copy with a concrete pooling (used when binding to a model)."""
+        return replace(self, pooling=Pooling.of(pooling))
 
-    def resolve(self, pooling: str | None = None) -> ResolvedCalibration:
+    def bind(self, model_pooling: Pooling | str) -> "CalibrationConfig":
+        """A copy whose pooling, where it is auto, is the model's (`model_pooling`)."""
+        return self if self.pooling.concrete else self.with_pooling(model_pooling)
+
+    def resolve(self, pooling: Pooling | str | None = None) -> ResolvedCalibration:
         """Resolve the preset into per-token weight modes for a concrete pooling."""
-        pooling = pooling or self.pooling
-        if pooling not in POOLINGS:
-            raise _err(
-                "pooling",
-                f"{pooling!r} must be resolved to one of {', '.join(POOLINGS)} before "
-                "calibrating (bind the config to a model, or pass pooling explicitly)",
-            )
-        self._check_bound(pooling)
+        pooling = self.pooling if pooling is None else Pooling.of(pooling)
+        if not pooling.concrete:
+            raise _err("pooling", "auto must be resolved to a concrete pooling before calibrating (bind the "
+                                  "config to a model, or pass pooling explicitly)")
+        if not pooling.resolved:
+            raise _err("pooling", f"{pooling.kind} pooling needs the landmark token's id; bind the config to a "
+                                  "model (Pooling.resolve against its tokenizer)")
         return self._resolve(pooling)
 
-    def _check_bound(self, pooling: str) -> None:
-        """A row-set pooling needs what selects its rows: the landmark token's id, or k."""
-        if pooling == "landmark" and self.pool_token_id < 0:
-            raise _err("pool_token_id", "landmark pooling needs the landmark token's id (>= 0); bind the config "
-                       "to a model or set pool_token_id")
-        if pooling == "mean-every" and self.pool_every < 1:
-            raise _err("pool_every", "mean-every pooling needs pool_every >= 1 (every k-th valid token)")
-
-    def _resolve(self, pooling: str) -> ResolvedCalibration:
-        default_iso = {"cls": (True, False), "last": (True, True), "mean": (False, False),
-                       "landmark": (True, False), "mean-every": (False, False)}[pooling]
+    def _resolve(self, pooling: Pooling) -> ResolvedCalibration:
+        default_iso = {"cls": (True, False), "last": (True, True), "mean": (False, False), "lmk": (True, False),
+                       "multi-cls": (True, False), "mean-every": (False, False)}[pooling.kind]
         iso_first = default_iso[0] if self.isolate_first is None else self.isolate_first
         iso_last = default_iso[1] if self.isolate_last is None else self.isolate_last
-        # The pooling token's own position: for landmark pooling each row's own key, for mean and mean-every
-        # pooling the first token plays it.
-        pool_pos = {"last": "last", "landmark": "self"}.get(pooling, "first")
+        # The pooling token's own position: for lmk / multi-cls pooling each row's own key, for mean and
+        # mean-every pooling the first token plays it.
+        pool_pos = "self" if pooling.inserts else "last" if pooling.pool_last else "first"
 
         def preset(pos: str) -> tuple[int, float]:
             if self.variant == "uniform" or pos != pool_pos:
@@ -278,7 +245,7 @@ class CalibrationConfig:
                 f"the fixed shares of the isolated tokens sum to {fixed_sum:g}; they must sum to < 1",
             )
         return ResolvedCalibration(
-            pooling=pooling,  # type: ignore[arg-type]
+            pooling=pooling,
             strength=self.strength,
             basket_size=self.basket_size,
             isolate_first=iso_first,
@@ -291,8 +258,6 @@ class CalibrationConfig:
             isolate_self=iso_self,
             self_mode=sm,
             self_weight=sw,
-            pool_token_id=self.pool_token_id,
-            pool_every=self.pool_every,
         )
 
     def layer_indices(self, num_layers: int) -> list[int]:
@@ -320,6 +285,7 @@ class CalibrationConfig:
     # ---------------------------------------------------------------- JSON I/O
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["pooling"] = self.pooling.to_json()
         if not isinstance(d["layers"], str):
             d["layers"] = list(d["layers"])
         return d
@@ -331,13 +297,25 @@ class CalibrationConfig:
     def from_dict(cls, data: dict[str, Any]) -> "CalibrationConfig":
         if not isinstance(data, dict):
             raise ValueError(f"invalid calibration config: expected a JSON object, got {type(data).__name__}")
-        known = set(cls.__dataclass_fields__)
+        old = not isinstance(data.get("pooling", {}), dict)
+        known = set(cls.__dataclass_fields__) | (set(_OLD_FIELDS) if old else set())
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
                 f"invalid calibration config: unknown field(s) {', '.join(unknown)}; "
                 f"known fields: {', '.join(sorted(known))}"
             )
+        data = dict(data)
+        if old:  # the old form: a word, a landmark's id, k
+            try:
+                data["pooling"] = _old_pooling(data)
+            except ValueError as exc:
+                raise _err("pooling", str(exc).removeprefix("invalid pooling: ")) from None
+        elif "pooling" in data:
+            try:
+                data["pooling"] = Pooling.from_json(data["pooling"])
+            except ValueError as exc:
+                raise _err("pooling", str(exc).removeprefix("invalid pooling: ")) from None
         return cls(**data)
 
     @classmethod
@@ -347,6 +325,26 @@ class CalibrationConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"invalid calibration config JSON: {exc}") from None
         return cls.from_dict(data)
+
+
+_OLD_FIELDS = ("pool_token_id", "pool_every")
+
+
+def _old_pooling(data: dict) -> Pooling:
+    """The pooling of an old config dict (pops its old fields): `landmark` with `pool_token_id` reads as lmk
+    (the config's rows and weights are the same for lmk and multi-cls; attncal.json's old `pooling_spec` says
+    which), `mean-every` with `pool_every` as k."""
+    name, tid, k = data.pop("pooling"), data.pop("pool_token_id", -1), data.pop("pool_every", 0)
+    for key, value, lowest in (("pool_token_id", tid, -1), ("pool_every", k, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            raise ValueError(f"{key} {value!r} is not an integer >= {lowest}")
+    if tid != -1 and name != "landmark":
+        raise ValueError(f"pool_token_id is set ({tid}) but pooling is {name!r}")
+    if k != 0 and name != "mean-every":
+        raise ValueError(f"pool_every is set ({k}) but pooling is {name!r}")
+    if name == "landmark":
+        return Pooling("lmk", token_id=None if tid == -1 else tid)
+    return Pooling("mean-every", k or None) if name == "mean-every" else Pooling.of(name)
 
 
 def _as_float(name: str, value: Any) -> float:

@@ -16,16 +16,19 @@ import torch
 
 from ..modelinfo import (ModelInfo, choose_prompt, forward_kwargs, load_dense_head, load_model_info,
                          load_transformer)
-from .config import POOLINGS, CalibrationConfig
+from ..pooling import Pooling
+from .config import CalibrationConfig
 from .patching import LayerInputs, ResumeAt, calibrate
 
 
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling | str) -> torch.Tensor:
     """Pool token states [B,S,D] into [B,D] the way sentence-transformers does.
 
     `cls` takes the first valid token (position 0 with right padding), `last`
-    the last valid token (works for both padding sides), `mean` the masked mean.
+    the last valid token (works for both padding sides), `mean` the masked mean.  A row-set pooling is the
+    mean of its rows: pass its `row_mask` as `attention_mask` with `mean`.
     """
+    pooling = Pooling.of(pooling).kind
     mask = attention_mask != 0
     pos = torch.arange(mask.shape[1], device=mask.device)
     if pooling == "mean":
@@ -36,7 +39,7 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
     elif pooling == "last":
         idx = torch.where(mask, pos, -1).amax(-1).clamp(min=0)
     else:
-        raise ValueError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+        raise ValueError(f"{pooling} pooling is the mean of its rows: pool its row_mask with mean pooling")
     return torch.gather(hidden, 1, idx[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)
 
 
@@ -78,10 +81,8 @@ class TorchEncoder:
             self.head.to(device)
         self.device = device
 
-    def pooling_for(self, config: CalibrationConfig | None) -> str:
-        if config is not None and config.pooling != "auto":
-            return config.pooling
-        return self.info.pooling
+    def pooling_for(self, config: CalibrationConfig | None) -> Pooling:
+        return (config or CalibrationConfig()).pooling.bind(self.info.pooling)
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         batch = self.tokenizer(

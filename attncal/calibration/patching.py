@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from .attention_functions import (CALIBRATIONS, IMPL_NAME, SDPA_IMPL_NAME, ForwardState, ModuleState,
                                   UnsupportedArchitectureError, register)
+from ..pooling import Pooling
 from .config import CalibrationConfig
 from .probing import (AttentionPath, find_attention, is_attention_softmax, layer_blocks,
                       restore_attn_implementation, set_attn_implementation)
@@ -77,7 +78,7 @@ class CalibrationPatch:
         self,
         model: nn.Module,
         config: CalibrationConfig,
-        pooling: str | None = None,
+        pooling: Pooling | str | None = None,
         implementation: str = "auto",
         split_mode: SplitMode = "loop",
     ) -> None:
@@ -85,20 +86,22 @@ class CalibrationPatch:
             raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
         if split_mode not in SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {split_mode!r}")
-        if config.pooling == "auto" and pooling is None:
+        pooling = None if pooling is None else Pooling.of(pooling)
+        if not config.pooling.concrete and pooling is None:
             raise ValueError(
                 "invalid calibration config: pooling: 'auto' needs the model's sentence-transformers "
                 "config; pass pooling='cls'|'last'|'mean' to calibrate() or set it in the config"
             )
-        if pooling is not None and config.pooling != "auto" and pooling != config.pooling:
-            raise ValueError(f"pooling={pooling!r} contradicts the config's pooling={config.pooling!r}")
+        if pooling is not None and config.pooling.concrete and pooling != config.pooling:
+            raise ValueError(f"pooling={pooling.describe()!r} contradicts the config's pooling="
+                             f"{config.pooling.describe()!r}")
         for m in model.modules():
             if hasattr(m, "_attncal_state"):
                 raise RuntimeError("this model is already calibrated; remove the existing patch first")
         sites = find_attention(model)
         base = sites.base
         orig_impl = base.config._attn_implementation
-        self.config = config if config.pooling != "auto" else config.with_pooling(pooling)  # type: ignore[arg-type]
+        self.config = config.bind(pooling)  # type: ignore[arg-type]
         rc = self.config.resolve()
         if sites.path == "softmax":
             if implementation == "split":

@@ -20,6 +20,7 @@ from ..bench.timing import CLOCKS
 from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
 from ..exporting.plan import ExportOptions
 from ..modelinfo import load_model_info, position_limit, resolve_model_path
+from ..pooling import Pooling
 from ..runtime.encoder import Encoder
 from ..serving.bench import bench_triton, format_table
 from ..synthetic import SYNTHETIC_SHAPES, save_synthetic_model
@@ -174,8 +175,10 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"give either MODEL or --synthetic {{{','.join(SYNTHETIC_SHAPES)}}}")
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.parent / ".bench-cache"
-    (args.pooling, spec), = pooling_choices(args)
-    config = config_from_args(args)
+    pooling, = pooling_choices(args)
+    # lmk / multi-cls / mean-every: the ort-pooled engines' pooling; the other engines pool as the model does
+    pooled = pooling if pooling.row_set else None
+    config = config_from_args(args, Pooling() if pooled else pooling)
     if args.synthetic:
         shape = SYNTHETIC_SHAPES[args.synthetic]
         model = work / f"synthetic-{args.synthetic}"
@@ -200,21 +203,20 @@ def run(args: argparse.Namespace) -> int:
     limit = _position_limit(info)
     if limit is not None and max(seqs) > limit:
         raise CLIError(f"--seq {max(seqs)} exceeds the model's {limit} positions")
-    pooling = info.pooling if config.pooling == "auto" else config.pooling
-    config = config.with_pooling(pooling)
+    config = config.bind(info.pooling)
     config.layer_indices(info.num_layers)
-    spec_dict = spec.to_dict() if spec is not None else None
+    pooled_json = pooled.to_json() if pooled is not None else None
     key = f"{info.model_type}-" + hashlib.sha256(
-        f"{model}|{config.to_json()}|{args.placement}|{spec_dict}|{bench_engines.export_code_fingerprint()}".encode()
+        f"{model}|{config.to_json()}|{args.placement}|{pooled_json}|{bench_engines.export_code_fingerprint()}".encode()
     ).hexdigest()[:12]
     ws = Workspace(model=model, config=config, exports=work / key, threads=args.threads, placement=args.placement,
-                   pooling_spec=spec_dict)
+                   pooled=pooled)
     notes = build_exports(ws, engines)
     rows, skipped = harness.run_bench(ws, [e for e in engines if e not in notes], seqs, batches, args.repeats,
                                       memory=not args.no_memory, memory_probes=args.memory_probes,
                                       clock=args.clock)
     notes.update(skipped)
-    meta = {"model": args.model or f"--synthetic {args.synthetic}", "model_name": name, "config": config.to_dict(), "pooling_spec": spec_dict,
+    meta = {"model": args.model or f"--synthetic {args.synthetic}", "model_name": name, "config": config.to_dict(), "pooled": pooled_json,
             "engines": engines,
             "peer": peer_engine([r.engine for r in rows]),
             "seq": seqs, "batch": batches, "repeats": args.repeats, "clock": args.clock,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..artifact import write_text_atomic
 from ..calibration.config import CalibrationConfig
+from ..pooling import Pooling
 from .pooling import POOLING_HELP, add_pooling_args
 
 EXIT_USAGE = 2
@@ -59,7 +60,7 @@ def add_calibration_args(p: argparse.ArgumentParser, *, sweep: bool = False, lan
                    help="last-half | last | all | comma-separated indices, negatives allowed (default %(default)s)")
     pooling_help = (POOLING_HELP + (" (comma-separated to sweep)" if sweep else "") if landmarks else
                     "cls | last | mean | auto = the model's sentence-transformers Pooling (default %(default)s)")
-    g.add_argument("--pooling", default=d.pooling, help=pooling_help + pooling_note)
+    g.add_argument("--pooling", default=d.pooling.kind, help=pooling_help + pooling_note)
     g.add_argument("--self-weight", type=float, default=d.self_weight,
                    help="fixed share w of the pooling token for cls-hard (default %(default)s)")
     g.add_argument("--isolate-first", action=argparse.BooleanOptionalAction, default=None,
@@ -74,13 +75,15 @@ def add_calibration_args(p: argparse.ArgumentParser, *, sweep: bool = False, lan
         add_pooling_args(p, sweep=sweep)
 
 
-def config_from_args(args: argparse.Namespace) -> CalibrationConfig:
+def config_from_args(args: argparse.Namespace, pooling: Pooling | None = None) -> CalibrationConfig:
+    """The config the flags give; `pooling`: the one `attncal.cli.pooling.pooling_choices` read (else `--pooling`
+    as the text of a pooling, `Pooling.parse`)."""
     return CalibrationConfig(
         variant=args.variant,
         strength=args.strength,
         basket_size=args.basket_size,
         layers=args.layers,
-        pooling=args.pooling,
+        pooling=pooling if pooling is not None else args.pooling,
         self_weight=args.self_weight,
         isolate_first=args.isolate_first,
         isolate_last=args.isolate_last,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifact import pooling_of
 from ..bench.engines import interleaved_session_options
 from ..bench.timing import interleaved_times, medians
 from ..exporting.plan import ExportOptions
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"model      {meta['source_model']}")
     print(f"config     {config.variant}, λ={config.strength}, basket={config.basket_size}, "
-          f"layers={meta['calibrated_layers']} of {meta['num_layers']}, pooling={meta['pooling']}")
+          f"layers={meta['calibrated_layers']} of {meta['num_layers']}, pooling={pooling_of(meta).describe()}")
     if not args.no_position_eval:
         print("== scoring both exports on real prose", file=sys.stderr, flush=True)
         data, source = demo_position.build_set(out / "posq-example", dirs["calibrated"])

@@ -23,14 +23,12 @@ from pathlib import Path
 
 from ..calibration.config import CalibrationConfig
 from ..eval import EvalOptions, evaluate, load_dataset, write_synthetic
-from ..eval.encoders import PooledConfig
 from ..eval.metrics import require_ir_measures
 from ..eval.posq_builder import PosqOptions, make_posq
 from ..eval.realtext import make_posq_example
 from ..eval.report import config_label, markdown_table
 from ..eval.runner import is_export
 from ..modelinfo import load_model_info
-from ..runtime.landmarks import PoolingSpec
 from .common import (DEFAULT_STRENGTHS, CLIError, add_calibration_args, config_from_args, strength_list,
                      write_command_log)
 from .eval_compare import check_compare, run_compare
@@ -137,10 +135,8 @@ def load_grid(path: str | Path) -> tuple[list, list[str | None]]:
             raise ValueError(f"{path}: item {i} is not a mapping")
         item = dict(item)
         names.append(item.pop("name", None))
-        spec = item.pop("pooling_spec", None)  # landmark / Mean@k: {style: lmk, every: 64, token: "[SEP]"}
-        try:
-            config = CalibrationConfig.from_dict(item)
-            configs.append(config if spec is None else PooledConfig.of(config, PoolingSpec.from_dict(spec)))
+        try:  # pooling: a word (cls, lmk, ...) or the object {kind: lmk, every: 64, token: "[SEP]"}
+            configs.append(CalibrationConfig.from_dict(item))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}: item {i}: {exc}") from None
     return configs, names
@@ -155,27 +151,17 @@ def _configs_from_args(args: argparse.Namespace) -> tuple[list, list[str] | None
     else:
         configs, names = [], []
         for s in args.strength or strength_list(DEFAULT_STRENGTHS):
-            for pooling, spec in pooling_choices(args, sweep=True):
+            for pooling in pooling_choices(args, sweep=True):
                 ns = argparse.Namespace(**vars(args))
-                ns.strength, ns.pooling = s, pooling
-                config = config_from_args(ns)
-                configs.append(config if spec is None else PooledConfig.of(config, spec))
+                ns.strength = s
+                configs.append(config_from_args(ns, pooling))
                 names.append(None)
-    if any(isinstance(c, PooledConfig) for c in configs):  # the landmark token, named in the labels and the report
+    if any(c.pooling.inserts for c in configs):  # the landmark token, named in the labels and the report
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(load_model_info(args.model).path))
-        configs = [c.bound(tokenizer) if isinstance(c, PooledConfig) else c for c in configs]
-    return configs, [n or _label(c) for n, c in zip(names, configs)]
-
-
-def _label(config) -> str:
-    """`config_label`, with a landmark / Mean@k pooling said in words."""
-    if not isinstance(config, PooledConfig):
-        return config_label(config)
-    base = {k: v for k, v in config.to_dict().items() if k not in ("pooling", "pool_token_id", "pool_every",
-                                                                   "pooling_spec")}
-    return f"{config_label(CalibrationConfig(**base))} {config.spec.describe()}"
+        configs = [c.with_pooling(c.pooling.resolve(tokenizer)) for c in configs]
+    return configs, [n or config_label(c) for n, c in zip(names, configs)]
 
 
 def _posq_options(args: argparse.Namespace) -> PosqOptions:

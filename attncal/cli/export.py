@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..artifact import EXPORT_LOG_FILE
+from ..artifact import EXPORT_LOG_FILE, pooling_of
 from ..exporting.errors import ExportError, ParityError
 from ..exporting.plan import DEFAULT_OPSET, EXPORTERS, ExportOptions
 from ..exporting.quantize import INT8_TARGETS, QUANTIZATIONS
 from ..exporting.watch import Watch
 from ..graphs.placements.placement_names import CHOICES as PLACEMENT_CHOICES
 from ..modelinfo import TESTED_MODEL_TYPES
-from ..runtime.landmarks import PoolingSpec
 from .common import CLIError, add_calibration_args, config_from_args
 from .pooling import pooling_choices
 
@@ -84,9 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    (args.pooling, spec), = pooling_choices(args)
+    pooling, = pooling_choices(args)
     opts = ExportOptions(
-        config=config_from_args(args),
+        config=config_from_args(args, pooling),
         calibrate=not args.no_calibration,
         opset=args.opset,
         fp16=args.fp16,
@@ -100,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         int8_target=args.int8_target,
         memory_check=args.memory_check,
-        pooling_spec=spec,
         chunk_vectors=args.chunk_vectors,
     )
     from ..exporting.exporter import export  # lazy: onnx_ir and sympy, not loaded at start-up
@@ -113,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
     except ExportError as exc:
         raise CLIError(str(exc), code=1) from None
     print(f"exported {meta['model_type']} -> {args.out}")
-    if meta.get("pooling_spec"):
-        print(f"pooling {meta['pooling']}: {PoolingSpec.from_dict(meta['pooling_spec']).describe()}")
+    pooling = pooling_of(meta)
+    if pooling.row_set:
+        print(f"pooling {pooling.describe()}")
     if meta["calibrated"]:
         print(f"calibrated layers {meta['calibrated_layers']}: {meta['placement_reason']}")
     else:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .. import cpuinfo
-from ..artifact import ArtifactError, MissingArtifactError, load_onnx_checked, open_export
+from ..artifact import ArtifactError, MissingArtifactError, load_onnx_checked, open_export, pooling_of
 from ..graphs.ops.contract import DOMAIN, is_all_rows, is_attention, is_projected, takes_scores
 
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         print("precision  fp16 (portable graph exported in fp16" + (f"; ORT-optimized graphs: {method})" if method
                                                                      else ")"))
     if meta.get("calibrated"):
-        print(f"export     {path}: layers {meta.get('calibrated_layers')}, pooling {meta.get('pooling')}, "
+        print(f"export     {path}: layers {meta.get('calibrated_layers')}, pooling {pooling_of(meta).describe()}, "
               f"requested placement {meta.get('placement')}")
         if meta.get("placement_reason"):
             print(f"reason     {meta['placement_reason']}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..runtime.landmarks import DEFAULT_EVERY, DEFAULT_MEAN_EVERY, PAPER_EVERY, STYLES, PoolingSpec
+from ..pooling import DEFAULT_EVERY, DEFAULT_MEAN_EVERY, PAPER_EVERY, ROW_SET_KINDS, Pooling
 
 POOLING_HELP = ("cls | last | mean | auto = the model's sentence-transformers Pooling (default) | lmk (landmark "
                 "tokens, the model's SEP, after every --lmk-every tokens) | multi-cls (CLS tokens before every "
@@ -39,19 +39,15 @@ def _items(text: str, flag: str, sweep: bool) -> list[str]:
     return items
 
 
-def pooling_choices(args: argparse.Namespace, sweep: bool = False) -> list[tuple[str, PoolingSpec | None]]:
-    """(the calibration config's pooling, the landmark / Mean@k `PoolingSpec` or None) for each pooling asked
-    for; a landmark spec's token is resolved against the model later (`attncal.runtime.landmarks.resolve`)."""
-    out: list[tuple[str, PoolingSpec | None]] = []
+def pooling_choices(args: argparse.Namespace, sweep: bool = False) -> list[Pooling]:
+    """The `Pooling` of each pooling asked for (`--pooling` with its flags); a landmark kind's token is resolved
+    against the model later (`Pooling.resolve`)."""
+    out: list[Pooling] = []
     for name in _items(args.pooling, "--pooling", sweep):
-        if name == "landmark":
-            raise ValueError("--pooling landmark: name its style, lmk (landmark tokens after each chunk) or "
-                             "multi-cls (CLS tokens before each chunk)")
-        if name not in STYLES:
-            out.append((name, None))
+        if name not in ROW_SET_KINDS:
+            out.append(Pooling.parse(name))
             continue
         flag = "--mean-every" if name == "mean-every" else "--lmk-every"
         values = _items(args.mean_every if name == "mean-every" else args.lmk_every, flag, sweep)
-        token = None if name == "mean-every" else args.lmk_token
-        out += [("auto", PoolingSpec(name, every, token)) for every in values]
+        out += [Pooling.parse(name, every, args.lmk_token) for every in values]
     return out

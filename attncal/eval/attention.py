@@ -19,6 +19,7 @@ from ..calibration.encode import TorchEncoder
 from ..calibration.patching import calibrate
 from ..calibration.probing import base_model_of, restore_attn_implementation, set_attn_implementation
 from ..modelinfo import forward_kwargs
+from ..pooling import Pooling
 
 
 @dataclass
@@ -27,12 +28,12 @@ class BasketMass:
     before: list[float]
     after: list[float]
     layer: int
-    pooling: str
+    pooling: Pooling
     n_tokens: int
     calibrated: bool  # False when skip_short left this passage unchanged
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return dict(self.__dict__, pooling=self.pooling.to_json())
 
 
 def _row_mass(attn: torch.Tensor, rows: list[int], spans: list[tuple[int, int]]) -> list[float]:
@@ -91,9 +92,9 @@ def plot_basket_mass(mass: BasketMass, config_label: str, path) -> None:
     ax.bar(x - 0.2, mass.before, 0.4, label="uncalibrated")
     ax.bar(x + 0.2, mass.after, 0.4, label=f"calibrated ({config_label})")
     ax.set_xticks(x, mass.labels, fontsize=8)
-    ax.set_ylabel("attention mass" + (" (mean over rows)" if mass.pooling == "mean" else " of the pooling row"))
+    ax.set_ylabel("attention mass" + (" (mean over rows)" if mass.pooling.all_rows else " of the pooling row"))
     ax.set_xlabel(f"key positions ({mass.n_tokens} tokens, {mass.pooling} pooling)")
-    rows = "mean over all rows" if mass.pooling == "mean" else "pooling row"
+    rows = "mean over all rows" if mass.pooling.all_rows else "pooling row"
     note = "" if mass.calibrated else " - passage shorter than one basket: unchanged"
     ax.set_title(f"Layer {mass.layer}, {rows}, mean over heads{note}", fontsize=9)
     ax.legend(fontsize=8)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..calibration.config import CalibrationConfig
+from ..pooling import Pooling
 from .report import HEADERS, config_label, fmt
 
 
@@ -32,7 +33,7 @@ def calibration_of(meta: dict) -> str:
     to the uncalibrated export too, so it says nothing about the calibration."""
     if not meta.get("calibrated"):
         return "uncalibrated"
-    cfg = replace(CalibrationConfig.from_dict(meta["config"]), pooling="auto", pool_token_id=-1, pool_every=0)
+    cfg = replace(CalibrationConfig.from_dict(meta["config"]), pooling=Pooling())
     return f"calibrated {config_label(cfg)}"
 
 

@@ -7,9 +7,9 @@ Two backends share one small interface (`encode(texts, config)`):
 * `OnnxBackend` - an `attncal export` directory run through `attncal.runtime.Encoder`;
   the calibration is baked into the graph, so only the stored config can be evaluated.
 
-Landmark (LMK, multi-CLS) and Mean@k pooling are swept as `PooledConfig`s: a calibration config with the
-pooling's tokenization (`attncal.runtime.landmarks.PoolingSpec`), which the torch backend tokenizes with and
-pools by (strength 0: the pooling alone, zero-shot).
+lmk, multi-cls and mean-every pooling are swept as configs with that pooling (`attncal.pooling.Pooling`), whose
+tokenization (`attncal.runtime.landmarks`) the torch backend tokenizes with and pools by (strength 0: the pooling
+alone, zero-shot).
 
 Corpus embeddings are cached on disk under a key made of the model's
 fingerprint, the calibration config (bound to the model's pooling), the data
@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -33,7 +32,7 @@ from ..artifact import METADATA_FILE
 from ..calibration.config import CalibrationConfig
 from ..modelinfo import forward_kwargs
 from ..runtime.encoder import Encoder
-from ..runtime.landmarks import Landmarks, PoolingSpec, resolve, transformers_encode
+from ..runtime.landmarks import Landmarks, transformers_encode
 
 CACHE_FORMAT = 2  # 2: the description holds the array's sha256, shape and dtype
 
@@ -45,31 +44,6 @@ def _file_stamp(path: Path) -> list:
 
 def _json_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
-
-
-@dataclass(frozen=True)
-class PooledConfig(CalibrationConfig):
-    """A calibration config with landmark or Mean@k pooling: `pooling_spec` is the
-    `attncal.runtime.landmarks.PoolingSpec` as a dict (its landmark token resolved when a backend binds it),
-    so it is part of the config's JSON and of the embedding cache's key."""
-
-    pooling_spec: dict | None = None
-
-    @classmethod
-    def of(cls, config: CalibrationConfig, spec) -> "PooledConfig":
-        """`config` with the pooling of `spec` (a PoolingSpec)."""
-        base = {k: v for k, v in config.to_dict().items() if k not in ("pooling", "pool_token_id", "pool_every")}
-        fields = {"pooling": spec.pooling} if spec.inserts else spec.config_fields()
-        return cls(**base, **fields, pooling_spec=spec.to_dict())
-
-    @property
-    def spec(self) -> PoolingSpec:
-        return PoolingSpec.from_dict(self.pooling_spec)
-
-    def bound(self, tokenizer) -> "PooledConfig":
-        """This config with its landmark token resolved against a model's transformers tokenizer."""
-        spec = resolve(self.spec, tokenizer)
-        return replace(self, pooling_spec=spec.to_dict(), **spec.config_fields())
 
 
 class TorchBackend:
@@ -90,9 +64,9 @@ class TorchBackend:
     def bind(self, config: CalibrationConfig | None) -> CalibrationConfig | None:
         """The config with `auto` pooling replaced by the model's pooling, and a landmark pooling's token
         resolved against the model's tokenizer (what the cache key uses)."""
-        if isinstance(config, PooledConfig):
-            return config.bound(self.tokenizer)
-        return None if config is None else config.with_pooling(self.encoder.pooling_for(config))
+        if config is None:
+            return None
+        return config.with_pooling(self.encoder.pooling_for(config).resolve(self.tokenizer))
 
     def fingerprint(self) -> str:
         weights = sorted(p for p in self.info.path.iterdir() if p.suffix in (".safetensors", ".bin"))
@@ -103,7 +77,7 @@ class TorchBackend:
     def encode(self, texts: Sequence[str], config: CalibrationConfig | None, *, desc: str = "encode") -> np.ndarray:
         from tqdm.auto import tqdm
 
-        pooled = self._pooled(config) if isinstance(config, PooledConfig) else None
+        pooled = self._pooled(config) if config is not None and config.pooling.row_set else None
         out = []
         for i in tqdm(range(0, len(texts), self.batch_size), desc=desc, unit="batch", leave=False):
             part = texts[i : i + self.batch_size]
@@ -112,15 +86,15 @@ class TorchBackend:
         return np.concatenate(out) if out else np.zeros((0, self.encoder.model.config.hidden_size), np.float32)
 
 
-    def landmarks(self, config: "PooledConfig"):
-        """The tokenizer of a landmark / Mean@k config (`attncal.runtime.landmarks.Landmarks`, called on texts):
+    def landmarks(self, config: CalibrationConfig):
+        """The tokenizer of an lmk / multi-cls / mean-every config (`attncal.runtime.landmarks.Landmarks`, called on texts):
         what every runtime of an export with that pooling tokenizes with."""
         tok = self.tokenizer
-        return Landmarks(self.bind(config).spec, transformers_encode(tok), max_length=self.max_length,
+        return Landmarks(self.bind(config).pooling, transformers_encode(tok), max_length=self.max_length,
                          pad_id=tok.pad_token_id, padding_side=self.info.padding_side,
                          truncation_side=tok.truncation_side)
 
-    def _pooled(self, config: "PooledConfig"):
+    def _pooled(self, config: CalibrationConfig):
         """Embeddings of a batch with landmark / Mean@k pooling: tokenized by `landmarks`, pooled over the
         config's rows (`row_mask`), then the Dense modules and the normalisation; calibrated, those are the rows
         calibrated (the patch marks them from the batch's input_ids)."""
@@ -163,11 +137,11 @@ class OnnxBackend:
         self.label = str(out_dir)
         cfg = self.meta.get("config")
         self.stored: CalibrationConfig | None = (
-            CalibrationConfig.from_dict(cfg).with_pooling(self.meta["pooling"]) if self.meta.get("calibrated") else None
+            CalibrationConfig.from_dict(cfg).bind(self.encoder.pooling) if self.meta.get("calibrated") else None
         )
 
     def bind(self, config: CalibrationConfig | None) -> CalibrationConfig | None:
-        return None if config is None else config.with_pooling(self.meta["pooling"])
+        return None if config is None else config.with_pooling(self.encoder.pooling)
 
     def fingerprint(self) -> str:
         parts = [str(self.path.resolve()), _json_hash(self.path / METADATA_FILE),

@@ -11,7 +11,7 @@ from ..calibration.config import CalibrationConfig
 HEADERS = {"begin": "begin", "middle": "mid", "end": "end"}
 _SHORT = {"variant": "", "basket_size": "basket", "layers": "layers", "pooling": "pooling",
           "self_weight": "w", "isolate_first": "iso-first", "isolate_last": "iso-last", "skip_short": "skip-short",
-          "first_weight": "first", "last_weight": "last", "pool_token_id": "token", "pool_every": "every"}
+          "first_weight": "first", "last_weight": "last"}
 
 
 def config_label(cfg: CalibrationConfig) -> str:
@@ -25,6 +25,9 @@ def config_label(cfg: CalibrationConfig) -> str:
         if v != getattr(d, f.name):
             if isinstance(v, tuple):
                 v = ",".join(map(str, v))
+            if f.name == "pooling" and v.row_set:  # its parameters in words: `lmk [SEP] every 64 tokens`
+                parts.append(v.describe())
+                continue
             parts.append(f"{v}" if f.name == "variant" else f"{_SHORT[f.name]}={v}")
     return " ".join(parts)
 

@@ -17,9 +17,9 @@ from typing import Sequence
 import numpy as np
 
 from ..artifact import ArtifactError, looks_like_export
-from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
+from ..calibration.config import CalibrationConfig
 from .data import Dataset
-from .encoders import (Backend, EncodeCache, OnnxBackend, PooledConfig, TorchBackend, chunker_id, content_lengths,
+from .encoders import (Backend, EncodeCache, OnnxBackend, TorchBackend, chunker_id, content_lengths,
                        segment_embed_average)
 from .metrics import group_scores, require_ir_measures, score_delta
 from .output import atomic_output_dir, cache_record, check_out_dir, hash_texts, json_default, library_versions
@@ -207,7 +207,7 @@ def evaluate(model: str, data: Dataset, opts: EvalOptions, out: str | Path | Non
 
             emb = cache.get_or_encode(b, cfg, fp, "corpus", encode_corpus)
         queries = q_emb
-        if isinstance(cfg, PooledConfig):  # queries pooled as the passages are (their landmarks), uncalibrated
+        if cfg is not None and cfg.pooling.row_set:  # queries pooled as the passages are (landmarks), uncalibrated
             q_cfg = replace(cfg, strength=0.0)
             queries = cache.get_or_encode(b, q_cfg, hash_texts(q_texts), "queries",
                                           lambda b=b, q_cfg=q_cfg: b.encode(q_texts, q_cfg, desc="encode queries"))
@@ -337,7 +337,7 @@ def _write(out: Path, results: dict, data: Dataset, backend: Backend, plain: Bac
             torch_enc = plain if isinstance(plain, TorchBackend) else None
             # The baskets of one passage's pooled row: the example passage is tokenized without landmarks, so
             # landmark and Mean@k configs have no plot.
-            shown = [j for j, c in enumerate(configs) if c.pooling not in ROW_SET_POOLINGS]
+            shown = [j for j, c in enumerate(configs) if not c.pooling.row_set]
             if torch_enc is not None and shown:
                 from .attention import basket_mass, plot_basket_mass  # lazy: imports torch (the export extra)
 

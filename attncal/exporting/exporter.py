@@ -179,7 +179,7 @@ def _quantize(run: Run) -> None:
         plan = run.plan
         measured = next(g for g in (NATIVE_GRAPH, OPTIMIZED_GRAPH, *run.graphs) if g in run.graphs)
         feeds = sensitivity_feeds(load_tokenizer(run.tmp, None, plan.max_seq_length, plan.info.padding_side,
-                                                 plan.pooling_spec))
+                                                 plan.pooling))
         record = sensitivity(run.tmp / measured, feeds, weights, reduce_range,
                              library=oplib.resolve_library(None, notice=False))
         chosen = record["fp32_nodes"]
@@ -215,7 +215,7 @@ def _metadata(run: Run) -> ExportMetadata:
     plan, info, result = run.plan, run.plan.info, run.result
     est = plan.estimate
     max_length = plan.max_seq_length
-    tokenizer = attest_tokenizer(run.tmp, max_length, info.padding_side, plan.pooling_spec, run.log)
+    tokenizer = attest_tokenizer(run.tmp, max_length, info.padding_side, plan.pooling, run.log)
     meta = ExportMetadata(
         calibrated=plan.config is not None,
         config=plan.config.to_dict() if plan.config is not None else None,
@@ -227,7 +227,7 @@ def _metadata(run: Run) -> ExportMetadata:
         architecture=info.architecture,
         tested=info.tested,
         num_layers=info.num_layers,
-        pooling=plan.pooling,
+        pooling=plan.pooling.to_json(),
         normalize=info.normalize,
         max_seq_length=max_length,
         padding_side=info.padding_side,
@@ -248,7 +248,6 @@ def _metadata(run: Run) -> ExportMetadata:
         memory_estimate={"float32_weights_mib": round(est.weights / 1024**2, 1),
                          "steps_mib": {k: round(v / 1024**2, 1) for k, v in est.steps.items()}},
         tokenizer=tokenizer,
-        pooling_spec=plan.pooling_spec.to_dict() if plan.pooling_spec is not None else None,
         chunk_vectors=chunk_vectors_record(info.normalize) if plan.opts.chunk_vectors else None,
     )
     write_metadata(run.tmp, meta)

@@ -28,6 +28,7 @@ from ..artifact import METADATA_FILE, ONNX_FILE, weights_on_disk
 from ..memory import RELEASE_FROM_BYTES, release_freed_memory
 from ..messages import first_line
 from ..modelinfo import ModelInfo, forward_kwargs, load_dense_head, load_transformer
+from ..pooling import Pooling
 from .child import run_child
 from .errors import ExportError
 from .plan import EXPORTERS, TORCH_EXPORT
@@ -89,10 +90,10 @@ def load_for_export(info: ModelInfo, fp16: bool = False):
 
 
 def torch_export(
-    info: ModelInfo, pooling: str | tuple, onnx_path: Path, opset: int, exporter: str, fp16: bool = False, model=None
+    info: ModelInfo, pooling: Pooling, onnx_path: Path, opset: int, exporter: str, fp16: bool = False, model=None
 ) -> list[str]:
     """Export encoder + pooling to `onnx_path` (single file, external data when needed); returns input names.
-    `pooling`: `ExportPlan.pooling_head`; `model`: the already loaded model (`load_for_export`), exported in this
+    `pooling`: `ExportPlan.pooling`; `model`: the already loaded model (`load_for_export`), exported in this
     process.  Without one, the dynamo exporter runs in a child process that loads the model (`export_in_child`),
     and the TorchScript exporter loads it here."""
     if model is None and exporter == "dynamo":
@@ -100,7 +101,7 @@ def torch_export(
     return _export_here(info, pooling, onnx_path, opset, exporter, fp16, model)
 
 
-def _export_here(info: ModelInfo, pooling: str | tuple, onnx_path: Path, opset: int, exporter: str, fp16: bool,
+def _export_here(info: ModelInfo, pooling: Pooling, onnx_path: Path, opset: int, exporter: str, fp16: bool,
                  model) -> list[str]:
     import torch  # the export's own dependencies (torch, transformers): lazy, as above
     from transformers import AutoTokenizer
@@ -145,7 +146,7 @@ class ChildExportError(RuntimeError):
     """The dynamo export's child process failed or was killed; the message says how, in one line."""
 
 
-def export_in_child(info: ModelInfo, pooling: str | tuple, onnx_path: Path, opset: int, fp16: bool) -> list[str]:
+def export_in_child(info: ModelInfo, pooling: Pooling, onnx_path: Path, opset: int, fp16: bool) -> list[str]:
     """The dynamo export of `torch_export` in a child process that loads the model (the module docstring says
     why); returns the input names, or ChildExportError.  The child's output goes to this process's file
     descriptors as the child wrote it (the export log has it under a command)."""
@@ -209,7 +210,7 @@ def export_torch(run: Run, torch_model) -> None:
     plan, info = run.plan, run.plan.info
     raw_path = run.tmp / ".raw" / ONNX_FILE
     try:
-        run.input_names = torch_export(info, plan.pooling_head, raw_path, plan.opts.opset, plan.opts.exporter,
+        run.input_names = torch_export(info, plan.pooling, raw_path, plan.opts.opset, plan.opts.exporter,
                                        fp16=plan.opts.fp16, model=torch_model)
         del torch_model
         release_freed_memory(plan.estimate.weights)

@@ -150,7 +150,7 @@ def optimize(run: Run) -> Path | None:
             run.ts_root = run.tmp / ".raw-ts"
             ts_raw = run.ts_root / ONNX_FILE
             step = "the TorchScript export ONNX Runtime's optimizer needs"
-            from_torch.torch_export(info, plan.pooling_head, ts_raw, plan.opts.opset, "torchscript")
+            from_torch.torch_export(info, plan.pooling, ts_raw, plan.opts.opset, "torchscript")
             release_freed_memory(plan.estimate.weights)
             ts_raw = weights_on_disk(ts_raw)
             step = "ONNX Runtime's transformer optimizer"

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
+from ..calibration.config import CalibrationConfig
 from ..graphs.placements.placement_names import CHOICES as PLACEMENTS
 from ..modelinfo import ModelInfo, load_model_info
-from ..runtime.landmarks import PoolingSpec, resolve
+from ..pooling import Pooling
 from . import chunk_vectors, memory_plan
 from .memory_plan import MemoryEstimate
 from .quantize import INT8_TARGETS, QUANTIZATIONS
@@ -35,7 +35,9 @@ _OPTIMIZED_ONLY = ("attention", "projected-attention")  # rewrite ONNX Runtime's
 
 @dataclass
 class ExportOptions:
-    config: CalibrationConfig = field(default_factory=CalibrationConfig)  # its pooling applies even uncalibrated
+    # Its pooling (attncal.pooling.Pooling; lmk / multi-cls / mean-every with their tokenization,
+    # attncal.runtime.landmarks) applies even uncalibrated.
+    config: CalibrationConfig = field(default_factory=CalibrationConfig)
     calibrate: bool = True
     opset: int = DEFAULT_OPSET
     fp16: bool = False
@@ -51,9 +53,6 @@ class ExportOptions:
     quantize: str | None = None  # "int8": every written graph quantized (attncal.exporting.quantize)
     int8_target: str = "auto"  # the CPUs an int8 export is made for: one of INT8_TARGETS (attncal.exporting.quantize)
     memory_check: bool = True  # refuse before step 1 when the estimate exceeds the memory available (memory_plan)
-    # Landmark (lmk, multi-cls) or Mean@k pooling, with its tokenization: attncal.runtime.landmarks.  The config's
-    # pooling is then this one's (leave it auto).
-    pooling_spec: PoolingSpec | None = None
     # every graph also takes chunk token spans and returns one vector per chunk (attncal.exporting.chunk_vectors)
     chunk_vectors: bool = False
 
@@ -94,13 +93,6 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(lambda o: o.quantize is not None and o.fp16,
              lambda o: "--quantize int8 and --fp16 exclude each other (int8 weights, fp32 activations)",
              dict(quantize="int8", fp16=True)),
-    Conflict(lambda o: o.pooling_spec is not None and o.config.pooling not in ("auto", o.pooling_spec.pooling),
-             lambda o: f"pooling {o.pooling_spec.style} and the calibration config's pooling {o.config.pooling} "
-                       "exclude each other; leave the config's pooling auto",
-             dict(pooling_spec=PoolingSpec("lmk"), config=CalibrationConfig(pooling="cls"))),
-    Conflict(lambda o: o.pooling_spec is None and o.config.pooling in ROW_SET_POOLINGS,
-             lambda o: f"pooling {o.config.pooling} needs its tokenization: pass pooling_spec (--pooling lmk, "
-                       "multi-cls or mean-every)", dict(config=CalibrationConfig(pooling="landmark", pool_token_id=3))),
     Conflict(lambda o: o.max_length is not None and o.max_length < 2,
              lambda o: f"max_length must be >= 2, got {o.max_length}", dict(max_length=1)),
     Conflict(lambda o: o.placement in _OPTIMIZED_ONLY and o.calibrate and not o.optimized,
@@ -127,32 +119,19 @@ class ExportPlan:
     info: ModelInfo
     opts: ExportOptions
     out: Path
-    pooling: str
+    pooling: Pooling  # concrete; a landmark kind's token resolved against the model's tokenizer
     config: CalibrationConfig | None  # None: an uncalibrated export
     layers: list[int]
     placement: object | None  # attncal.graphs.placements.Plan of a calibrated export
     estimate: MemoryEstimate
-    pooling_spec: PoolingSpec | None = None  # resolved against the model's tokenizer (its landmark token id)
 
     @property
     def precision(self) -> str:
         return "fp16" if self.opts.fp16 else (self.opts.quantize or "fp32")
 
-    @property
-    def pooling_head(self) -> str | tuple[str, int, int]:
-        """The export's pooling as `attncal.exporting.wrapper.SentenceEmbeddingModule` takes it: the name, or for
-        landmark / mean-every (name, landmark token id, k)."""
-        spec = self.pooling_spec
-        if spec is None:
-            return self.pooling
-        return (spec.pooling, spec.token_id if spec.inserts else -1, 0 if spec.inserts else int(spec.every))
-
     def off_config(self) -> CalibrationConfig:
         """No calibration (strength 0) with this export's pooling: what an uncalibrated native graph places."""
-        return CalibrationConfig.off(**self._pooling_fields())
-
-    def _pooling_fields(self) -> dict:
-        return self.pooling_spec.config_fields() if self.pooling_spec is not None else {"pooling": self.pooling}
+        return CalibrationConfig.off(self.pooling)
 
     @property
     def max_seq_length(self) -> int | None:
@@ -176,23 +155,22 @@ class ExportPlan:
                                         inlined=opts.inlined and opts.calibrate)
         if opts.memory_check:
             memory_plan.check_fits(estimate, out.parent, optimized=opts.optimized, check=opts.check)
-        spec = _resolve_spec(info, opts.pooling_spec)
-        pooling = spec.pooling if spec else info.pooling if opts.config.pooling == "auto" else opts.config.pooling
-        plan = cls(info, opts, out, pooling, None, [], None, estimate, spec)
-        config = replace(opts.config, **plan._pooling_fields()) if opts.calibrate else None
+        pooling = _resolve_pooling(info, opts.config.pooling.bind(info.pooling))
+        plan = cls(info, opts, out, pooling, None, [], None, estimate)
+        config = replace(opts.config, pooling=pooling) if opts.calibrate else None
         layers = config.layer_indices(info.num_layers) if config is not None else []  # range errors first
         plan = replace(plan, config=config, layers=layers)
         return replace(plan, placement=_placement_plan(plan)) if config is not None else plan
 
 
-def _resolve_spec(info: ModelInfo, spec: PoolingSpec | None) -> PoolingSpec | None:
-    """The landmark token of `spec` (its default: the model's SEP for lmk, CLS for multi-cls) and its id, from the
-    model's tokenizer."""
-    if spec is None or not spec.inserts:
-        return spec
+def _resolve_pooling(info: ModelInfo, pooling: Pooling) -> Pooling:
+    """The landmark token of `pooling` (its default: the model's SEP for lmk, CLS for multi-cls) and its id, from
+    the model's tokenizer."""
+    if not pooling.inserts:
+        return pooling
     from transformers import AutoTokenizer
 
-    return resolve(spec, AutoTokenizer.from_pretrained(str(info.path)))
+    return pooling.resolve(AutoTokenizer.from_pretrained(str(info.path)))
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:

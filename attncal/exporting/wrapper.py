@@ -21,14 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..calibration.config import ROW_SET_POOLINGS, CalibrationConfig
 from ..calibration.encode import pool
+from ..pooling import Pooling
 
 _NORM_EPS = 1e-12  # F.normalize's default eps
 
 
-def export_pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+def export_pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling | str) -> torch.Tensor:
     """`attncal.calibration.encode.pool`, with ArgMin/ArgMax instead of ReduceMin/ReduceMax for cls / last."""
+    pooling = Pooling.of(pooling).kind
     if pooling not in ("cls", "last"):
         return pool(hidden, attention_mask, pooling)  # mean: ReduceSum only; others raise there
     mask = attention_mask != 0
@@ -57,18 +58,15 @@ def export_normalize(emb: torch.Tensor) -> torch.Tensor:
 
 
 class SentenceEmbeddingModule(nn.Module):
-    def __init__(self, model: nn.Module, pooling: str | tuple, normalize: bool, extra: dict | None = None,
+    def __init__(self, model: nn.Module, pooling: Pooling, normalize: bool, extra: dict | None = None,
                  head: nn.Module | None = None) -> None:
-        """`pooling`: a name, or for landmark / mean-every (name, landmark token id, k) (`ExportPlan.pooling_head`);
-        `extra`: fixed forward keyword arguments
+        """`pooling`: concrete, a landmark kind's token resolved (`ExportPlan.pooling`); `extra`: fixed forward keyword arguments
         (`modelinfo.forward_kwargs`: no KV cache for decoders); `head`: the sentence-transformers Dense modules
         (`modelinfo.load_dense_head`), after pooling."""
         super().__init__()
         self.model = model
         self.head = head
-        self.pooling = pooling if isinstance(pooling, str) else pooling[0]
-        # landmark / mean-every: the pooled rows, as the calibration selects them
-        self.rows = CalibrationConfig.off(*pooling).resolve() if self.pooling in ROW_SET_POOLINGS else None
+        self.pooling = Pooling.of(pooling)  # lmk / multi-cls / mean-every pool its row_mask, as calibration selects
         self.normalize = normalize
         self.extra = dict(extra or {})
 
@@ -80,8 +78,8 @@ class SentenceEmbeddingModule(nn.Module):
             kwargs["token_type_ids"] = token_type_ids
         kwargs.update(self.extra)
         hidden = self.model(**kwargs).last_hidden_state
-        if self.rows is not None:
-            emb = export_pool(hidden, self.rows.row_mask(input_ids, attention_mask), "mean")
+        if self.pooling.row_set:
+            emb = export_pool(hidden, self.pooling.row_mask(input_ids, attention_mask), "mean")
         else:
             emb = export_pool(hidden, attention_mask, self.pooling)
         if self.head is not None:

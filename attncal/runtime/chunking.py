@@ -19,7 +19,7 @@ is cut off: a text longer than the max length is covered by several windows.  Th
   averages is a calibrated row; cls / last pooling calibrate the pooled row only (the window's first / last
   token, never inside a chunk), and the chunk's tokens see it as a key from the next layer on.
 * **landmark** (an export with `--pooling lmk` or `multi-cls`): the chunks are the export's own landmark
-  chunks (`pooling_spec`: every G tokens, or per sentence), each window is tokenized as the landmark
+  chunks (attncal.json's `pooling`: every G tokens, or per sentence), each window is tokenized as the landmark
   tokenizer places them, and a chunk's vector is its landmark's final state, normalised.  The landmark rows
   are exactly the rows a calibrated landmark export calibrates.
 
@@ -44,8 +44,10 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from ..artifact import pooling_of
 from ..modelinfo import choose_prompt, read_prompts
-from .landmarks import SENTENCE, PoolingSpec, Template, sentence_ends
+from ..pooling import Pooling
+from .landmarks import Template, sentence_ends
 from .precision import normalise
 from .tokenizer import load_tokenizer
 
@@ -132,10 +134,11 @@ class _Text:
     chunks: list[tuple[int, int]] = field(default_factory=list)  # token ranges (own tokens)
 
 
-def check_options(options: ChunkOptions, budget: int | None, max_length: int | None, spec) -> None:
+def check_options(options: ChunkOptions, budget: int | None, max_length: int | None,
+                  pooling: Pooling | None) -> None:
     """ValueError (one line) for chunk options an export cannot run: `budget` content tokens per model call
-    (`Chunker.budget`, None: no max length), `spec` its landmark pooling (a PoolingSpec, or None)."""
-    inserts = spec is not None and spec.inserts
+    (`Chunker.budget`, None: no max length), `pooling` its pooling (an attncal.pooling.Pooling, or None)."""
+    inserts = pooling is not None and pooling.inserts
     if options.method == "landmark" and not inserts:
         raise ValueError("landmark chunking needs an export with landmark pooling (attncal export --pooling lmk or "
                          "multi-cls)")
@@ -167,8 +170,7 @@ def check_export(options: ChunkOptions, export_dir, meta: dict, max_length: int 
     special = set(base.special_ids())
     n_prompt = len([x for x in encode([prompt], False, False)[0][0] if x not in special]) if prompt else 0
     budget = None if limit is None else limit - len(tpl.prefix) - len(tpl.suffix) - n_prompt
-    spec = PoolingSpec.from_dict(meta["pooling_spec"]) if meta.get("pooling_spec") else None
-    check_options(options, budget, limit, spec)
+    check_options(options, budget, limit, pooling_of(meta))
 
 
 def spans_of(positions: list[list[tuple[int, list[int]]]]) -> np.ndarray:
@@ -271,10 +273,10 @@ class Chunker:
         and landmark vectors from the graph's chunk-vector output (True, refused where the export has none),
         from its token states (False), or the first where the export has it (None).  `served`: a served copy of
         the export (`Served`) that runs the model calls instead of the Encoder's session."""
-        spec = self.encoder.pooling_spec
+        pooling = self.encoder.pooling
         prompt_ids = self._prompt_ids(prompt)
         budget = self.budget(prompt_ids)
-        check_options(options, budget, self.encoder.max_length, spec)
+        check_options(options, budget, self.encoder.max_length, pooling)
         if options.method == "naive":
             return self._naive(texts, options, batch_size, prompt, errors, served)
         self._check_head()
@@ -288,7 +290,7 @@ class Chunker:
                 if options.method == "late":
                     windows = self._late_windows(t, options, budget)
                 else:
-                    windows = self._landmark_windows(t, spec, budget)
+                    windows = self._landmark_windows(t, pooling, budget)
             except ChunkError as exc:
                 if errors is None:
                     raise
@@ -341,16 +343,16 @@ class Chunker:
             c = e
         return out
 
-    def _landmark_windows(self, t: _Text, spec, budget: int | None):
-        tid = spec.token_id
+    def _landmark_windows(self, t: _Text, pooling: Pooling, budget: int | None):
+        tid = pooling.token_id
         keep = [k for k, x in enumerate(t.ids) if x != tid]
         t.ids, t.types, t.offsets = [t.ids[k] for k in keep], [t.types[k] for k in keep], [t.offsets[k] for k in keep]
         if not t.ids:
             raise ChunkError(t.index, "holds only special tokens")
-        t.chunks = chunks = self._cut(t, None if spec.every == SENTENCE else int(spec.every),
-                                      "sentence" if spec.every == SENTENCE else "tokens")
+        t.chunks = chunks = self._cut(t, None if pooling.by_sentence else int(pooling.every),
+                                      "sentence" if pooling.by_sentence else "tokens")
         tpl = self.template
-        served = (tpl.suffix[:1] == (tid,)) if spec.style == "lmk" else (tpl.prefix[-1:] == (tid,))
+        served = (tpl.suffix[:1] == (tid,)) if pooling.kind == "lmk" else (tpl.prefix[-1:] == (tid,))
         out, c = [], 0
         while c < len(chunks):
             e, used = c, 0
@@ -366,13 +368,13 @@ class Chunker:
             ct = tpl.content_type
             for k in range(c, e):
                 a, b = chunks[k]
-                before = spec.style == "multi-cls" and not (k == c and served)
-                after = spec.style == "lmk" and not (k == e - 1 and served)
+                before = pooling.kind == "multi-cls" and not (k == c and served)
+                after = pooling.kind == "lmk" and not (k == e - 1 and served)
                 if before:
                     positions.append((k, [len(ids)]))
                     ids.append(tid)
                     types.append(ct)
-                elif spec.style == "multi-cls":  # the template's own opening token is this chunk's landmark
+                elif pooling.kind == "multi-cls":  # the template's own opening token is this chunk's landmark
                     positions.append((k, [-1]))
                 ids += t.ids[a:b]
                 types += t.types[a:b]
@@ -380,7 +382,7 @@ class Chunker:
                     positions.append((k, [len(ids)]))
                     ids.append(tid)
                     types.append(ct)
-                elif spec.style == "lmk":  # the template's closing token is this chunk's landmark
+                elif pooling.kind == "lmk":  # the template's closing token is this chunk's landmark
                     positions.append((k, [len(ids)]))
             out.append((ids, types, positions))
             c = e

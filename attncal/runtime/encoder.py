@@ -12,7 +12,6 @@ import numpy as np
 from .. import cpuinfo
 from ..artifact import (
     INLINED_GRAPH,
-    METADATA_FILE,
     NATIVE_GRAPH,
     ONNX_FILE,
     ONNX_SUBDIR,
@@ -23,15 +22,14 @@ from ..artifact import (
     check_model_files,
     config_int,
     is_long_context,
+    pooling_of,
     read_metadata,
 )
-from ..calibration.config import ROW_SET_POOLINGS
 from ..messages import first_line
 from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
 from ..versions import without_torch_advice
 from . import oplib, precision as _precision
 from .chunking import CHUNK_SPANS, CHUNK_VECTORS, Chunker, ChunkedEmbeddings, ChunkOptions
-from .landmarks import PoolingSpec
 from .tokenizer import TransformersTokenizer, load_tokenizer
 
 GRAPHS = ("auto", "portable", "optimized", "native", "inlined")
@@ -138,23 +136,6 @@ def planned_graph(out_dir: str | os.PathLike, providers: Sequence[str] | None = 
     return select_graph(out, meta, graph, providers, lib)
 
 
-def pooling_spec_of(meta: dict, out_dir: Path):
-    """The export's landmark / Mean@k pooling (attncal.json's `pooling_spec`, an
-    `attncal.runtime.landmarks.PoolingSpec`), None for the other poolings; ArtifactError when it is damaged."""
-
-    data = meta.get("pooling_spec")
-    if data is None and meta.get("pooling") not in ROW_SET_POOLINGS:
-        return None
-    try:
-        spec = PoolingSpec.from_dict(data)
-    except ValueError as exc:
-        raise ArtifactError(out_dir / METADATA_FILE, f"key 'pooling_spec': {exc}") from None
-    if spec.pooling != meta.get("pooling") or not spec.resolved:
-        raise ArtifactError(out_dir / METADATA_FILE, f"key 'pooling_spec' ({spec.describe()}, token id "
-                                                     f"{spec.token_id}) does not fit pooling {meta.get('pooling')!r}")
-    return spec
-
-
 def needs_right_padding(meta: dict, graph_file: str) -> bool:
     """Whether a graph keeps ONNX Runtime's fused attention, which takes key lengths (so a token after
     padding would be dropped): the optimized graph, and the native graph made from it.  The native graph
@@ -225,10 +206,10 @@ class Encoder:
         ExportDir(self.path, self.meta).check_graph(self.graph_file)  # damaged graph -> ArtifactError
         self._max_length = self.meta.get("max_seq_length")
         self._hf_tokenizer = None
-        self.pooling_spec = pooling_spec_of(self.meta, self.path)
+        self.pooling = pooling_of(self.meta)
         try:
             self._tokenizer = load_tokenizer(self.path, self.meta.get("tokenizer"), self._max_length,
-                                             self.meta.get("padding_side", "right"), self.pooling_spec)
+                                             self.meta.get("padding_side", "right"), self.pooling)
         except Exception as exc:  # a damaged tokenizer file fails deep inside tokenizers/transformers
             raise ArtifactError(self.path / "tokenizer.json", "the tokenizer cannot be loaded "
                                 f"({type(exc).__name__}: {first_line(exc)[:300]})") from None

@@ -32,12 +32,13 @@ from typing import Sequence
 import numpy as np
 
 from ..artifact import (INLINED_GRAPH, NATIVE_GRAPH, OPTIMIZED_GRAPH, PORTABLE_GRAPH, ArtifactError, config_int,
-                        external_data_name, open_export)
+                        external_data_name, open_export, pooling_of)
 from ..calibration.config import CalibrationConfig
 from ..memory import available_bytes, float32_weight_bytes, release_freed_memory
 from ..modelinfo import choose_prompt, forward_kwargs
-from .encoder import Encoder, default_session_options, pooling_spec_of
-from .landmarks import SENTENCE, PoolingSpec, sentence_ends
+from ..pooling import Pooling
+from .encoder import Encoder, default_session_options
+from .landmarks import sentence_ends
 
 FP32_MAX_ABS = 1e-5
 FP16_MAX_ABS = 2e-3
@@ -155,8 +156,8 @@ class PaperReference:
     `max_length`; Mean@k pools the k-th, 2k-th, ... token.  The embedding is the mean of the final hidden states
     at those positions, then the model's Dense modules and normalisation."""
 
-    def __init__(self, encoder, spec: PoolingSpec, max_length: int | None) -> None:
-        self.enc, self.spec, self.max_length = encoder, spec, max_length
+    def __init__(self, encoder, pooling: Pooling, max_length: int | None) -> None:
+        self.enc, self.pooling, self.max_length = encoder, pooling, max_length
         self.tok = encoder.tokenizer
         # The model's template: what its tokenizer puts before and after a one-word text.
         full, plain = self.tok("a")["input_ids"], self.tok("a", add_special_tokens=False)["input_ids"]
@@ -172,31 +173,31 @@ class PaperReference:
                     chunks.append([])
                 chunks[-1].append(tid)
             return chunks
-        g = int(self.spec.every)
+        g = int(self.pooling.every)
         return [content[i:i + g] for i in range(0, len(content), g)] or [[]]
 
     def _wrap(self, chunks: list[list[int]]) -> list[int]:
-        lmk, body = self.spec.token_id, []
+        lmk, body = self.pooling.token_id, []
         for chunk in chunks:
-            body += [lmk] + chunk if self.spec.style == "multi-cls" else chunk + [lmk]
+            body += [lmk] + chunk if self.pooling.kind == "multi-cls" else chunk + [lmk]
         # Where the template has the landmark at the chunk's edge already, that one is the chunk's landmark.
-        if self.spec.style == "multi-cls" and self.prefix[-1:] == [lmk]:
+        if self.pooling.kind == "multi-cls" and self.prefix[-1:] == [lmk]:
             body = body[1:]
-        if self.spec.style == "lmk" and self.suffix[:1] == [lmk]:
+        if self.pooling.kind == "lmk" and self.suffix[:1] == [lmk]:
             body = body[:-1]
         return self.prefix + body + self.suffix
 
     def sequence(self, text: str) -> tuple[list[int], list[int]]:
         """(token ids, pooled positions) of one text."""
-        if not self.spec.inserts:
+        if not self.pooling.inserts:
             ids = self.tok(text, truncation=self.max_length is not None, max_length=self.max_length)["input_ids"]
-            every = int(self.spec.every)  # the k-th, 2k-th, ... token; a text shorter than k: its last
+            every = int(self.pooling.every)  # the k-th, 2k-th, ... token; a text shorter than k: its last
             return ids, [i for i in range(len(ids)) if (i + 1) % every == 0] or [len(ids) - 1]
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=self.spec.every == SENTENCE)
-        keep = [j for j, t in enumerate(enc["input_ids"]) if t != self.spec.token_id]
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=self.pooling.by_sentence)
+        keep = [j for j, t in enumerate(enc["input_ids"]) if t != self.pooling.token_id]
         content = [enc["input_ids"][j] for j in keep]
         sentence = None
-        if self.spec.every == SENTENCE:  # each token's sentence: the sentence ends at or before its start
+        if self.pooling.by_sentence:  # each token's sentence: the sentence ends at or before its start
             ends = sentence_ends(text)
             sentence = [bisect.bisect_right(ends, enc["offset_mapping"][j][0]) for j in keep]
         left = self.tok.truncation_side == "left"
@@ -207,7 +208,7 @@ class PaperReference:
             if self.max_length is None or len(ids) <= self.max_length or n == 0:
                 break
             n -= 1
-        return ids, [i for i, t in enumerate(ids) if t == self.spec.token_id]
+        return ids, [i for i, t in enumerate(ids) if t == self.pooling.token_id]
 
     def encode(self, texts: Sequence[str], config: CalibrationConfig | None) -> np.ndarray:
         """Embeddings of `texts` (prompts applied as the Encoder applies them), as one padded batch."""
@@ -332,8 +333,9 @@ def check_parity(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     config = CalibrationConfig.from_dict(meta["config"]) if meta.get("calibrated") else None
-    if config is not None and config.pooling == "auto":
-        config = config.with_pooling(meta["pooling"])
+    pooling = pooling_of(meta)
+    if config is not None:
+        config = config.bind(pooling)
     source = reference or meta.get("source_model")
     if source is None or not Path(str(source)).exists():
         raise FileNotFoundError(
@@ -343,7 +345,6 @@ def check_parity(
              INLINED_GRAPH: "inlined"}.get(graph, graph)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     max_len = meta.get("max_seq_length")
-    spec = pooling_spec_of(meta, out)
     lengths = [len(x) for x in tokenizer(texts, truncation=True, max_length=max_len)["input_ids"]]
     try:
         heads = config_int(out, "num_attention_heads")
@@ -355,19 +356,19 @@ def check_parity(
     budget = memory_budget if memory_budget is not None else activation_budget(weights, available_bytes())
     batches, cap = plan_batches(lengths, heads, budget, batch_size)
     check_len = min(max_len, cap) if max_len is not None and cap is not None else (cap or max_len)
-    key = (str(source), check_len, repr(config), repr(spec), tuple(texts), tuple(map(tuple, batches)))
+    key = (str(source), check_len, repr(config), repr(pooling), tuple(texts), tuple(map(tuple, batches)))
     if reference_cache is not None and key in reference_cache:
         expected, ref_pooling = reference_cache[key]
     else:
         ref_enc = TorchEncoder(source, max_length=check_len, attn_implementation="sdpa")
         ref_pooling = ref_enc.info.pooling
         ref_config = config
-        if spec is not None:
-            paper = PaperReference(ref_enc, spec, check_len)
+        if pooling.row_set:
+            paper = PaperReference(ref_enc, pooling, check_len)
             encode = lambda part: paper.encode(part, config)  # noqa: E731
         else:
-            if config is None and ref_pooling != meta["pooling"]:
-                ref_config = CalibrationConfig(strength=0.0, pooling=meta["pooling"])  # pooling only: λ = 0 is the identity
+            if config is None and Pooling.of(ref_pooling) != pooling:
+                ref_config = CalibrationConfig(strength=0.0, pooling=pooling)  # pooling only: λ = 0 is the identity
             encode = lambda part: ref_enc.encode(part, ref_config, batch_size=len(part))  # noqa: E731
         expected = _by_batches(encode, texts, batches, "encode (torch)", quiet)
         del ref_enc
@@ -423,8 +424,7 @@ def chunk_vector_parity(enc: Encoder, texts: Sequence[str], batch_size: int) -> 
     for a landmark export), their vectors from the graph's chunk-vector output and from its token states
     (`Encoder.encode_chunks(in_graph=...)`), which tests/test_chunks.py compares with a PyTorch reference.
     Returns the ParityReport fields: max |Δ| over the largest |value|, and the number of chunks."""
-    spec = enc.pooling_spec
-    method = "landmark" if spec is not None and spec.inserts else "late"
+    method = "landmark" if enc.pooling.inserts else "late"
     usable = [t for t in texts if t.strip()]
     graph = enc.encode_chunks(usable, method, batch_size=batch_size, in_graph=True, errors=[])
     states = enc.encode_chunks(usable, method, batch_size=batch_size, in_graph=False, errors=[])

@@ -15,7 +15,7 @@ every added token's text), batched and one by one, and the export records `"toke
 `attncal.json` only when everything is equal.  An export without that record (older ones, and those whose
 check failed) keeps transformers.
 
-An export with landmark pooling (attncal.json's `pooling_spec`) tokenizes through `LandmarkTokenizer`: either
+An export with lmk, multi-cls or mean-every pooling (attncal.json's `pooling`) tokenizes through `LandmarkTokenizer`: either
 backend's plain encodings, with the landmarks placed by `attncal.runtime.landmarks` (the one definition, which
 the Triton tokenizer model runs too)."""
 
@@ -29,7 +29,8 @@ import numpy as np
 
 from ..artifact import TOKENIZERS
 from ..modelinfo import read_prompts
-from .landmarks import Landmarks, PoolingSpec, tokenizers_encode, transformers_encode
+from ..pooling import Pooling
+from .landmarks import Landmarks, tokenizers_encode, transformers_encode
 
 FAST, TRANSFORMERS = TOKENIZERS  # attncal.json's "tokenizer" values
 
@@ -178,14 +179,14 @@ class TransformersTokenizer:
 
 
 class LandmarkTokenizer:
-    """FastTokenizer or TransformersTokenizer (`base`) with landmark pooling's tokenization (`spec`, resolved):
+    """FastTokenizer or TransformersTokenizer (`base`) with a row-set pooling's tokenization (`pooling`, resolved):
     the same two calls and settings, the landmarks placed by `attncal.runtime.landmarks.Landmarks`."""
 
-    def __init__(self, base: FastTokenizer | TransformersTokenizer, spec: PoolingSpec,
+    def __init__(self, base: FastTokenizer | TransformersTokenizer, pooling: Pooling,
                  max_length: int | None) -> None:
         encode, self._model_max_length, truncation_side = base.plain()
         self.base = base
-        self.landmarks = Landmarks(spec, encode, max_length=truncation_limit(max_length, self._model_max_length),
+        self.landmarks = Landmarks(pooling, encode, max_length=truncation_limit(max_length, self._model_max_length),
                                    pad_id=base.pad_id, padding_side=base.padding_side, truncation_side=truncation_side)
 
     @property
@@ -208,11 +209,11 @@ class LandmarkTokenizer:
 
 
 def load_tokenizer(path: str | Path, kind: str | None, max_length: int | None, padding_side: str,
-                   spec: PoolingSpec | None = None) -> FastTokenizer | TransformersTokenizer | LandmarkTokenizer:
+                   pooling: Pooling | None = None) -> FastTokenizer | TransformersTokenizer | LandmarkTokenizer:
     """The tokenizer an export records (`kind`, attncal.json's "tokenizer"; None: transformers), with the
-    landmark tokenization of its `pooling_spec` where it has one."""
+    landmark tokenization of its `pooling` where that is lmk, multi-cls or mean-every."""
     base = (FastTokenizer if kind == FAST else TransformersTokenizer)(path, max_length, padding_side)
-    return base if spec is None else LandmarkTokenizer(base, spec, max_length)
+    return LandmarkTokenizer(base, pooling, max_length) if pooling is not None and pooling.row_set else base
 
 
 def probe_texts(hf_tokenizer, prompts: Sequence[str] = ()) -> list[str]:
@@ -231,9 +232,9 @@ def _backend_state(tokenizer_json: str) -> dict:
 
 
 def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side: str,
-                          prompts: Sequence[str] = (), spec: PoolingSpec | None = None) -> str | None:
-    """None when FastTokenizer on `path` gives what AutoTokenizer gives (with the landmarks of `spec`, where
-    given, placed on both), else why not (one line).  Needs transformers (the exporter's environment)."""
+                          prompts: Sequence[str] = (), pooling: Pooling | None = None) -> str | None:
+    """None when FastTokenizer on `path` gives what AutoTokenizer gives (with the landmarks of a row-set
+    `pooling` placed on both), else why not (one line).  Needs transformers (the exporter's environment)."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         return "the export has no tokenizer.json"
@@ -249,8 +250,9 @@ def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side
     if _backend_state(backend.to_str()) != _backend_state((path / "tokenizer.json").read_text(encoding="utf-8")):
         return "transformers changes the tokenizer.json backend when it loads it"
     texts = probe_texts(hf, prompts)
-    if spec is not None:
-        reference, fast = LandmarkTokenizer(reference, spec, max_length), LandmarkTokenizer(fast, spec, max_length)
+    if pooling is not None and pooling.row_set:
+        reference = LandmarkTokenizer(reference, pooling, max_length)
+        fast = LandmarkTokenizer(fast, pooling, max_length)
     want, got = reference(texts), fast(texts)
     for name in want:
         if not np.array_equal(want[name], got[name]):
@@ -260,13 +262,13 @@ def verify_fast_tokenizer(path: str | Path, max_length: int | None, padding_side
     return None
 
 
-def attest_tokenizer(path: str | Path, max_length: int | None, padding_side: str, spec: PoolingSpec | None,
+def attest_tokenizer(path: str | Path, max_length: int | None, padding_side: str, pooling: Pooling | None,
                      log: Callable[[str], None]) -> str:
     """What attncal.json's "tokenizer" says of the export at `path`: FAST where its tokenizer.json alone gives
     what transformers gives (the runtime then tokenizes without importing transformers), else TRANSFORMERS,
     with the reason told to `log`."""
     prompts = (read_prompts(path)[0] or {}).values()
-    why = verify_fast_tokenizer(path, max_length, padding_side, list(prompts), spec)
+    why = verify_fast_tokenizer(path, max_length, padding_side, list(prompts), pooling)
     if why is None:
         return FAST
     log(f"note: the runtime tokenizes with transformers: {why}")

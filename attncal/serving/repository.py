@@ -20,9 +20,11 @@ ATTNCAL_NATIVE=0 or `RepoOptions(native=False)`; `custom_op_library` names
 another path).  The Python model falls back to the function body if the
 library is missing on the serving machine; Triton's ORT backend cannot.
 
-An export with landmark pooling (attncal.json's `pooling_spec`) gets a copy of
-`attncal/runtime/landmarks.py` beside its tokenizer model, which places the
-landmarks exactly as `Encoder` does (the model stays free of attncal imports).
+An export with lmk, multi-cls or mean-every pooling (attncal.json's `pooling`)
+gets copies of `attncal/pooling.py` and `attncal/runtime/landmarks.py` beside
+its tokenizer model, and its pooling as the model's `pooling` parameter
+(`Pooling.to_json()`): the landmarks are placed exactly as `Encoder` places them
+(the model stays free of attncal imports).
 The Python encoder gets a copy of `attncal/runtime/precision.py`, with which it
 serves the request parameter `dimensions` (Matryoshka truncation, normalised
 again where the model normalises) as `Encoder.encode(dimensions=)` computes it.
@@ -62,13 +64,15 @@ from ..artifact import (
     config_int,
     load_onnx_checked,
     open_export,
+    pooling_of,
     read_bytes,
     read_json,
     validate_metadata,
 )
 from ..modelinfo import UnsupportedModelError, choose_prompt, read_prompts
 from ..runtime.chunking import CHUNK_SPANS, CHUNK_VECTORS
-from ..runtime.encoder import memory_pattern, pooling_spec_of
+from ..pooling import Pooling
+from ..runtime.encoder import memory_pattern
 from ..runtime.precision import declared_dimensions
 from ..runtime.oplib import resolve_library
 from . import pbtxt
@@ -80,7 +84,9 @@ TEXT_INPUT = "text"
 EMBEDDING_OUTPUT = "sentence_embedding"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TEMPLATES = Path(__file__).parent / "models"
-# The landmark tokenization, copied beside the tokenizer model of an export with landmark pooling.
+# The pooling and the landmark tokenization, copied beside the tokenizer model of an export with a row-set pooling.
+POOLING_SOURCE = Path(__file__).parents[1] / "pooling.py"
+POOLING_FILE = "attncal_pooling.py"
 LANDMARKS_SOURCE = Path(__file__).parents[1] / "runtime" / "landmarks.py"
 LANDMARKS_FILE = "attncal_landmarks.py"
 # Matryoshka truncation, copied beside the Python encoder model (the `dimensions` request parameter).
@@ -154,7 +160,7 @@ def _read_export(out_dir: Path) -> dict:
     except UnsupportedModelError as exc:
         raise ArtifactError(out_dir / "config_sentence_transformers.json", str(exc)) from None
     return {"meta": meta, "onnx": onnx_file, "serve_onnx": serve, "inputs": inputs, "dim": dim, "etype": etype,
-            "prompt": prompt, "pooling_spec": pooling_spec_of(meta, out_dir),
+            "prompt": prompt, "pooling": pooling_of(meta),
             "chunk_vectors": meta.get("chunk_vectors") is not None, "declared": declared_dimensions(out_dir)}
 
 
@@ -259,12 +265,13 @@ def tokenizer_config(name: str, exp: dict, opts: RepoOptions) -> dict:
         "dynamic_batching": _batching(opts),
         "instance_group": [{"count": opts.instances, "kind": Enum("KIND_CPU")}],
         "parameters": _params(max_length=max_len, padding_side=meta.get("padding_side", "right"), padding=padding,
-                              prompt=exp.get("prompt") or None, pooling_spec=_spec_json(exp.get("pooling_spec"))),
+                              prompt=exp.get("prompt") or None, pooling=_pooling_json(exp["pooling"])),
     }
 
 
-def _spec_json(spec) -> str | None:
-    return json.dumps(spec.to_dict(), sort_keys=True) if spec is not None else None
+def _pooling_json(pooling: Pooling) -> str | None:
+    """The tokenizer model's `pooling` parameter: set where the tokenization places landmarks (row-set poolings)."""
+    return json.dumps(pooling.to_json(), sort_keys=True) if pooling.row_set else None
 
 
 def ensemble_config(names: dict[str, str], exp: dict, opts: RepoOptions, etype: str) -> dict:
@@ -400,7 +407,8 @@ def build_repository(out_dir: str | os.PathLike, repo: str | os.PathLike, opts: 
         if opts.with_tokenizer:
             tok_dir = _write_model(tmp, tokenizer_config(names["tokenizer"], exp, opts))
             shutil.copy2(_TEMPLATES / "tokenizer_model.py", tok_dir / "1" / "model.py")
-            if exp["pooling_spec"] is not None:
+            if exp["pooling"].row_set:
+                shutil.copy2(POOLING_SOURCE, tok_dir / "1" / POOLING_FILE)
                 shutil.copy2(LANDMARKS_SOURCE, tok_dir / "1" / LANDMARKS_FILE)
             _copy_tokenizer(out_dir, tok_dir / "1" / "tokenizer")
             _write_model(tmp, ensemble_config(names, exp, opts, enc_cfg["output"][0]["data_type"]))
@@ -469,9 +477,10 @@ def validate_repository(repo: str | os.PathLike) -> list[str]:
             raise MissingArtifactError(model_dir / "1" / PRECISION_FILE, "missing (the encoder model truncates "
                                                                        "dimensions with it)")
         if role == "tokenizer_model.py":
-            if "pooling_spec" in text and not (model_dir / "1" / LANDMARKS_FILE).is_file():
-                raise MissingArtifactError(model_dir / "1" / LANDMARKS_FILE, "missing (the tokenizer model places "
-                                                                           "the export's landmarks with it)")
+            for copy in (POOLING_FILE, LANDMARKS_FILE) if '"pooling"' in text else ():
+                if not (model_dir / "1" / copy).is_file():
+                    raise MissingArtifactError(model_dir / "1" / copy, "missing (the tokenizer model places the "
+                                                                      "export's landmarks with it)")
             tok = check_dir(model_dir / "1" / "tokenizer", "tokenizer directory")
             tok_cfg = read_json(tok / CONFIG_FILE, "model config")
             if not isinstance(tok_cfg, dict):

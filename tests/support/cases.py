@@ -14,6 +14,7 @@ import torch
 
 from attncal.calibration import CalibrationConfig
 from attncal.calibration.config import ROW_MARK
+from attncal.pooling import Pooling
 
 
 def random_config(rng: random.Random, S: int, *, weights_first: bool = False, weight_p: float = 0.25,
@@ -51,8 +52,8 @@ def random_config(rng: random.Random, S: int, *, weights_first: bool = False, we
 def row_set_config(rng: random.Random, cfg: CalibrationConfig) -> CalibrationConfig:
     """`cfg` with a row-set pooling: landmark (each row's own key isolated) three times in four, else
     mean-every; the token id and k matter only to `marked_mask`, the tests mark rows with `mark_rows`."""
-    extra = {"pool_token_id": 5} if rng.random() < 0.75 else {"pooling": "mean-every", "pool_every": 3}
-    data = {**cfg.to_dict(), "pooling": "landmark", **extra}
+    pooling = Pooling("lmk", token_id=5) if rng.random() < 0.75 else Pooling("mean-every", 3)
+    data = {**cfg.to_dict(), "pooling": pooling}
     try:
         return CalibrationConfig(**data)
     except ValueError:  # the self share and the isolated fixed shares sum to 1 or more: fixed overrides dropped

@@ -17,15 +17,14 @@ CALIBRATION = dict(basket_size=4, strength=1.0)  # basket 4: calibration changes
 def _build(path: Path, arch: str, pooling: str | None, calibrate: bool, every: int | str | None) -> None:
     from attncal.calibration.config import CalibrationConfig
     from attncal.exporting.exporter import ExportOptions, export
-    from attncal.runtime.landmarks import PoolingSpec
+    from attncal.pooling import Pooling
     from attncal.synthetic import save_synthetic_model
 
     model = save_synthetic_model(arch, path / "model", seed=3, pooling=pooling, max_positions=128,
                                  max_seq_length=MAX_LENGTH)
-    spec = PoolingSpec("lmk", every) if every else None
-    export(str(model), path / "export", ExportOptions(config=CalibrationConfig(**CALIBRATION), calibrate=calibrate,
+    config = CalibrationConfig(**CALIBRATION, pooling=Pooling("lmk", every) if every else Pooling())
+    export(str(model), path / "export", ExportOptions(config=config, calibrate=calibrate,
                                                       exporter="torchscript", check=False, optimized=False,
-                                                      pooling_spec=spec,
                                                       chunk_vectors=calibrate or every is not None), quiet=True)
 
 

@@ -6,7 +6,7 @@ two calibrated attention ops (`ATTENTION_OP_TYPES`, at the end of this text).
 
 * `PooledRowCalibration`: calibrates the pooling row only (cls or last pooling).
 * `AllRowsCalibration`: calibrates every valid query row (mean pooling), or with
-  `marked_rows` = 1 the marked rows (landmark and mean-every pooling; below).
+  `marked_rows` = 1 the marked rows (lmk, multi-cls and mean-every pooling; below).
 
 Inputs: `probs` T[B,H,Q,K] (post-softmax attention of one layer, Q == K; for
 `PooledRowCalibration` also Q == 1, meaning the single row *is* the pooling row,
@@ -170,6 +170,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...calibration.config import ResolvedCalibration
+from ...pooling import Pooling
 
 DOMAIN = "ai.attncal"
 VERSION = 1
@@ -406,13 +407,13 @@ def resolved_from_attrs(op_type: str, attrs: dict[str, int | float]) -> Resolved
     """Inverse of `op_spec`: what a node with these attributes computes."""
     rows = {k: attrs.get(k, v) for k, v in ROW_SET_DEFAULTS.items()}
     if not is_all_rows(op_type):
-        pooling = "last" if int(attrs["pool_last"]) else "cls"
-    elif int(rows["marked_rows"]):
-        pooling = "landmark" if int(rows["isolate_self"]) else "mean-every"
+        kind = "last" if int(attrs["pool_last"]) else "cls"
+    elif int(rows["marked_rows"]):  # the op reads its rows from the marked mask: no token id or k of its own
+        kind = "lmk" if int(rows["isolate_self"]) else "mean-every"
     else:
-        pooling = "mean"
+        kind = "mean"
     return ResolvedCalibration(
-        pooling=pooling,  # type: ignore[arg-type]
+        pooling=Pooling(kind),
         strength=float(attrs["strength"]),
         basket_size=int(attrs["basket_size"]),
         isolate_first=bool(attrs["isolate_first"]),

@@ -1,7 +1,7 @@
 """Attention placement's one rule (fused graph): each layer's fused attention becomes its Q/K/V
 projections plus one calibrated attention op (`AllRowsCalibratedAttention` for mean pooling,
 `PooledRowCalibratedAttention` for cls / last pooling; the all-rows op on the rows marked in its mask,
-`attncal.graphs.placements.row_marks`, for landmark and mean-every pooling), which computes softmax, calibration and the
+`attncal.graphs.placements.row_marks`, for lmk, multi-cls and mean-every pooling), which computes softmax, calibration and the
 product with V in one pass; a layer the config does not calibrate, and every layer of an uncalibrated
 export, gets the same op at strength 0, which is plain attention.  The projected-attention placement's
 rule is the same `find` and `rewrite` with `projected=True` (`projected_attention_placement`).

@@ -40,6 +40,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ...calibration.config import CalibrationConfig, ResolvedCalibration
+from ...pooling import Pooling
 from . import row_marks
 from .attention_chain import PlainAttention, walk_layer
 from ..builder import Ops, const_array, graph_input, scalar_value
@@ -169,7 +170,7 @@ def _key_value(walk: PlainAttention, shape: ModelShape) -> tuple[tuple[ir.Value,
     return (k_t, (0, 3, 1, 2)), v, shape.num_heads
 
 
-def find(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_layers: int,
+def find(model: ir.Model, config: CalibrationConfig | None, pooling: Pooling, num_layers: int,
          shape: ModelShape) -> PlainAttentionEdits:
     """Every refusal, for every layer, as `PlainAttentionError` (or the softmax search's error); no edit.
     `config` None: an uncalibrated export (every layer strength 0, the op of `pooling`)."""
@@ -255,7 +256,7 @@ def rewrite(model: ir.Model, edits: PlainAttentionEdits) -> PlainAttentionResult
                                 [e.geometry for e in edits.layers])
 
 
-def place(model: ir.Model, config: CalibrationConfig | None, pooling: str, num_layers: int,
+def place(model: ir.Model, config: CalibrationConfig | None, pooling: Pooling, num_layers: int,
           shape: ModelShape) -> PlainAttentionResult:
     """`find`, then `rewrite`: the op in every layer of `model`, or `PlainAttentionError` /
     `SoftmaxPatternError` and the model untouched."""

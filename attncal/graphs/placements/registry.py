@@ -21,7 +21,7 @@ docs/performance.md and docs/performance-log.md):
   memory than the softmax placements (`ort-split` vs `ort-cal`); `--placement split` writes it for
   runtimes that fuse attention themselves (TensorRT).  A mean-pooling config with an `original`
   isolated token cannot be split on fused attention and uses the softmax placements in both graphs.
-* landmark / mean-every pooling -> `fused-softmax` on the portable graph and `softmax` on the optimized
+* lmk / multi-cls / mean-every pooling -> `fused-softmax` on the portable graph and `softmax` on the optimized
   one: the calibrated rows are marked from the token ids (`row_marks`), neither the one row that row
   placement recomputes nor the every row that split placement computes over baskets; the native graph's
   attention op calibrates them in its one pass.

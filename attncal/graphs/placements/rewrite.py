@@ -177,7 +177,7 @@ def insert_calibration(
     replace: bool = False,
     mask_input: str = "attention_mask",
 ) -> RewriteResult:
-    """Calibrate `model` in place. `config.pooling` must be concrete (cls, last, mean, landmark or mean-every).
+    """Calibrate `model` in place. `config.pooling` must be concrete (cls, last, mean, lmk, multi-cls or mean-every).
 
     Every refusal (`SoftmaxPatternError`, `AlreadyCalibratedError`) comes before the first edit."""
     return apply_calibration(model, plan_calibration(model, config, num_layers, replace=replace,

@@ -1,4 +1,4 @@
-"""The calibration mask of a row-set pooling (landmark, mean-every), built in the graph from its token ids: the one
+"""The calibration mask of a row-set pooling (lmk, multi-cls, mean-every), built in the graph from its token ids: the one
 helper of every placement that calibrates marked rows.
 
 The calibration ops take the rows to calibrate in their `attention_mask` input (attncal.graphs.ops.contract, "Marked
@@ -6,9 +6,9 @@ rows"): 0 at padding, 1 at a valid token, `ROW_MARK` at a valid token whose row 
 inputs stay `input_ids` and `attention_mask`; these few nodes derive the marks from them once per batch, as
 `ResolvedCalibration.marked_mask` does in PyTorch:
 
-    landmark:    rows = valid AND input_ids == pool_token_id
+    lmk, multi-cls: rows = valid AND input_ids == token_id
     mean-every:  rank = CumSum(valid), count = its last column (the valid tokens)
-                 rows = valid AND (rank mod pool_every == 0 OR (count < pool_every AND rank == count))
+                 rows = valid AND (rank mod k == 0 OR (count < k AND rank == count))
                  (the k-th, 2k-th, ... valid token; a text shorter than k: its last)
     mask         = Cast(valid) + Cast(rows)
 
@@ -46,13 +46,13 @@ def insert(graph: ir.Graph, rc: ResolvedCalibration, mask: ir.Value, ids: ir.Val
         return mask
     ops = Ops(graph, NODE_PREFIX)
     valid = ops("Not", ops("Equal", mask, ops.const("zero", np.array(0, dtype=mask.dtype.numpy()))))
-    if rc.pooling == "landmark":
-        token = ops.const("token", np.array(rc.pool_token_id, dtype=ids.dtype.numpy()))
+    if rc.pooling.inserts:
+        token = ops.const("token", np.array(rc.pooling.token_id, dtype=ids.dtype.numpy()))
         rows = ops("And", valid, ops("Equal", ids, token))
     else:
         i64 = np.int64
         rank = ops("CumSum", ops("Cast", valid, to=ir.DataType.INT64), ops.const("axis", np.array(1, dtype=i64)))
-        k = ops.const("every", np.array(rc.pool_every, dtype=i64))
+        k = ops.const("every", np.array(rc.pooling.every, dtype=i64))
         kth = ops("Equal", ops("Mod", rank, k), ops.const("zero_i64", np.array(0, dtype=i64)))
         count = ops("ReduceMax", rank, ops.const("last_axis", np.array([1], dtype=i64)), keepdims=1)
         last = ops("And", ops("Less", count, k), ops("Equal", rank, count))

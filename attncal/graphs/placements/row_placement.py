@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from ...artifact import ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, read_metadata, save_onnx, write_metadata
+from ...artifact import ONNX_FILE, ONNX_SUBDIR, OPTIMIZED_FILE, pooling_of, read_metadata, save_onnx, write_metadata
 from ...calibration.config import CalibrationConfig, ResolvedCalibration
 from . import placement_names
 from ..builder import Ops as _Ops
@@ -202,8 +202,7 @@ def calibrate_optimized(src: str | os.PathLike, dest: str | os.PathLike, config:
 
     src, dest = Path(src), Path(dest)
     meta = read_metadata(src)
-    pooling = meta["pooling"] if config.pooling == "auto" else config.pooling
-    config = config.with_pooling(pooling)
+    config = config.bind(pooling_of(meta))
     model = ir.load(src / ONNX_SUBDIR / ONNX_FILE)
     layers = FUSED_RULE.apply(model, accepted(FUSED_RULE.check(model, config, int(meta["num_layers"])))).layers
     tmp = dest.with_name(f".{dest.name}.tmp")

@@ -80,7 +80,7 @@ def check_request(rc: ResolvedCalibration, precision: str) -> Refusal | None:
 
 def split_result(model: ir.Model, rc: ResolvedCalibration, layers: list[int]) -> PlacementResult:
     """What either rule returns: no custom op, the resolved config, the fused attention left in the graph."""
-    attrs = {"pooling": rc.pooling, "basket_size": rc.basket_size, "strength": rc.strength,
+    attrs = {"pooling": rc.pooling.kind, "basket_size": rc.basket_size, "strength": rc.strength,
              "isolate_first": int(rc.isolate_first), "isolate_last": int(rc.isolate_last),
              "first_mode": rc.first_mode, "last_mode": rc.last_mode, "first_weight": rc.first_weight,
              "last_weight": rc.last_weight, "skip_short": int(rc.skip_short)}

@@ -9,10 +9,12 @@ Parameters (config.pbtxt): `max_length` (truncation length), `padding_side`
 for the Python encoder which re-pads across requests; "max_length": pad to
 `max_length` so same-shape requests batch in the onnxruntime/TensorRT backends)
 `prompt` (the model's default sentence-transformers prompt, put before every
-text; absent when it has none) and `pooling_spec` (landmark pooling: JSON of
-the export's `pooling_spec`; the landmarks are placed by `attncal_landmarks.py`
-beside this file, a copy of attncal/runtime/landmarks.py, as attncal's Encoder
-places them).
+text; absent when it has none) and `pooling` (lmk, multi-cls and mean-every
+pooling: the export's pooling as JSON, read by `attncal_pooling.py`, a copy of
+attncal/pooling.py; the landmarks are placed by `attncal_landmarks.py`, a copy
+of attncal/runtime/landmarks.py, both beside this file, as attncal's Encoder
+places them).  A repository written before the `pooling` parameter carries the
+tokenizer model of its time, which reads its `pooling_spec` parameter.
 
 A request fails alone, with a message, when a text is not valid UTF-8, is
 empty, or the request holds no text; texts longer than `max_length` tokens are
@@ -32,6 +34,14 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 
+def _load(directory, name):
+    """The module `name`.py of `directory` (a copy of an attncal module beside this file)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(directory, name + ".py"))
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
@@ -49,12 +59,11 @@ class TritonPythonModel:
         self.input_name = config["input"][0]["name"]
         self.output_names = [o["name"] for o in config["output"]]
         self.landmarks = None
-        if params.get("pooling_spec"):
-            path = os.path.join(args["model_repository"], args["model_version"], "attncal_landmarks.py")
-            spec = importlib.util.spec_from_file_location("attncal_landmarks", path)
-            lm = sys.modules["attncal_landmarks"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-            spec.loader.exec_module(lm)
-            self.landmarks = lm.Landmarks(lm.PoolingSpec.from_dict(json.loads(params["pooling_spec"])),
+        if params.get("pooling"):
+            here_dir = os.path.join(args["model_repository"], args["model_version"])
+            pooling = _load(here_dir, "attncal_pooling").Pooling.from_json(json.loads(params["pooling"]))
+            lm = _load(here_dir, "attncal_landmarks")
+            self.landmarks = lm.Landmarks(pooling,
                                           lm.transformers_encode(self.tokenizer), max_length=self.max_length,
                                           pad_id=self.tokenizer.pad_token_id, padding_side=self.tokenizer.padding_side,
                                           truncation_side=self.tokenizer.truncation_side)
