@@ -99,8 +99,6 @@ def run_random(lib, n_cases: int, seed: int, marked: bool = False, launches: int
         if not any(want[r] and not done[r] for r in want):
             continue
         tiled, per_row = (want[r] and (not done[r] or rng.random() < 1 / 8) for r in ("tiled", "per-row"))
-        if not (tiled or per_row):
-            continue
         kernels = [r for r, run in zip(TILED_PER_ROW, (tiled, per_row)) if run]
         q, k, v = random_qkv(gen, B, S_q, S_k, N, D, D_v, DTYPES[name], temp=rng.choice([0.5, 1.0, 3.0]), dead=dead,
                              exact=exact)
