@@ -44,12 +44,15 @@ def fused_count(path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def pooled_models(tmp_path_factory):
-    """A random-weight model per (architecture, pooling)."""
+    """A random-weight model per (architecture, pooling): conftest's `tiny_models` seed and length, so that where
+    the pooling is the architecture's default the directory is byte for byte the tiny model's, and
+    `shared_raw_exports` hands over the torch export another test of this run made of it (T5's and Gemma3's
+    dynamo exports: test_export.py's)."""
     root = tmp_path_factory.mktemp("split-models")
     cases = {("bert", "mean"), ("bert", "cls"), ("xlm-roberta", "mean"), ("qwen3", "mean"), ("qwen3", "last"),
              ("modernbert", "mean"), ("modernbert", "cls"), ("mpnet", "mean"), ("distilbert", "cls"),
              ("roberta", "mean"), ("t5", "mean"), ("gemma3_text", "mean")}
-    return {c: save_synthetic_model(c[0], root / f"{c[0]}-{c[1]}", seed=2, pooling=c[1], max_positions=256)
+    return {c: save_synthetic_model(c[0], root / f"{c[0]}-{c[1]}", seed=1, pooling=c[1], max_positions=256)
             for c in cases}
 
 
