@@ -6,6 +6,7 @@ Many cases share one session run (a batch of items with their own masks)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import random
 import subprocess
@@ -86,6 +87,29 @@ def test_bench_records_the_cpu_path_that_runs(library, cpu_path, monkeypatch):
     assert machine["cpu_path"] == cpu_path and machine["cpu_path_forced"] is False
     monkeypatch.setenv(oplib.CPU_PATH_ENV, cpu_path)
     assert harness.machine_info(1)["cpu_path_forced"] is True
+
+
+@pytest.mark.parametrize("core", [None, "Haswell"])
+def test_bench_and_doctor_name_the_blas_kernels_the_library_loaded(library, core):
+    """The OpenBLAS kernels under the library's GEMMs are part of what a native-graph figure measured: none before the
+    library loads; after, the kernels $OPENBLAS_CORETYPE names (forced) or OpenBLAS's own pick for this CPU, as
+    `attncal bench` records them in results.json and `attncal doctor` shows them."""
+    code = ("import json, onnxruntime as ort\n"
+            "from attncal.bench import harness\n"
+            "from attncal.runtime import oplib\n"
+            "before = oplib.blas_core()\n"
+            "so = ort.SessionOptions()\n"
+            f"so.register_custom_ops_library({str(library)!r})\n"
+            "m = harness.machine_info(1)\n"
+            "print(json.dumps([before, m['blas_core'], m['blas_core_forced']]))\n")
+    env = {k: v for k, v in os.environ.items() if k != oplib.BLAS_CORE_ENV}
+    if core is not None:
+        env[oplib.BLAS_CORE_ENV] = core
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    before, loaded, forced = json.loads(res.stdout.splitlines()[-1])
+    assert before is None and forced is (core is not None)
+    assert loaded == core if core is not None else loaded  # OpenBLAS's own pick: a core name, whichever this CPU gets
 
 
 @pytest.fixture(scope="module")

@@ -180,6 +180,27 @@ def set_cpu_path(library: str | os.PathLike, path: str) -> None:
         raise ValueError(f"CPU path {path!r} is not one of {', '.join(cpu_paths(library))} (the paths this CPU runs)")
 
 
+BLAS_CORE_ENV = "OPENBLAS_CORETYPE"
+"""OpenBLAS's own setting of the kernels it runs (read once, when it loads); unset, it picks by the CPU it finds."""
+
+
+def blas_core() -> str | None:
+    """The kernels of the OpenBLAS the native library's GEMMs call (scipy-openblas32's `scipy_openblas_get_corename`,
+    e.g. "SkylakeX" for its AVX-512 ones, "Haswell" for AVX2), where this process has loaded it, else None.  A
+    figure of the native graph depends on it: $OPENBLAS_CORETYPE set to an older core slows the projections."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = {line.split()[-1] for line in maps.splitlines()
+             if len(line.split()) >= 6 and Path(line.split()[-1]).name.startswith("libscipy_openblas.")}
+    if len(found) != 1:
+        return None
+    core = ctypes.CDLL(found.pop()).scipy_openblas_get_corename  # the loaded copy's handle
+    core.restype = ctypes.c_char_p
+    return core().decode()
+
+
 def find_nvcc() -> str | None:
     """nvcc on PATH, or under $CUDA_HOME / /usr/local/cuda."""
     found = shutil.which("nvcc")
