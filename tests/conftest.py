@@ -105,8 +105,73 @@ def _tree_digest(*dirs: Path) -> str:
     return h.hexdigest()
 
 
+def _run_root(tmp_path_factory, name: str) -> Path:
+    """A folder of this run's own temporary root, shared by its xdist workers: no other run sees it."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def memoized_optimizer(real, root: Path):
+    """`real` (`attncal.exporting.optimized_graphs.run_optimizer`: src, dst, heads, width -> (dst, stderr)) run
+    once per input: the key is what the child reads (the graph, its data file, the head count and width) and
+    the name it writes; a later call copies the first call's output files into place and returns its messages
+    (written to file descriptor 2, as the child's run passes them on).  Entries are folders under `root`, made
+    atomically, so that concurrent xdist workers never read half of one."""
+    from attncal.artifact import external_data_name
+
+    def run_optimizer(src: Path, dst: Path, num_heads: int, hidden_size: int):
+        h = hashlib.sha256(json.dumps([dst.name, num_heads, hidden_size]).encode())
+        for f in (src, src.with_name(external_data_name(src))):
+            h.update(f.name.encode() + b"\0" + (hashlib.sha256(f.read_bytes()).digest() if f.is_file() else b"-"))
+        entry = root / h.hexdigest()[:24]
+        outputs = (dst.name, external_data_name(dst))
+        if not (entry / "stderr.txt").is_file():
+            _, stderr = real(src, dst, num_heads, hidden_size)
+            tmp = root / f".{entry.name}.{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for name in outputs:
+                if (dst.parent / name).is_file():
+                    shutil.copyfile(dst.parent / name, tmp / name)
+            (tmp / "stderr.txt").write_text(stderr)
+            try:
+                os.replace(tmp, entry)  # atomic; fails where the other worker got there first
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return dst, stderr
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        for name in outputs:
+            if (entry / name).is_file():
+                shutil.copyfile(entry / name, dst.parent / name)
+        stderr = (entry / "stderr.txt").read_text()
+        if stderr:
+            os.write(2, stderr.encode("utf-8", "replace"))
+        return dst, stderr
+
+    return run_optimizer
+
+
 @pytest.fixture(scope="module")
-def shared_raw_exports(tmp_path_factory):
+def shared_optimizer_runs(tmp_path_factory):
+    """ONNX Runtime's transformer optimizer run once per input graph in this run (`memoized_optimizer`),
+    requested by `shared_raw_exports`, so every module that shares its torch exports shares these too.
+
+    The exporter runs the optimizer (`attncal.exporting.ort_optimize`, a child process) on the TorchScript export,
+    or on a placement of it, and the same graph comes back again and again: a calibrated and an uncalibrated
+    export of one model (the row and split placements optimize first), the same model in another test, and tiny
+    XLM-R's and RoBERTa's graphs, which are the same bytes.  The export's own code after the call runs as usual."""
+    import attncal.exporting.optimized_graphs as optimized_graphs
+
+    root = _run_root(tmp_path_factory, "optimizer-runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(optimized_graphs, "run_optimizer", memoized_optimizer(optimized_graphs.run_optimizer, root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def shared_raw_exports(tmp_path_factory, shared_optimizer_runs):
     """torch.onnx's export of one model, shared by the tests of this run that export it again.
 
     A tiny model's dynamo export takes 12-35 s here (Gemma3's 30-35 s), and the suite made 162 torch.onnx
@@ -118,9 +183,7 @@ def shared_raw_exports(tmp_path_factory):
     usual.  The cache lives in this run's own temporary root (shared by its xdist workers): no other run sees it."""
     import attncal.exporting.from_torch as from_torch
 
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "raw-exports"
-    root.mkdir(parents=True, exist_ok=True)
+    root = _run_root(tmp_path_factory, "raw-exports")
     real = from_torch.torch_export
 
     def torch_export(info, pooling, onnx_path, opset, exporter_name, fp16=False, model=None):

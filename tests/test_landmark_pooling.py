@@ -25,6 +25,8 @@ from attncal.runtime.tokenizer import PROBE_TEXTS, load_tokenizer
 from attncal.synthetic import ARCHITECTURES, make_tokenizer, save_synthetic_model, synthetic_text
 from conftest import quick_exporter
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 MAX_LEN = 64
 # Texts whose landmarks are easy to get wrong: the tokenizer's own hard cases (accents, CJK, emoji, RTL, control
 # characters, far past the max length, whitespace only, special tokens spelled out), sentence ends of every kind,

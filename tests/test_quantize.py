@@ -38,6 +38,8 @@ from attncal.runtime import Encoder
 from attncal.runtime.parity import TOLERANCES, ParityReport, precision_of
 from attncal.synthetic import save_synthetic_model, synthetic_text
 
+pytestmark = pytest.mark.usefixtures("shared_raw_exports")  # conftest: one torch.onnx export per model and options
+
 TEXTS = [synthetic_text(n, seed=n) for n in (5, 60, 150, 400)]
 # Tolerances against ONNX Runtime's quantizer.  Scales: float32 from the same float64 division, so equal up to
 # a few ulps.  Quantized weights and zero points: one integer step (a tie rounded the other way), in at most
