@@ -25,7 +25,9 @@ The blocks:
   benchmarks/int8_cpu_classes.py wrote.
 * `docs/performance.md`: the long-context and all-MiniLM-L6-v2 cost tables (`bench-long`, `bench-long-sweep`,
   `bench-minilm`, `bench-plain-long`, `bench-relative-position`, `bench-cpu-paths`: the calibration's cost
-  per CPU path of the native library),
+  per CPU path of the native library), and the peer tables (`bench-peers`: OpenVINO, sentence-transformers
+  and the uncalibrated ORT graph against the calibrated default, with one generated statement per shape and
+  measure that tests/test_docs.py holds prose claims about the peers to),
   rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
   command, commit, machine and date its JSON records.
 * `docs/long-documents.md`: retrieval of chunked long documents (`bench-long-documents`), from
@@ -280,18 +282,25 @@ def _ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
+def _bench_run(folder: str) -> dict:
+    return json.loads((DOCS / "bench" / folder / "results.json").read_text(encoding="utf-8"))
+
+
+def _run_bullet(run: dict) -> str:
+    """What an `attncal bench` run measured: its command, the commit, the CPU and its class, the date."""
+    meta, machine = run["meta"], run["meta"]["machine"]
+    return (f"* `{meta['command']}`: commit `{meta['commit']}`, {meta['date']}, {machine['cpu']} "
+            f"(`{machine['cpu_class']}`), {machine['threads']} threads, {meta['repeats']} rounds, peak "
+            f"memory the median of {meta['memory_probes']} processes; peer `{meta['peer']}`")
+
+
 def _bench_table(*folders: str) -> Callable[[], str]:
     """`attncal bench` runs, committed as `docs/bench/FOLDER/results.json`: what each run measured (its command,
     the commit, the CPU and its class, the date), then every engine's time and peak memory against the run's peer,
     one row per engine and shape."""
     def render() -> str:
-        runs = [json.loads((DOCS / "bench" / f / "results.json").read_text(encoding="utf-8")) for f in folders]
-        lines = []
-        for run in runs:
-            meta, machine = run["meta"], run["meta"]["machine"]
-            lines.append(f"* `{meta['command']}`: commit `{meta['commit']}`, {meta['date']}, {machine['cpu']} "
-                         f"(`{machine['cpu_class']}`), {machine['threads']} threads, {meta['repeats']} rounds, peak "
-                         f"memory the median of {meta['memory_probes']} processes; peer `{meta['peer']}`")
+        runs = [_bench_run(f) for f in folders]
+        lines = [_run_bullet(run) for run in runs]
         lines += ["", "| model | batch × tokens | engine | p50 | time / peer | peak memory | memory / peer |",
                   "|---|---|---|---:|---:|---:|---:|"]
         for run in runs:
@@ -425,6 +434,120 @@ def _long_documents_cost_table() -> str:
     return "\n".join(lines)
 
 
+# -- the peers --------------------------------------------------------------------------------------------------
+
+# The model shapes of the peer tables: (shape, the `attncal bench` runs of it, committed as docs/bench/FOLDER/).
+PEER_SHAPES = (("BERT", ("peers/bert",)), ("XLM-R", ("peers/xlmr-2048", "peers/xlmr-8192")),
+               ("Qwen3", ("peers/qwen3-2048", "peers/qwen3-8192")))
+# Besides each run's own peer (the uncalibrated ORT graph, attncal.bench.engines.PEERS), the runtimes a user
+# would otherwise run the model in: OpenVINO and sentence-transformers on PyTorch.
+OTHER_PEERS = ("openvino", "torch-sdpa")
+OURS = "ort-opt-cal"  # what `Encoder` runs by default on the CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerVerdict:
+    """`OURS` against the best peer at one size of one shape, in time or in memory. `verdict` is "ahead" or
+    "behind" where the time ratio's 95 % bootstrap interval over the rounds lies below or above 1 (in memory:
+    where every probe of ours lies below, or above, every probe of the smallest peer), "level" otherwise, and
+    "not compared" where an engine did not run (`missing`)."""
+    shape: str
+    batch: int
+    seq: int
+    metric: str  # "time" | "memory"
+    verdict: str
+    peer: str | None = None  # the fastest / smallest peer
+    ratio: float | None = None
+    interval: tuple[float, float] | None = None
+    missing: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        where = f"{self.batch} × {self.seq:,}"
+        what = "time" if self.metric == "time" else "peak"
+        if self.verdict == "not compared":
+            how = "did not run" if self.metric == "time" else "has no peak memory"
+            return f"not compared at {where} ({', '.join(f'`{e}`' for e in self.missing)} {how})"
+        figure = f"{self.ratio:.3f}" + (f" [{self.interval[0]:.3f}, {self.interval[1]:.3f}]" if self.interval else "")
+        if self.verdict == "ahead":
+            return f"ahead of every peer at {where} ({figure} of `{self.peer}`'s {what})"
+        if self.verdict == "level":
+            return f"level with `{self.peer}` at {where} ({figure} of its {what})"
+        return f"behind `{self.peer}` at {where} by {100 * (self.ratio - 1):.0f} % ({figure} of its {what})"
+
+
+def _peers_of(run: dict) -> tuple[str, ...]:
+    return (run["meta"]["peer"], *OTHER_PEERS)
+
+
+def _peer_verdict(shape: str, run: dict, by: dict, batch: int, seq: int, metric: str) -> PeerVerdict:
+    peers = _peers_of(run)
+    missing = tuple(e for e in (OURS, *peers) if (e, batch, seq) not in by
+                    or (metric == "memory" and not by[e, batch, seq]["peak_mib_probes"]))
+    if missing:
+        return PeerVerdict(shape, batch, seq, metric, "not compared", missing=missing)
+    ours = by[OURS, batch, seq]
+    if metric == "time":
+        best = min((by[e, batch, seq] for e in peers), key=lambda r: r["p50_ms"])
+        ratio, lo, hi = median_ratio(ours["times_ms"], best["times_ms"])
+        verdict = "ahead" if hi < 1 else "behind" if lo > 1 else "level"
+        return PeerVerdict(shape, batch, seq, metric, verdict, best["engine"], ratio, (lo, hi))
+    best = min((by[e, batch, seq] for e in peers), key=lambda r: r["peak_mib"])
+    mine, theirs = ours["peak_mib_probes"], best["peak_mib_probes"]
+    verdict = "ahead" if max(mine) < min(theirs) else "behind" if min(mine) > max(theirs) else "level"
+    return PeerVerdict(shape, batch, seq, metric, verdict, best["engine"], ours["peak_mib"] / best["peak_mib"])
+
+
+def peer_verdicts() -> list[PeerVerdict]:
+    """`OURS` against the fastest and the smallest peer at every size of every shape of `PEER_SHAPES`, from the
+    committed runs: what the generated statements of `bench-peers` say, and what prose claims about the peers are
+    checked against (tests/test_docs.py)."""
+    out = []
+    for shape, folders in PEER_SHAPES:
+        for run in map(_bench_run, folders):
+            by = {(r["engine"], r["batch"], r["seq"]): r for r in run["rows"]}
+            for batch, seq in itertools.product(run["meta"]["batch"], run["meta"]["seq"]):
+                out += [_peer_verdict(shape, run, by, batch, seq, m) for m in ("time", "memory")]
+    return out
+
+
+def _peers_table() -> str:
+    """`attncal bench` runs of the peers, per model shape: each engine's time and peak memory against the fastest
+    and the smallest peer at each size (the peers: OpenVINO, sentence-transformers on PyTorch and the uncalibrated
+    ORT graph), and one line per shape and measure saying where `OURS` is ahead of every peer, level or behind."""
+    runs = [(shape, _bench_run(f)) for shape, folders in PEER_SHAPES for f in folders]
+    lines = [_run_bullet(run) for _, run in runs]
+    lines += ["", "| shape | batch × tokens | engine | p50 | time / fastest peer | peak memory | "
+              "memory / smallest peer |", "|---|---|---|---:|---:|---:|---:|"]
+    notes = []
+    for shape, run in runs:
+        peers = _peers_of(run)
+        by = {(r["engine"], r["batch"], r["seq"]): r for r in run["rows"]}
+        for batch, seq in itertools.product(run["meta"]["batch"], run["meta"]["seq"]):
+            ran = [by[e, batch, seq] for e in peers if (e, batch, seq) in by]
+            fastest = min((r["p50_ms"] for r in ran), default=None)
+            smallest = min((r["peak_mib"] for r in ran if r["peak_mib"] is not None), default=None)
+            for e in run["meta"]["engines"]:
+                name = f"`{e}` (peer)" if e in peers else f"`{e}`"
+                r = by.get((e, batch, seq))
+                if r is None:
+                    notes.append(f"`{e}` did not run at {batch} × {seq:,} on the {shape} shape: "
+                                 f"{run['notes'].get(e, 'not in the run')}")
+                    lines.append(f"| {shape} | {batch} × {seq:,} | {name} | – [{len(notes)}] | – | – | – |")
+                    continue
+                peak = "–" if r["peak_mib"] is None else f"{r['peak_mib']:,.1f} MiB"
+                lines.append(f"| {shape} | {batch} × {seq:,} | {name} | {r['p50_ms']:,.1f} ms | "
+                             f"{_ratio(fastest and r['p50_ms'] / fastest)} | {peak} | "
+                             f"{_ratio(smallest and r['peak_mib'] and r['peak_mib'] / smallest)} |")
+    lines += [""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)] + ([""] if notes else [])
+    verdicts = peer_verdicts()
+    for shape, folders in PEER_SHAPES:
+        cpu = ", ".join(sorted({_bench_run(f)["meta"]["machine"]["cpu_class"] for f in folders}))
+        for metric in ("time", "memory"):
+            said = "; ".join(v.describe() for v in verdicts if v.shape == shape and v.metric == metric)
+            lines.append(f"* **{shape} shape, {metric}** (`{cpu}`): `{OURS}` is {said}.")
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Block] = {
     "cli-commands": Block(DOCS / "cli.md", render_cli_commands),
     "export-conflicts": Block(DOCS / "cli.md", render_export_conflicts),
@@ -440,6 +563,7 @@ BLOCKS: dict[str, Block] = {
     "bench-long-documents": Block(DOCS / "long-documents.md", _long_documents_table),
     "bench-long-documents-cost": Block(DOCS / "long-documents.md", _long_documents_cost_table),
     "bench-cpu-paths": Block(DOCS / "performance.md", _cpu_path_overhead_table),
+    "bench-peers": Block(DOCS / "performance.md", _peers_table),
     "bench-int8": Block(DOCS / "quantization.md", _int8_table),
 }
 

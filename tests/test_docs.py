@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_generated_docs import _resolve as resolve_dotted
+from test_generated_docs import _resolve as resolve_dotted, generate
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -488,3 +488,67 @@ def test_claim_check_needs_a_named_test():
             "- checked by `attncal check`\n- verified in CI\n\n| a | tested |\n|---|---|\n| b | `test_x` checked |\n"
             "| c | tested |\n\nThe `tested` key.\n")
     assert [p.split(":")[1] for p in claim_problems(text, "p")] == ["1", "8", "13"]
+
+
+# -- claims about the peers ------------------------------------------------------------------------------------
+
+# A claim that attncal's default is ahead of (or level with) every peer (OpenVINO, sentence-transformers, the
+# uncalibrated ORT graph) must link the generated statements it rests on (docs/performance.md, `bench-peers`,
+# written from the committed runs by docs/generate.py), and they must say it for every shape and measure it names:
+# "ahead" at every size measured, or for a "level" claim ahead or level. The claim's sentence names the shapes and
+# measures: one that names no shape claims them all, one that names no measure (time, memory) claims both.
+PEER_CLAIM = re.compile(r"\b(?:ahead of|faster than|beats?|outperforms?|(?:less|smaller|lower)\b[^.]*?\bthan|"
+                        r"level with|on par with)\s+"
+                        r"(?:(?:every|each|all|all the|all its|the other)\s+peers?|the\s+peers)\b", re.I)
+PEERS_ANCHOR = "#peers-openvino-and-sentence-transformers"
+_PEER_SHAPES = {shape: re.compile(rf"\b{re.escape(shape)}\b") for shape, _ in generate.PEER_SHAPES}
+_PEER_METRICS = {"time": re.compile(r"\b(?:time|faster|latency|speed)\b", re.I),
+                 "memory": re.compile(r"\b(?:memory|peak|smaller)\b", re.I)}
+
+
+def _sentences(text: str) -> list[str]:
+    """`text` cut after each . ; ! or ? that a capital, a parenthesis or a code span follows (prose_blocks joins a
+    paragraph's lines without a space)."""
+    return re.split(r"(?<=[.;!?])\s*(?=[A-Z(`])", text)
+
+
+def peer_claim_problems(text: str, name: str, verdicts: list) -> list[str]:
+    lines = _GENERATED.sub(lambda m: "\n" * m.group(0).count("\n"), text).splitlines()
+    out = []
+    for b in prose_blocks(text):
+        for claim in PEER_CLAIM.finditer(b.text):
+            where = f"{name}:{b.start + 1}: '{claim.group(0)}'"
+            if PEERS_ANCHOR not in "\n".join(lines[b.start:b.end]):
+                out.append(f"{where} without a link to the generated statements (performance.md{PEERS_ANCHOR})")
+                continue
+            sentence = next(t for t in _sentences(b.text) if claim.group(0) in t)
+            shapes = [s for s, pattern in _PEER_SHAPES.items() if pattern.search(sentence)] or list(_PEER_SHAPES)
+            metrics = [m for m, pattern in _PEER_METRICS.items() if pattern.search(sentence)] or list(_PEER_METRICS)
+            allowed = {"ahead", "level"} if re.search(r"level|par", claim.group(0), re.I) else {"ahead"}
+            out += [f"{where}, but the generated statement: {v.shape} shape, {v.metric}: {v.describe()}"
+                    for v in verdicts if v.shape in shapes and v.metric in metrics and v.verdict not in allowed]
+    return out
+
+
+def test_peer_claims_are_what_the_generated_statements_say():
+    verdicts = generate.peer_verdicts()
+    problems = [p for page in PAGES if page.name not in HISTORY_PAGES
+                for p in peer_claim_problems(page.read_text(encoding="utf-8"), str(page.relative_to(REPO)), verdicts)]
+    assert not problems, "claims about the peers the generated statements do not make:\n" + "\n".join(problems)
+
+
+def test_peer_claim_check_sees_an_unsupported_claim():
+    V = generate.PeerVerdict
+    verdicts = [V("BERT", 8, 128, "time", "level", "openvino", 1.01, (0.98, 1.04)),
+                V("BERT", 8, 128, "memory", "behind", "ort-opt", 1.2),
+                V("XLM-R", 8, 2048, "time", "ahead", "openvino", 0.5, (0.45, 0.55)),
+                V("XLM-R", 8, 2048, "memory", "ahead", "ort-opt", 0.2)]
+    link = f"([peers](performance.md{PEERS_ANCHOR}))"
+    text = (f"Ahead of every peer.\n\nOn the XLM-R shape it is ahead of every peer {link}.\n\n"
+            f"It is faster than all peers {link}.\n\nOn BERT it is level with every peer in time {link}.\n\n"
+            f"- on BERT it uses less memory than every peer {link}. Its time is another matter.\n\n"
+            f"On the XLM-R shape it uses less memory than every peer {link}. On BERT its time is level.\n\n"
+            f"{generate._begin('x')}\nahead of every peer\n{generate._end('x')}\n\nThe peers differ.\n")
+    problems = peer_claim_problems(text, "p", verdicts)
+    assert [p.split(":")[1] for p in problems] == ["1", "5", "9"], problems
+    assert "behind `ort-opt` at 8 × 128 by 20 %" in problems[-1]

@@ -77,6 +77,31 @@ def test_a_block_without_its_markers_is_an_error(tmp_path, monkeypatch, capsys):
     assert page.read_text(encoding="utf-8") == f"{generate._begin('x')}\nno end\n"
 
 
+def _peer_row(engine: str, times_ms: list[float], probes: list[float] | None) -> dict:
+    return {"engine": engine, "batch": 8, "seq": 128, "p50_ms": sorted(times_ms)[len(times_ms) // 2],
+            "times_ms": times_ms, "peak_mib_probes": probes, "peak_mib": probes and sorted(probes)[len(probes) // 2]}
+
+
+@pytest.mark.parametrize("ours_ms, ours_mib, time_says, memory_says", [
+    ([50, 51, 52, 49, 50], [10, 11, 10], "ahead", "ahead"),
+    ([120, 121, 119, 122, 120], [60, 61, 62], "behind", "behind"),
+    ([100, 102, 98, 101, 99], [40, 50, 45], "level", "level"),
+])
+def test_peer_verdict_compares_with_the_best_peer(ours_ms, ours_mib, time_says, memory_says):
+    run = {"meta": {"peer": "ort-opt"}}
+    rows = [_peer_row("ort-opt", [200, 201, 199, 202, 200], [80, 80, 80]),
+            _peer_row("openvino", [100, 101, 99, 100, 102], [90, 90, 91]),  # the fastest peer
+            _peer_row("torch-sdpa", [300, 301, 299, 300, 302], [42, 44, 43]),  # the smallest peer
+            _peer_row(generate.OURS, ours_ms, ours_mib)]
+    by = {(r["engine"], r["batch"], r["seq"]): r for r in rows}
+    time = generate._peer_verdict("BERT", run, by, 8, 128, "time")
+    memory = generate._peer_verdict("BERT", run, by, 8, 128, "memory")
+    assert (time.verdict, time.peer, memory.verdict, memory.peer) == (time_says, "openvino", memory_says, "torch-sdpa")
+    del by["torch-sdpa", 8, 128]
+    assert generate._peer_verdict("BERT", run, by, 8, 128, "time").describe() == (
+        "not compared at 8 × 128 (`torch-sdpa` did not run)")
+
+
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
