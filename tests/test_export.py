@@ -350,31 +350,19 @@ def test_real_minilm_parity(minilm_exports):
     assert np.abs(a - b).max() > 1e-4
 
 
-LOADER_TEXTS = ["A short query.", " ".join(["A long passage about calibration and retrieval."] * 40),
-                "Middle length " * 20]
-
-
-@pytest.fixture(scope="module")
-def loader_results(minilm_exports, tmp_path_factory):
-    """Both MiniLM exports embedded by optimum, sentence-transformers (ONNX backend) and, where installed, its
-    OpenVINO backend, in one child process in the loader overlay: its imports are most of its time."""
+@pytest.mark.parametrize("name", ["uncal", "cal"])
+def test_real_minilm_loads_in_optimum_and_sentence_transformers(minilm_exports, name, tmp_path):
     if not (OVERLAY / "optimum_onnx-0.1.0.dist-info").exists():
         pytest.fail(f"loader overlay missing at {OVERLAY}: run `make test` (it installs tests/loaders/requirements.txt)")
     root, _ = minilm_exports
-    work = tmp_path_factory.mktemp("loaders")
-    (work / "t.json").write_text(json.dumps(LOADER_TEXTS))
+    out = root / name
+    texts = ["A short query.", " ".join(["A long passage about calibration and retrieval."] * 40), "Middle length " * 20]
+    (tmp_path / "t.json").write_text(json.dumps(texts))
     env = {**os.environ, "PYTHONPATH": str(OVERLAY), "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, str(REPO / "tests" / "loaders" / "run_loaders.py"), str(root / "uncal"),
-                    str(work / "t.json"), str(work / "uncal.npz"), "--also", str(root / "cal"), str(work / "cal.npz"),
-                    "--openvino"], check=True, env=env, cwd=work)
-    return {name: np.load(work / f"{name}.npz") for name in ("uncal", "cal")}
-
-
-@pytest.mark.parametrize("name", ["uncal", "cal"])
-def test_real_minilm_loads_in_optimum_and_sentence_transformers(minilm_exports, loader_results, name):
-    root, _ = minilm_exports
-    res = loader_results[name]
-    ours = Encoder(root / name).encode(LOADER_TEXTS)
+    subprocess.run([sys.executable, str(REPO / "tests" / "loaders" / "run_loaders.py"), str(out),
+                    str(tmp_path / "t.json"), str(tmp_path / "r.npz"), "--openvino"], check=True, env=env, cwd=tmp_path)
+    res = np.load(tmp_path / "r.npz")
+    ours = Encoder(out).encode(texts)
     assert np.abs(res["st"] - ours).max() <= 1e-5
     # sentence-transformers' OpenVINO backend (where the openvino extra is installed) on the standard-ONNX graph:
     # the calibrated export's onnx/model_inlined.onnx, the uncalibrated export's onnx/model.onnx.

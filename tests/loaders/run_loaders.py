@@ -1,11 +1,9 @@
 """Run inside the loader overlay: embed texts with optimum and sentence-transformers' ONNX backend.
 
-Usage: python run_loaders.py EXPORT_DIR TEXTS_JSON OUT_NPZ [GRAPH_FILE] [--also EXPORT_DIR OUT_NPZ]...
+Usage: python run_loaders.py EXPORT_DIR TEXTS_JSON OUT_NPZ [GRAPH_FILE]
 
 GRAPH_FILE: the graph under onnx/ to load (default model.onnx), as a user names it to optimum (`file_name`)
-and to sentence-transformers (`model_kwargs={"file_name": ...}`).  Each `--also` pair embeds the same texts
-with another export (its onnx/model.onnx) in the same process: the loaders' imports (torch, transformers,
-optimum, sentence-transformers, OpenVINO) are most of a run's time, and are paid once.
+and to sentence-transformers (`model_kwargs={"file_name": ...}`).
 
 With --openvino, where openvino is installed, sentence-transformers' backend="openvino" (optimum-intel) loads the export's
 standard-ONNX graph too: onnx/model_inlined.onnx where the export has it, else onnx/model.onnx.  It looks for
@@ -22,8 +20,11 @@ import sys
 import numpy as np
 
 
-def embed(out_dir: str, texts: list[str], result_file: str, graph_file: str, openvino: bool) -> None:
-    """The texts' embeddings by every loader from one export, written to `result_file` (npz)."""
+def main() -> None:
+    args = [a for a in sys.argv[1:] if a != "--openvino"]
+    out_dir, texts_file, result_file = args[:3]
+    graph_file = args[3] if len(args) > 3 else "model.onnx"
+    texts = json.loads(open(texts_file).read())
     meta = json.loads(open(f"{out_dir}/attncal.json").read())
     from optimum.onnxruntime import ORTModelForFeatureExtraction
     from sentence_transformers import SentenceTransformer
@@ -39,29 +40,13 @@ def embed(out_dir: str, texts: list[str], result_file: str, graph_file: str, ope
                              model_kwargs={"file_name": f"onnx/{graph_file}"} if graph_file != "model.onnx" else None)
     st_emb = st.encode(texts, convert_to_numpy=True, normalize_embeddings=False)
     results = dict(optimum_hidden=hidden, attention_mask=batch["attention_mask"], st=st_emb)
-    if openvino and importlib.util.find_spec("openvino") is not None:
+    if "--openvino" in sys.argv and importlib.util.find_spec("openvino") is not None:
         inlined = os.path.exists(f"{out_dir}/onnx/model_inlined.onnx")
         ov = SentenceTransformer(out_dir, backend="openvino", device="cpu", model_kwargs={
             "file_name": "onnx/model_inlined.onnx" if inlined else "onnx/model.onnx", "export": False,
             "ov_config": {"INFERENCE_PRECISION_HINT": "f32"}})
         results["st_openvino"] = ov.encode(texts, convert_to_numpy=True, normalize_embeddings=False)
     np.savez(result_file, **results)
-
-
-def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--openvino"]
-    also = []
-    while "--also" in args:
-        i = args.index("--also")
-        also.append((args[i + 1], args[i + 2]))
-        del args[i:i + 3]
-    out_dir, texts_file, result_file = args[:3]
-    graph_file = args[3] if len(args) > 3 else "model.onnx"
-    texts = json.loads(open(texts_file).read())
-    openvino = "--openvino" in sys.argv
-    embed(out_dir, texts, result_file, graph_file, openvino)
-    for other_dir, other_result in also:
-        embed(other_dir, texts, other_result, "model.onnx", openvino)
 
 
 if __name__ == "__main__":
