@@ -25,7 +25,8 @@ The blocks:
   benchmarks/int8_cpu_classes.py wrote.
 * `docs/performance.md`: the long-context and all-MiniLM-L6-v2 cost tables (`bench-long`, `bench-long-sweep`,
   `bench-minilm`, `bench-plain-long`, `bench-relative-position`, `bench-cpu-paths`: the calibration's cost
-  per CPU path of the native library), and the peer tables (`bench-peers`: OpenVINO, sentence-transformers
+  per CPU path of the native library; `bench-openblas`: the native graph under OpenBLAS's AVX2 and AVX-512
+  kernels), and the peer tables (`bench-peers`: OpenVINO, sentence-transformers
   and the uncalibrated ORT graph against the calibrated default, with one generated statement per shape and
   measure that tests/test_docs.py holds prose claims about the peers to),
   rendered from the committed `docs/bench/*/results.json` that `attncal bench --out` wrote, each with the
@@ -336,6 +337,43 @@ def _int8_table() -> str:
     return "\n".join(lines)
 
 
+def _blas(machine: dict) -> str:
+    """", OpenBLAS CORE" (and whether $OPENBLAS_CORETYPE forced it) where the run recorded the kernels under the
+    native library's GEMMs (`attncal.runtime.oplib.blas_core`); runs before that recorded nothing."""
+    if not machine.get("blas_core"):
+        return ""
+    forced = " (forced by `OPENBLAS_CORETYPE`)" if machine.get("blas_core_forced") else ""
+    return f", OpenBLAS `{machine['blas_core']}`{forced}"
+
+
+def _openblas_table() -> str:
+    """`attncal bench` runs of all-MiniLM-L6-v2, committed as docs/bench/openblas/RUN/results.json, alternately with
+    $OPENBLAS_CORETYPE forcing OpenBLAS's AVX2 kernels and with OpenBLAS's own pick: the native graphs' time over
+    the uncalibrated ORT-optimized graph's (ORT's own GEMMs, which OpenBLAS does not touch), per shape, with a 95 %
+    bootstrap interval over the rounds."""
+    files = sorted((DOCS / "bench" / "openblas").glob("*/results.json"))
+    runs = [json.loads(f.read_text(encoding="utf-8")) for f in files]
+    shapes = sorted({(r["batch"], r["seq"]) for run in runs for r in run["rows"]})
+    lines = []
+    for run in runs:
+        meta, machine = run["meta"], run["meta"]["machine"]
+        env = f"OPENBLAS_CORETYPE={machine['blas_core']} " if machine["blas_core_forced"] else ""
+        lines.append(f"* `{env}{meta['command']}`: commit `{meta['commit']}`, {meta['date']}, {machine['cpu']} "
+                     f"(`{machine['cpu_class']}`), {machine['threads']} thread, {meta['repeats']} rounds, "
+                     f"{meta.get('clock', 'wall')} clock{_blas(machine)}")
+    lines += ["", "| run | OpenBLAS kernels | over `ort-opt` | " + " | ".join(f"{b} × {s}" for b, s in shapes) + " |",
+              "|---|---|---|" + "---:|" * len(shapes)]
+    for f, run in zip(files, runs):
+        machine = run["meta"]["machine"]
+        by = {(r["engine"], r["batch"], r["seq"]): r["times_ms"] for r in run["rows"]}
+        core = f"`{machine['blas_core']}`" + (", forced" if machine["blas_core_forced"] else ", OpenBLAS's pick")
+        for engine in ("ort-native", "ort-opt-cal"):
+            cells = [median_ratio(by[(engine, b, s)], by[("ort-opt", b, s)]) for b, s in shapes]
+            figures = " | ".join(f"{r:.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in cells)
+            lines.append(f"| `{f.parent.name}` | {core} | `{engine}` | {figures} |")
+    return "\n".join(lines)
+
+
 def _cpu_path_overhead_table() -> str:
     """`attncal bench` runs of all-MiniLM-L6-v2 per CPU path of the native library and pooling, committed as
     docs/bench/cal-overhead/PATH-POOLING/results.json: the calibrated native graph's time over the uncalibrated
@@ -358,25 +396,42 @@ def _cpu_path_overhead_table() -> str:
         lines.append(f"* `{env}{meta['command']}`: commit `{meta['commit']}`, "
                      f"{meta['date']}, {machine['cpu']} (`{machine['cpu_class']}`, path `{machine['cpu_path']}` "
                      f"{forced}), {machine['threads']} thread{'s' if machine['threads'] != 1 else ''}, "
-                     f"{meta['repeats']} rounds, {meta.get('clock', 'wall')} clock")
+                     f"{meta['repeats']} rounds, {meta.get('clock', 'wall')} clock{_blas(machine)}")
     lines += ["", "| CPU path | pooling | over the uncalibrated graph | " + " | ".join(f"{b} × {s}" for b, s in shapes)
               + " |", "|---|---|---|" + "---:|" * len(shapes)]
-    def cell(by: dict, engine: str, b: int, s: int) -> str:
-        a, uncal = by.get((engine, b, s)), by.get(("ort-native", b, s))
-        if a is None or uncal is None:
-            return "–"
-        if not a.get("times_ms") or not uncal.get("times_ms"):
-            return _ratio(a["p50_ms"] / uncal["p50_ms"])
-        ratio, lo, hi = median_ratio(a["times_ms"], uncal["times_ms"])
+    cal, uncal = "ort-opt-native", "ort-native"
+
+    def times(by: dict, engines: tuple[str, ...], b: int, s: int) -> list[float] | None:
+        """Per round, the mean time of `engines` (one graph's sessions), or None where a row or its rounds lack."""
+        rows = [by.get((e, b, s)) for e in engines]
+        if any(r is None or not r.get("times_ms") for r in rows):
+            return None
+        return [sum(t) / len(t) for t in zip(*(r["times_ms"] for r in rows))]
+
+    def cell(by: dict, over: tuple[str, ...], base: tuple[str, ...], b: int, s: int) -> str:
+        a, u = times(by, over, b, s), times(by, base, b, s)
+        if a is None or u is None:
+            rows = by.get((over[0], b, s)), by.get((base[0], b, s))
+            return "–" if None in rows else _ratio(rows[0]["p50_ms"] / rows[1]["p50_ms"])
+        ratio, lo, hi = median_ratio(a, u)
         return f"{ratio:.3f} [{lo:.3f}, {hi:.3f}]"
 
     for run in runs:
         by = {(r["engine"], r["batch"], r["seq"]): r for r in run["rows"]}
+        engines = {e for e, _, _ in by}
         path = run["meta"]["machine"]["cpu_path"]
-        for engine, what in (("ort-opt-native", "calibrated"), (f"ort-native{TWIN}", "A/A: uncalibrated again")):
-            if any(e == engine for e, _, _ in by):
-                lines.append(f"| `{path}` | {pooling(run)} | {what} | " + " | ".join(cell(by, engine, b, s) for b, s in shapes)
-                             + " |")
+        # With a second session of both graphs, each side is the mean of its two sessions round by round: a
+        # session's speed is set for the whole run (the A/A rows), which the rounds' interval does not cover.
+        twinned = {cal + TWIN, uncal + TWIN} <= engines
+        pair = ((cal, cal + TWIN), (uncal, uncal + TWIN)) if twinned else ((cal,), (uncal,))
+        rows = [(*pair, "calibrated, two sessions each" if twinned else "calibrated"),
+                ((uncal + TWIN,), (uncal,), "A/A: uncalibrated again")]
+        if twinned:
+            rows.append(((cal + TWIN,), (cal,), "A/A: calibrated again"))
+        for over, base, what in rows:
+            if over[0] in engines:
+                lines.append(f"| `{path}` | {pooling(run)} | {what} | "
+                             + " | ".join(cell(by, over, base, b, s) for b, s in shapes) + " |")
     return "\n".join(lines)
 
 
@@ -563,6 +618,7 @@ BLOCKS: dict[str, Block] = {
     "bench-long-documents": Block(DOCS / "long-documents.md", _long_documents_table),
     "bench-long-documents-cost": Block(DOCS / "long-documents.md", _long_documents_cost_table),
     "bench-cpu-paths": Block(DOCS / "performance.md", _cpu_path_overhead_table),
+    "bench-openblas": Block(DOCS / "performance.md", _openblas_table),
     "bench-peers": Block(DOCS / "performance.md", _peers_table),
     "bench-int8": Block(DOCS / "quantization.md", _int8_table),
 }
