@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Callable
 
 from attncal.bench.engines import TWIN
-from attncal.bench.timing import median_ratio
+from attncal.bench.timing import median_ratio, sessions_median_ratio
 from attncal.calibration.config import CalibrationConfig
 from attncal.cli import build_parser
 from attncal.eval.report import markdown_table
@@ -401,26 +401,26 @@ def _cpu_path_overhead_table() -> str:
               + " |", "|---|---|---|" + "---:|" * len(shapes)]
     cal, uncal = "ort-opt-native", "ort-native"
 
-    def times(by: dict, engines: tuple[str, ...], b: int, s: int) -> list[float] | None:
-        """Per round, the mean time of `engines` (one graph's sessions), or None where a row or its rounds lack."""
+    def times(by: dict, engines: tuple[str, ...], b: int, s: int) -> list[list[float]] | None:
+        """The round times of each session of `engines` (one graph's), or None where a row or its rounds lack."""
         rows = [by.get((e, b, s)) for e in engines]
         if any(r is None or not r.get("times_ms") for r in rows):
             return None
-        return [sum(t) / len(t) for t in zip(*(r["times_ms"] for r in rows))]
+        return [r["times_ms"] for r in rows]
 
     def cell(by: dict, over: tuple[str, ...], base: tuple[str, ...], b: int, s: int) -> str:
         a, u = times(by, over, b, s), times(by, base, b, s)
         if a is None or u is None:
             rows = by.get((over[0], b, s)), by.get((base[0], b, s))
             return "–" if None in rows else _ratio(rows[0]["p50_ms"] / rows[1]["p50_ms"])
-        ratio, lo, hi = median_ratio(a, u)
+        ratio, lo, hi = sessions_median_ratio(a, u)
         return f"{ratio:.3f} [{lo:.3f}, {hi:.3f}]"
 
     for run in runs:
         by = {(r["engine"], r["batch"], r["seq"]): r for r in run["rows"]}
         engines = {e for e, _, _ in by}
         path = run["meta"]["machine"]["cpu_path"]
-        # With a second session of both graphs, each side is the mean of its two sessions round by round: a
+        # With a second session of both graphs, the cell is the geometric mean over the four pairs of sessions: a
         # session's speed is set for the whole run (the A/A rows), which the rounds' interval does not cover.
         twinned = {cal + TWIN, uncal + TWIN} <= engines
         pair = ((cal, cal + TWIN), (uncal, uncal + TWIN)) if twinned else ((cal,), (uncal,))

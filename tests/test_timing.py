@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from attncal.bench.timing import interleaved_times, median_ratio, medians
+from attncal.bench.timing import interleaved_times, median_ratio, medians, sessions_median_ratio
 
 
 def _recorder():
@@ -63,3 +63,16 @@ def test_median_ratio_interval_pairs_the_rounds():
     assert median_ratio(base, base) == (1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="same number of rounds"):
         median_ratio([1.0], [1.0, 2.0])
+
+def test_sessions_median_ratio_weighs_each_sessions_luck_alike():
+    """Two sessions a side: the geometric mean of the four pairs' median ratios, so a session that drew a slow
+    start (its speed holds for the run) moves the figure by half its luck, not all of it; one session a side is
+    `median_ratio` itself."""
+    base = [10.0, 30.0, 11.0, 29.0, 10.5, 31.0, 9.5, 30.5]
+    lucky, unlucky = [0.98 * t for t in base], [1.02 * t for t in base]
+    cal = [[1.03 * t for t in base], [1.07 * t for t in base]]
+    ratio, lo, hi = sessions_median_ratio(cal, [lucky, unlucky])
+    assert abs(ratio - (1.03 * 1.07) ** 0.5 / (0.98 * 1.02) ** 0.5) < 1e-9 and lo <= ratio <= hi
+    assert sessions_median_ratio([cal[0]], [base]) == median_ratio(cal[0], base)
+    with pytest.raises(ValueError, match="same number of rounds"):
+        sessions_median_ratio([[1.0, 2.0]], [[1.0]])

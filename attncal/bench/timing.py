@@ -66,10 +66,24 @@ def median_ratio(times: Sequence[float], base: Sequence[float], *, level: float 
     """(median(times) / median(base), and its `level` bootstrap interval): the rounds are resampled with
     replacement as pairs (the i-th of each side ran in the same round, side by side), so that what moved both
     sides in a round moves the two medians together."""
-    a, b = np.asarray(times, dtype=float), np.asarray(base, dtype=float)
-    if a.shape != b.shape or a.size == 0:
-        raise ValueError(f"need the same number of rounds on both sides, got {a.size} and {b.size}")
-    idx = np.random.default_rng(seed).integers(0, a.size, size=(resamples, a.size))
-    boot = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    return sessions_median_ratio([times], [base], level=level, resamples=resamples, seed=seed)
+
+
+def sessions_median_ratio(sessions: Sequence[Sequence[float]], base: Sequence[Sequence[float]], *,
+                          level: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """`median_ratio` of one graph's sessions over another's: the geometric mean of median(s) / median(t) over every
+    pair of a session s of `sessions` and t of `base` (a session's speed is set when it is made, so two sessions a
+    side weigh that luck down), and its `level` bootstrap interval, the rounds resampled together on every session."""
+    a = np.asarray(sessions, dtype=float)
+    b = np.asarray(base, dtype=float)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or a.shape[1] == 0:
+        raise ValueError(f"need the same number of rounds on both sides, got {a.shape[-1]} and {b.shape[-1]}")
+    idx = np.random.default_rng(seed).integers(0, a.shape[1], size=(resamples, a.shape[1]))
+
+    def ratio(ma: np.ndarray, mb: np.ndarray) -> np.ndarray:  # the geometric mean over every pair of sessions
+        return np.exp(np.log(ma).mean(axis=0) - np.log(mb).mean(axis=0))
+
+    boot = ratio(np.median(a[:, idx], axis=-1), np.median(b[:, idx], axis=-1))
     tail = (1 - level) / 2
-    return float(np.median(a) / np.median(b)), float(np.quantile(boot, tail)), float(np.quantile(boot, 1 - tail))
+    point = ratio(np.median(a, axis=-1), np.median(b, axis=-1))
+    return float(point), float(np.quantile(boot, tail)), float(np.quantile(boot, 1 - tail))
