@@ -107,7 +107,7 @@ def _native() -> dict[str, Any]:
         info["loads"] = True
         # OpenBLAS's kernels under the library's GEMMs, and whether $OPENBLAS_CORETYPE chose them
         info["blas_core"] = oplib.blas_core()
-        info["blas_core_forced"] = os.environ.get(oplib.BLAS_CORE_ENV)
+        info["blas_core_forced"] = bool(os.environ.get(oplib.BLAS_CORE_ENV))
         info["ops"] = _registered_ops(lib)
     except Exception as exc:  # noqa: BLE001 - reported, not raised: this is a diagnostic
         info["loads"] = False

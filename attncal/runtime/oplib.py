@@ -192,8 +192,8 @@ def blas_core() -> str | None:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    found = {line.split()[-1] for line in maps.splitlines()
-             if len(line.split()) >= 6 and Path(line.split()[-1]).name.startswith("libscipy_openblas.")}
+    found = {fields[-1] for fields in map(str.split, maps.splitlines())
+             if len(fields) >= 6 and Path(fields[-1]).name.startswith("libscipy_openblas.")}
     if len(found) != 1:
         return None
     core = ctypes.CDLL(found.pop()).scipy_openblas_get_corename  # the loaded copy's handle
