@@ -337,13 +337,16 @@ def _int8_table() -> str:
     return "\n".join(lines)
 
 
-def _blas(machine: dict) -> str:
-    """", OpenBLAS CORE" (and whether $OPENBLAS_CORETYPE forced it) where the run recorded the kernels under the
-    native library's GEMMs (`attncal.runtime.oplib.blas_core`); runs before that recorded nothing."""
+def _timing_tail(meta: dict, machine: dict) -> str:
+    """The end of a timing run's bullet: "N thread(s), R rounds, C clock", and ", OpenBLAS CORE" (and whether
+    $OPENBLAS_CORETYPE forced it) where the run recorded the kernels under the native library's GEMMs
+    (`attncal.runtime.oplib.blas_record`); runs before that recorded nothing."""
+    tail = (f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}, {meta['repeats']} rounds, "
+            f"{meta.get('clock', 'wall')} clock")
     if not machine.get("blas_core"):
-        return ""
+        return tail
     forced = " (forced by `OPENBLAS_CORETYPE`)" if machine.get("blas_core_forced") else ""
-    return f", OpenBLAS `{machine['blas_core']}`{forced}"
+    return f"{tail}, OpenBLAS `{machine['blas_core']}`{forced}"
 
 
 def _openblas_table() -> str:
@@ -359,8 +362,7 @@ def _openblas_table() -> str:
         meta, machine = run["meta"], run["meta"]["machine"]
         env = f"OPENBLAS_CORETYPE={machine['blas_core']} " if machine["blas_core_forced"] else ""
         lines.append(f"* `{env}{meta['command']}`: commit `{meta['commit']}`, {meta['date']}, {machine['cpu']} "
-                     f"(`{machine['cpu_class']}`), {machine['threads']} thread, {meta['repeats']} rounds, "
-                     f"{meta.get('clock', 'wall')} clock{_blas(machine)}")
+                     f"(`{machine['cpu_class']}`), {_timing_tail(meta, machine)}")
     lines += ["", "| run | OpenBLAS kernels | over `ort-opt` | " + " | ".join(f"{b} × {s}" for b, s in shapes) + " |",
               "|---|---|---|" + "---:|" * len(shapes)]
     for f, run in zip(files, runs):
@@ -395,8 +397,7 @@ def _cpu_path_overhead_table() -> str:
         env = f"ATTNCAL_CPU_PATH={machine['cpu_path']} " if machine["cpu_path_forced"] else ""
         lines.append(f"* `{env}{meta['command']}`: commit `{meta['commit']}`, "
                      f"{meta['date']}, {machine['cpu']} (`{machine['cpu_class']}`, path `{machine['cpu_path']}` "
-                     f"{forced}), {machine['threads']} thread{'s' if machine['threads'] != 1 else ''}, "
-                     f"{meta['repeats']} rounds, {meta.get('clock', 'wall')} clock{_blas(machine)}")
+                     f"{forced}), {_timing_tail(meta, machine)}")
     lines += ["", "| CPU path | pooling | over the uncalibrated graph | " + " | ".join(f"{b} × {s}" for b, s in shapes)
               + " |", "|---|---|---|" + "---:|" * len(shapes)]
     cal, uncal = "ort-opt-native", "ort-native"

@@ -71,8 +71,8 @@ def machine_info(threads: int) -> dict:
         pass
     versions = library_versions(("attncal", "torch", "transformers", "onnxruntime", "onnx", "numpy"), omit_missing=True)
     return {"cpu": cpu, "cpu_class": cpu_class(), "cpu_path": kernel_cpu_path(),
-            "cpu_path_forced": bool(os.environ.get(oplib.CPU_PATH_ENV)), "blas_core": oplib.blas_core(),
-            "blas_core_forced": bool(os.environ.get(oplib.BLAS_CORE_ENV)), "cores": os.cpu_count(), "threads": threads,
+            "cpu_path_forced": bool(os.environ.get(oplib.CPU_PATH_ENV)), **oplib.blas_record(),
+            "cores": os.cpu_count(), "threads": threads,
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions}
 
 

@@ -105,9 +105,7 @@ def _native() -> dict[str, Any]:
         so = ort.SessionOptions()
         so.register_custom_ops_library(str(lib))
         info["loads"] = True
-        # OpenBLAS's kernels under the library's GEMMs, and whether $OPENBLAS_CORETYPE chose them
-        info["blas_core"] = oplib.blas_core()
-        info["blas_core_forced"] = bool(os.environ.get(oplib.BLAS_CORE_ENV))
+        info.update(oplib.blas_record())  # OpenBLAS's kernels under the library's GEMMs
         info["ops"] = _registered_ops(lib)
     except Exception as exc:  # noqa: BLE001 - reported, not raised: this is a diagnostic
         info["loads"] = False

@@ -201,6 +201,12 @@ def blas_core() -> str | None:
     return core().decode()
 
 
+def blas_record() -> dict:
+    """{"blas_core": `blas_core()`, "blas_core_forced": whether $OPENBLAS_CORETYPE is set}: what `attncal bench`'s
+    results.json and `attncal doctor` say of the kernels under the native library's GEMMs."""
+    return {"blas_core": blas_core(), "blas_core_forced": bool(os.environ.get(BLAS_CORE_ENV))}
+
+
 def find_nvcc() -> str | None:
     """nvcc on PATH, or under $CUDA_HOME / /usr/local/cuda."""
     found = shutil.which("nvcc")
